@@ -1,0 +1,30 @@
+"""Install nemo_replay: `pip install -e ".[dev]"` (see README for the CPU torch note)."""
+
+from setuptools import find_packages, setup
+
+EXTRAS = {
+    # Megatron-Core strategy. Transformer Engine / Apex come with NGC containers only.
+    "megatron": ["megatron-core>=0.13"],
+    # Hugging Face / FSDP2 strategy.
+    "fsdp": ["transformers>=4.45"],
+    # Rollout transport (generate client, loopback test server).
+    "rollout": ["aiohttp>=3.9"],
+    # Reference trainer and launchers.
+    "launch": ["lightning>=2.3", "tqdm>=4.60", "matplotlib>=3.7"],
+    "dev": ["pytest>=7.4", "hypothesis>=6.80"],
+}
+EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+
+setup(
+    name="nemo_replay",
+    version="0.1.0",
+    description="Support-conditioned log-prob replay for RL trainers on Megatron-Core and FSDP",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["nemo_replay", "nemo_replay.*"]),
+    package_data={"nemo_replay": ["configs/*.yaml"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy>=1.24", "omegaconf>=2.3"],
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["nemo-replay=nemo_replay.cli:main"]},
+)
