@@ -1,0 +1,29 @@
+"""nemo_replay: support-conditioned log-prob replay for RL trainers.
+
+Importing the package is cheap: it never imports megatron-core or transformers. Strategies
+load on first lookup (:func:`get_strategy`).
+"""
+
+from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
+from nemo_replay.strategies.registry import (
+    StrategySpec,
+    available_strategies,
+    get_strategy,
+    register_strategy,
+)
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PackedTensor",
+    "RaggedSupport",
+    "SupportScores",
+    "score_aligned_support",
+    "score_full_vocabulary",
+    "StrategySpec",
+    "register_strategy",
+    "get_strategy",
+    "available_strategies",
+]

@@ -1,0 +1,123 @@
+"""Invariant checks for support rows and segment offsets (DESIGN.md §2).
+
+Every boundary where support data enters the package (capture, wire decode, collation,
+the scorer) calls these. They are vectorised: one pass over the buffer, no Python loop
+over rows, and they only index into the data to build the error message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_cu_seqlens", "validate_support_rows", "describe_row"]
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, num_rows: int, *, name: str = "cu_seqlens") -> None:
+    """Check segment offsets.
+
+    Args:
+        cu_seqlens: (batch_size + 1,), integer. Must start at 0, be non-decreasing and end
+            at ``num_rows``.
+        num_rows: number of rows in the packed buffer the offsets index.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with batch_size + 1 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {cu_seqlens.dtype}")
+    if int(cu_seqlens[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(cu_seqlens[0])}")
+    if cu_seqlens.numel() > 1:
+        steps = cu_seqlens[1:] - cu_seqlens[:-1]
+        bad = torch.nonzero(steps < 0)
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"{name} must be non-decreasing: segment {i} has offsets "
+                f"{int(cu_seqlens[i])} -> {int(cu_seqlens[i + 1])}"
+            )
+    if int(cu_seqlens[-1]) != num_rows:
+        raise ValueError(
+            f"{name} ends at {int(cu_seqlens[-1])} but the buffer holds {num_rows} rows; "
+            f"the last offset must equal the number of rows"
+        )
+
+
+def describe_row(cu_seqlens: torch.Tensor | None, row: int) -> str:
+    """'trajectory i, row j' for a global row index, or 'row r' without offsets."""
+    if cu_seqlens is None or cu_seqlens.numel() < 2:
+        return f"row {row}"
+    seg = int(torch.searchsorted(cu_seqlens.to(torch.int64), torch.tensor([row]), right=True)[0]) - 1
+    return f"trajectory {seg}, row {row - int(cu_seqlens[seg])}"
+
+
+def validate_support_rows(
+    values: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    sampled_ids: torch.Tensor | None = None,
+    where: str = "support",
+) -> None:
+    """Check fixed-width support rows against DESIGN.md §2.
+
+    Args:
+        values: (num_rows, k), integer. Members first, then trailing -1 padding.
+        vocab_size: ids must be < vocab_size when given.
+        cu_seqlens: (batch_size + 1,), used only to name trajectories in errors.
+        sampled_ids: (num_rows,), integer. When given, each non-empty row must contain its
+            sampled token (a row that does not is a misalignment).
+        where: names the boundary in error messages ("wire decode", "collation", ...).
+
+    Raises:
+        ValueError naming the first offending trajectory and row.
+    """
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{where}: support rows must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() != 2:
+        raise ValueError(f"{where}: support rows must be 2-D [rows, k], got shape {tuple(values.shape)}")
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise ValueError(f"{where}: support rows must be an integer tensor (int32), got {values.dtype}")
+    if values.numel() == 0:
+        return
+
+    def fail(mask_rows: torch.Tensor, what: str) -> None:
+        row = int(torch.nonzero(mask_rows)[0])
+        raise ValueError(
+            f"{where}: {describe_row(cu_seqlens, row)} {what}: {values[row].tolist()[:16]}"
+        )
+
+    below = (values < -1).any(1)
+    if below.any():
+        fail(below, "holds an id below -1 (only -1 may pad)")
+    if vocab_size is not None:
+        above = (values >= vocab_size).any(1)
+        if above.any():
+            fail(above, f"holds an id >= vocab_size={vocab_size}")
+    pad = values < 0
+    # Padding must be trailing: once a row pads, it pads to the end.
+    if values.shape[1] > 1:
+        late_member = (pad[:, :-1] & ~pad[:, 1:]).any(1)
+        if late_member.any():
+            fail(late_member, "has a member after -1 padding (padding must be trailing)")
+        # Duplicate members: sort each row, compare neighbours, ignore padding.
+        ordered, _ = torch.sort(values, dim=1)
+        dup = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
+        if dup.any():
+            fail(dup, "holds a duplicate id")
+    if sampled_ids is not None:
+        if sampled_ids.shape != values.shape[:1]:
+            raise ValueError(
+                f"{where}: sampled_ids has shape {tuple(sampled_ids.shape)}, expected ({values.shape[0]},)"
+            )
+        has_row = ~pad[:, 0]
+        member = (values == sampled_ids.to(values.dtype)[:, None]).any(1)
+        missing = has_row & ~member
+        if missing.any():
+            row = int(torch.nonzero(missing)[0])
+            raise ValueError(
+                f"{where}: {describe_row(cu_seqlens, row)}: sampled token {int(sampled_ids[row])} is not a "
+                f"member of its support row {values[row].tolist()[:16]}; rows and tokens are misaligned "
+                f"(or the engine dropped the sampled token: repair it at capture)"
+            )
