@@ -1,0 +1,446 @@
+"""The one shared scorer (DESIGN.md §4).
+
+Every trainer pass (policy, old-policy recompute, reference) of every strategy calls
+:func:`score_aligned_support` on channels that a strategy already aligned:
+
+    log p(x | S) = z[x]/T - logsumexp_{s in S} z[s]/T
+
+Legend: N flattened positions, V local vocabulary rows, H hidden size, n positions scored
+over a support row, e positions scored over the full vocabulary (synthetic EOS), w support
+width.
+
+Tensor parallel (vocabulary sharded over ``tp_group``): each rank scores the members in
+its shard. Forward: one MAX all-reduce (stabilisers, plus this rank's vocab end so every
+rank learns the global vocabulary size) and one SUM all-reduce carrying denominators,
+sampled scores, entropy terms and the support-mass denominators together. Backward: none
+in logits mode; one SUM all-reduce of the hidden-state gradient in hidden mode.
+
+Math runs in float32 (float64 when the source is float64) whatever the input dtype.
+Inputs are never modified.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from nemo_replay.scoring.collectives import all_reduce_max, copy_to_shards, group_size, reduce_sum_from_shards
+from nemo_replay.scoring.projection import project_support
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.validate import validate_support_rows
+
+__all__ = ["SupportScores", "score_aligned_support", "score_full_vocabulary"]
+
+SupportArg = Union[PackedTensor, RaggedSupport, torch.Tensor]
+DEFAULT_CHUNK_SIZE = 8192
+
+
+@dataclass
+class SupportScores:
+    """Scorer output, shaped like the positions ``[*]`` of the input.
+
+    Attributes:
+        logprobs: float32 (float64 for float64 input); 0 where not scored.
+        valid_mask: bool, scored over a recorded support row.
+        fallback_mask: bool, scored over the full vocabulary (synthetic EOS / replay off).
+        entropy: entropy of the scoring distribution, or None; 0 where not scored.
+        support_logmass: ``logsumexp_S z/T - logsumexp_V z/T`` (<= 0) on support positions,
+            or None; the log of the probability the truncation kept.
+    """
+
+    logprobs: torch.Tensor
+    valid_mask: torch.Tensor
+    fallback_mask: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+    support_logmass: Optional[torch.Tensor] = None
+
+    @property
+    def scored_mask(self) -> torch.Tensor:
+        return self.valid_mask | self.fallback_mask
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _position(flat: int, shape: torch.Size) -> str:
+    """Position of a flattened index along the last position axis (the sequence axis)."""
+    if len(shape) == 0:
+        return "0"
+    return str(flat % shape[-1]) if len(shape) > 1 else str(flat)
+
+
+def _check_inputs(source, sampled_ids, row_ids, loss_mask, trajectory_ids, lm_head_weight, temperature):
+    if not isinstance(source, torch.Tensor) or not source.is_floating_point():
+        raise ValueError(f"source must be a floating-point tensor [*, V_local] or [*, H], got {type(source).__name__}")
+    if source.dim() < 2:
+        raise ValueError(f"source must have a position dimension and a last vocab/hidden dimension, got {tuple(source.shape)}")
+    pos_shape = source.shape[:-1]
+    for name, t in (("sampled_ids", sampled_ids), ("row_ids", row_ids), ("loss_mask", loss_mask), ("trajectory_ids", trajectory_ids)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.shape != pos_shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but source positions are {tuple(pos_shape)}; every channel must be "
+                f"aligned to the source positions (source.shape[:-1])"
+            )
+        if name != "loss_mask" and (t.is_floating_point() or t.dtype == torch.bool):
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    if lm_head_weight is not None:
+        if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != source.shape[-1]:
+            raise ValueError(
+                f"lm_head_weight must be [V_local, H={source.shape[-1]}] to match the hidden states, "
+                f"got {tuple(lm_head_weight.shape)}"
+            )
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0 (the policy's sampling temperature), got {temperature!r}")
+
+
+def _vocab_range(vocab_range, v_local: int) -> tuple[int, int]:
+    if vocab_range is None:
+        return 0, v_local
+    start, end = (int(v) for v in vocab_range)
+    if start < 0 or end - start != v_local:
+        raise ValueError(
+            f"vocab_range={tuple(vocab_range)} must be (start, end) with start >= 0 and end - start equal to the "
+            f"local vocabulary size {v_local}"
+        )
+    return start, end
+
+
+def _normalise_support(support: SupportArg) -> Union[PackedTensor, RaggedSupport]:
+    if isinstance(support, (PackedTensor, RaggedSupport)):
+        if isinstance(support, PackedTensor) and support.values.dim() != 2:
+            raise ValueError(f"fixed-width support values must be [rows, k], got {tuple(support.values.shape)}")
+        return support
+    if isinstance(support, torch.Tensor):
+        if support.dim() != 2:
+            raise ValueError(f"support rows must be [rows, k], got shape {tuple(support.shape)}")
+        return PackedTensor(support, [0, support.shape[0]])
+    raise ValueError(
+        f"support must be a PackedTensor of [rows, k] int rows, a RaggedSupport or a [rows, k] tensor, got "
+        f"{type(support).__name__}"
+    )
+
+
+def _check_fallbacks(fallback, loss_mask, traj, pos_shape) -> None:
+    """At most one loss-active position without a row per trajectory, and it is the last."""
+    idx = torch.nonzero(fallback).flatten()
+    if idx.numel() == 0:
+        return
+    t = traj[idx]
+    if (t < 0).any():
+        p = int(idx[torch.nonzero(t < 0)[0]])
+        raise ValueError(
+            f"position {_position(p, pos_shape)} is loss-active but belongs to no trajectory (trajectory id -1, "
+            f"padding); padding must be loss-masked"
+        )
+    counts = torch.bincount(t)
+    many = torch.nonzero(counts > 1).flatten().tolist()
+    if many:
+        raise ValueError(
+            f"trajectories {many} have {[int(counts[i]) for i in many]} loss-active positions without a support row; "
+            f"at most one per trajectory (a synthetic EOS) may be scored over the full vocabulary. Check that "
+            f"support row ids are placed at logit positions and that every sampled token has a row"
+        )
+    active = torch.nonzero(loss_mask).flatten()
+    last = torch.full((int(t.max()) + 1,), -1, dtype=torch.int64, device=idx.device)
+    a_traj = traj[active]
+    keep = a_traj >= 0
+    last.scatter_reduce_(0, a_traj[keep].clamp(max=last.numel() - 1), active[keep], reduce="amax", include_self=True)
+    not_last = idx != last[t]
+    if not_last.any():
+        p = int(idx[torch.nonzero(not_last)[0]])
+        raise ValueError(
+            f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: loss-active with no support row but not "
+            f"the trajectory's last loss-active token; only a synthetic EOS (the last token) may lack a row. Support "
+            f"rows are misaligned (an off-by-one between token and logit positions?)"
+        )
+
+
+# ---------------------------------------------------------------------------- math
+
+
+def _sums(z, m, present, sampled_hit, compute_entropy):
+    """Per-row partial sums over this rank's members: [exp sum, sampled score, (entropy term)]."""
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    shifted = torch.where(present, z - m[:, None], zero)
+    e = torch.where(present, torch.exp(shifted), zero)
+    parts = [e.sum(1), torch.where(sampled_hit, z, zero).sum(1)]
+    if compute_entropy:
+        parts.append((e * shifted).sum(1))
+    return parts
+
+
+def _finish(m, s, zs, t):
+    log_s = torch.log(s)
+    logp = zs - m - log_s
+    ent = None if t is None else (log_s - t / s).clamp_min(0)
+    return logp, ent
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def score_aligned_support(
+    source: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    row_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    support: SupportArg,
+    *,
+    vocab_range: Optional[tuple[int, int]] = None,
+    tp_group=None,
+    lm_head_weight: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    trajectory_ids: Optional[torch.Tensor] = None,
+    compute_entropy: bool = False,
+    compute_support_mass: bool = False,
+    chunk_size: Optional[int] = None,
+    validate: bool = True,
+) -> SupportScores:
+    """Score each sampled token over its recorded support.
+
+    Args:
+        source: (*, V_local) logits, or (*, H) hidden states with ``lm_head_weight``. Any float dtype.
+        sampled_ids: (*,), int. The token each position predicts (global vocab id).
+        row_ids: (*,), int. Global row of ``support`` for the position, -1 for none. A row
+            that is all -1 (fixed width) or empty (CSR) also means none.
+        loss_mask: (*,), bool or float (nonzero = loss-active).
+        support: PackedTensor with int values (rows, k), a (rows, k) int tensor, or RaggedSupport.
+        vocab_range: (start, end) of this rank's vocabulary shard; default (0, V_local).
+        tp_group: process group the vocabulary is sharded over, or None.
+        lm_head_weight: (V_local, H), this rank's LM-head rows (hidden mode).
+        temperature: divides every score (pass 1.0 for logits already scaled).
+        trajectory_ids: (*,), int, -1 on padding. Default: index along dim 0 when the
+            positions have >= 2 dims ([B, T]), else a single trajectory 0.
+        compute_entropy: also return the entropy over the support (differentiable).
+        compute_support_mass: also return log of the kept mass (logits mode only).
+        chunk_size: (position, id) pairs per chunk in hidden mode (default 8192); in logits
+            mode, positions per chunk of the support-mass pass.
+        validate: check the support invariants (DESIGN §2). The alignment guard and the
+            synthetic-EOS rule always run.
+
+    Scored positions: loss-active with a row (``valid_mask``), plus at most one loss-active
+    position per trajectory without a row, which must be its last loss-active position
+    (``fallback_mask``, scored over the full vocabulary).
+
+    Raises:
+        ValueError on malformed input, a sampled id outside its row at a loss-active position
+        (naming trajectory and position), or more than one row-less position per trajectory.
+    """
+    _check_inputs(source, sampled_ids, row_ids, loss_mask, trajectory_ids, lm_head_weight, temperature)
+    hidden_mode = lm_head_weight is not None
+    if hidden_mode and compute_support_mass:
+        raise ValueError(
+            "compute_support_mass needs full logits; in hidden mode (lm_head_weight given) the scorer never builds "
+            "them. Pass logits as source, or set compute_support_mass=False"
+        )
+    pos_shape = source.shape[:-1]
+    v_local = lm_head_weight.shape[0] if hidden_mode else source.shape[-1]
+    v_start, v_end = _vocab_range(vocab_range, v_local)
+    tp = group_size(tp_group)
+    support = _normalise_support(support)
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    device = source.device
+    cd = torch.float64 if (source.dtype == torch.float64 or (hidden_mode and lm_head_weight.dtype == torch.float64)) else torch.float32
+
+    src = source.reshape(-1, source.shape[-1])
+    N = src.shape[0]
+    sampled = sampled_ids.reshape(-1).to(device=device, dtype=torch.int64)
+    rows = row_ids.reshape(-1).to(device=device, dtype=torch.int64)
+    lmask = (loss_mask.reshape(-1) != 0).to(device)
+    if trajectory_ids is None:
+        traj = (
+            torch.arange(pos_shape[0], device=device).repeat_interleave(N // max(pos_shape[0], 1))
+            if len(pos_shape) >= 2
+            else torch.zeros(N, dtype=torch.int64, device=device)
+        )
+    else:
+        traj = trajectory_ids.reshape(-1).to(device=device, dtype=torch.int64)
+
+    num_rows = support.num_rows
+    bad_row = (rows < -1) | (rows >= num_rows)
+    if bad_row.any():
+        p = int(torch.nonzero(bad_row)[0])
+        raise ValueError(
+            f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: row id {int(rows[p])} outside "
+            f"[-1, {num_rows}) for a support of {num_rows} rows"
+        )
+    if isinstance(support, PackedTensor):
+        values = support.values.to(device)
+        if values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise ValueError(f"support rows must be integer (int32), got {values.dtype}")
+        if validate:
+            validate_support_rows(values, vocab_size=v_end if tp == 1 else None, cu_seqlens=support.cu_seqlens, where="scorer support")
+        row_nonempty = values[:, 0] >= 0 if values.shape[1] else torch.zeros(num_rows, dtype=torch.bool, device=device)
+    else:
+        if validate:
+            support.validate(vocab_size=v_end if tp == 1 else None, where="scorer support")
+        row_nonempty = (support.row_lengths > 0).to(device)
+    has_row = (rows >= 0) & row_nonempty[rows.clamp(min=0)] if num_rows else torch.zeros_like(lmask)
+    scored = lmask & has_row
+    fallback = lmask & ~has_row
+    _check_fallbacks(fallback, lmask, traj, pos_shape)
+    sel = torch.nonzero(scored).flatten()
+    eos = torch.nonzero(fallback).flatten()
+
+    # Member ids of each scored position: [n, w], -1 where absent.
+    if isinstance(support, PackedTensor):
+        ids = values[rows[sel]].to(torch.int64)
+    else:
+        ids = support.padded_rows(rows[sel]).to(device=device, dtype=torch.int64)
+    member = ids >= 0
+    is_sampled = ids == sampled[sel, None]
+    guard = ~is_sampled.any(1)
+    if guard.any():
+        p = int(sel[torch.nonzero(guard)[0]])
+        raise ValueError(
+            f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: sampled token {int(sampled[p])} is not a "
+            f"member of its support row {ids[int(torch.nonzero(guard)[0])][:16].tolist()} (row {int(rows[p])}); "
+            f"token and support coordinates are misaligned (support rows sit at logit positions: row j of a "
+            f"response predicts token P + j)"
+        )
+    local = member & (ids >= v_start) & (ids < v_end)
+    lid = torch.where(local, ids - v_start, torch.zeros_like(ids))
+
+    # ---- local scores z/T for both groups ---------------------------------------------
+    neg_inf = torch.tensor(float("-inf"), dtype=cd, device=device)
+    if hidden_mode:
+        h = copy_to_shards(src, tp_group)
+        z_sup = project_support(h, lm_head_weight, sel, lid, local, chunk_size=chunk_size, compute_dtype=cd)
+        # Few rows (at most one per trajectory): a plain matmul in the weight's dtype.
+        z_eos = (h[eos] @ lm_head_weight.t()).to(cd) if eos.numel() else torch.zeros(0, v_local, dtype=cd, device=device)
+    else:
+        z_sup = src[sel[:, None], lid].to(cd)
+        z_eos = src[eos].to(cd)
+    z_sup = torch.where(local, z_sup / temperature, neg_inf)
+    z_eos = z_eos / temperature
+    present_eos = torch.isfinite(z_eos)  # -inf logits on masked vocab entries stay out
+    s_local = sampled[eos] - v_start
+    hit_eos = torch.zeros_like(present_eos)
+    in_shard = (s_local >= 0) & (s_local < v_local)
+    hit_eos[in_shard, s_local[in_shard]] = True
+    hit_sup = is_sampled & local
+
+    # ---- one MAX all-reduce --------------------------------------------------------------
+    max_parts = [
+        z_sup.detach().amax(1) if z_sup.shape[1] else z_sup.new_full((z_sup.shape[0],), float("-inf")),
+        z_eos.detach().amax(1) if z_eos.shape[1] else z_eos.new_full((z_eos.shape[0],), float("-inf")),
+    ]
+    mass_chunks = []
+    if compute_support_mass:
+        for start in range(0, sel.numel(), chunk_size):
+            zf = src[sel[start : start + chunk_size]].detach().to(cd) / temperature
+            mass_chunks.append(zf.amax(1))
+        max_parts.append(torch.cat(mass_chunks) if mass_chunks else z_sup.new_zeros(0))
+    max_parts.append(torch.tensor([float(v_end)], dtype=cd, device=device))
+    sizes = [p.numel() for p in max_parts]
+    maxima = all_reduce_max(torch.cat(max_parts), tp_group).split(sizes)
+    m_sup, m_eos = (torch.where(torch.isfinite(m), m, torch.zeros_like(m)) for m in maxima[:2])
+    vocab_size = int(maxima[-1][0])
+    if tp > 1 and validate:
+        if isinstance(support, PackedTensor):
+            validate_support_rows(values, vocab_size=vocab_size, cu_seqlens=support.cu_seqlens, where="scorer support")
+        else:
+            support.validate(vocab_size=vocab_size, where="scorer support")
+    if ((sampled[eos] < 0) | (sampled[eos] >= vocab_size)).any():
+        p = int(eos[torch.nonzero((sampled[eos] < 0) | (sampled[eos] >= vocab_size))[0]])
+        raise ValueError(f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: sampled id {int(sampled[p])} outside [0, {vocab_size})")
+
+    # ---- one SUM all-reduce --------------------------------------------------------------
+    sum_parts = _sums(z_sup, m_sup, local, hit_sup, compute_entropy)
+    sum_parts += _sums(z_eos, m_eos, present_eos, hit_eos, compute_entropy)
+    if compute_support_mass:
+        m_full = maxima[2]
+        full = []
+        for start in range(0, sel.numel(), chunk_size):
+            zf = src[sel[start : start + chunk_size]].detach().to(cd) / temperature
+            full.append(torch.where(torch.isfinite(zf), torch.exp(zf - m_full[start : start + chunk_size, None]), 0).sum(1))
+        sum_parts.append(torch.cat(full) if full else z_sup.new_zeros(0))
+    sizes = [p.numel() for p in sum_parts]
+    totals = list(reduce_sum_from_shards(torch.cat(sum_parts), tp_group).split(sizes))
+    k = 3 if compute_entropy else 2
+    sup, eos_t = totals[:k], totals[k : 2 * k]
+    lp_sup, ent_sup = _finish(m_sup, sup[0], sup[1], sup[2] if compute_entropy else None)
+    lp_eos, ent_eos = _finish(m_eos, eos_t[0], eos_t[1], eos_t[2] if compute_entropy else None)
+
+    def place(a, b):
+        out = torch.zeros(N, dtype=cd, device=device)
+        return out.index_put((sel,), a).index_put((eos,), b).view(pos_shape)
+
+    logmass = None
+    if compute_support_mass:
+        s_full = totals[2 * k]
+        lm = (m_sup + torch.log(sup[0]) - maxima[2] - torch.log(s_full)).detach().clamp_max(0)
+        logmass = place(lm, torch.zeros_like(lp_eos.detach()))
+    return SupportScores(
+        logprobs=place(lp_sup, lp_eos),
+        valid_mask=scored.view(pos_shape),
+        fallback_mask=fallback.view(pos_shape),
+        entropy=place(ent_sup, ent_eos) if compute_entropy else None,
+        support_logmass=logmass,
+    )
+
+
+def score_full_vocabulary(
+    source: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    *,
+    loss_mask: Optional[torch.Tensor] = None,
+    vocab_range: Optional[tuple[int, int]] = None,
+    tp_group=None,
+    lm_head_weight: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+) -> SupportScores:
+    """The replay-off path: ``log_softmax(z/T)[sampled]`` over the whole (sharded) vocabulary.
+
+    Same shapes and TP rules as :func:`score_aligned_support` (one MAX, one SUM
+    all-reduce). Positions where ``loss_mask`` is zero are not scored (all are by default).
+    Builds ``[positions, V_local]`` float scores: this is the cost replay avoids.
+    """
+    _check_inputs(source, sampled_ids, None, loss_mask, None, lm_head_weight, temperature)
+    pos_shape = source.shape[:-1]
+    hidden_mode = lm_head_weight is not None
+    v_local = lm_head_weight.shape[0] if hidden_mode else source.shape[-1]
+    v_start, _ = _vocab_range(vocab_range, v_local)
+    device = source.device
+    cd = torch.float64 if source.dtype == torch.float64 else torch.float32
+    src = source.reshape(-1, source.shape[-1])
+    N = src.shape[0]
+    mask = torch.ones(N, dtype=torch.bool, device=device) if loss_mask is None else (loss_mask.reshape(-1) != 0)
+    sel = torch.nonzero(mask).flatten()
+    if hidden_mode:
+        z = (copy_to_shards(src, tp_group)[sel] @ lm_head_weight.t()).to(cd)
+    else:
+        z = src[sel].to(cd)
+    z = z / temperature
+    present = torch.isfinite(z)
+    s_local = sampled_ids.reshape(-1).to(device=device, dtype=torch.int64)[sel] - v_start
+    hit = torch.zeros_like(present)
+    ok = (s_local >= 0) & (s_local < v_local)
+    hit[ok, s_local[ok]] = True
+    m = all_reduce_max(z.detach().amax(1) if z.shape[1] else z.new_zeros(z.shape[0]), tp_group)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    parts = _sums(z, m, present, hit, compute_entropy)
+    sizes = [p.numel() for p in parts]
+    totals = reduce_sum_from_shards(torch.cat(parts), tp_group).split(sizes)
+    lp, ent = _finish(m, totals[0], totals[1], totals[2] if compute_entropy else None)
+
+    def place(a):
+        return torch.zeros(N, dtype=cd, device=device).index_put((sel,), a).view(pos_shape)
+
+    return SupportScores(
+        logprobs=place(lp),
+        valid_mask=torch.zeros(pos_shape, dtype=torch.bool, device=device),
+        fallback_mask=mask.view(pos_shape),
+        entropy=place(ent) if compute_entropy else None,
+    )
