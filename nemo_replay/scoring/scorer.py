@@ -166,6 +166,20 @@ def _check_fallbacks(fallback, loss_mask, traj, pos_shape) -> None:
 # ---------------------------------------------------------------------------- math
 
 
+def _gather_pairs(src: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``src[pos[:, None], cols]`` for src (N, V), pos (n,) sorted unique (from nonzero), cols (n, w).
+
+    A flat ``index_select`` over the contiguous buffer: about twice as fast as advanced
+    indexing on CPU, and its backward is one ``index_add`` into a zero gradient.
+    """
+    if pos.numel() == src.shape[0]:
+        return torch.gather(src, 1, cols)
+    if src.is_contiguous():
+        flat = (pos[:, None] * src.shape[1] + cols).reshape(-1)
+        return src.reshape(-1).index_select(0, flat).view(cols.shape)
+    return src[pos[:, None], cols]
+
+
 def _sums(z, m, present, sampled_hit, compute_entropy):
     """Per-row partial sums over this rank's members: [exp sum, sampled score, (entropy term)]."""
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
@@ -319,7 +333,7 @@ def score_aligned_support(
         # Few rows (at most one per trajectory): a plain matmul in the weight's dtype.
         z_eos = (h[eos] @ lm_head_weight.t()).to(cd) if eos.numel() else torch.zeros(0, v_local, dtype=cd, device=device)
     else:
-        z_sup = src[sel[:, None], lid].to(cd)
+        z_sup = _gather_pairs(src, sel, lid).to(cd)
         z_eos = src[eos].to(cd)
     z_sup = torch.where(local, z_sup / temperature, neg_inf)
     z_eos = z_eos / temperature
