@@ -180,12 +180,26 @@ def _gather_pairs(src: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor) -> t
     return src[pos[:, None], cols]
 
 
-def _sums(z, m, present, sampled_hit, compute_entropy):
-    """Per-row partial sums over this rank's members: [exp sum, sampled score, (entropy term)]."""
-    zero = torch.zeros((), dtype=z.dtype, device=z.device)
-    shifted = torch.where(present, z - m[:, None], zero)
-    e = torch.where(present, torch.exp(shifted), zero)
-    parts = [e.sum(1), torch.where(sampled_hit, z, zero).sum(1)]
+def _row_max(z: torch.Tensor) -> torch.Tensor:
+    """Detached row maxima of (m, w) scores; ``lowest`` rows stay finite."""
+    if z.shape[1] == 0:
+        return z.new_full((z.shape[0],), torch.finfo(z.dtype).min)
+    return z.detach().amax(1)
+
+
+def _scaled_rows(src: torch.Tensor, pos: torch.Tensor, cd: torch.dtype, temperature: float) -> torch.Tensor:
+    """Detached full-vocabulary rows ``src[pos] / T`` in the compute dtype (support-mass pass)."""
+    return src[pos].detach().to(cd) / temperature
+
+
+def _sums(z, m, zs, compute_entropy):
+    """Partial sums over this rank's entries of each row: [exp sum, sampled score, (entropy term)].
+
+    ``z`` (m, w) holds ``lowest`` where an entry is absent, so ``exp`` gives exactly 0 there.
+    """
+    shifted = z - m[:, None]
+    e = torch.exp(shifted)
+    parts = [e.sum(1), zs]
     if compute_entropy:
         parts.append((e * shifted).sum(1))
     return parts
@@ -308,25 +322,31 @@ def score_aligned_support(
 
     # Member ids of each scored position: [n, w], -1 where absent.
     if isinstance(support, PackedTensor):
-        ids = values[rows[sel]].to(torch.int64)
+        ids = values[rows[sel]]
     else:
-        ids = support.padded_rows(rows[sel]).to(device=device, dtype=torch.int64)
-    member = ids >= 0
-    is_sampled = ids == sampled[sel, None]
-    guard = ~is_sampled.any(1)
+        ids = support.padded_rows(rows[sel]).to(device)
+    sampled_sel = sampled[sel]
+    is_sampled = ids == sampled_sel[:, None].to(ids.dtype)
+    col = is_sampled.to(torch.uint8).argmax(1)  # the sampled member's column (0 if absent)
+    guard = ~is_sampled.gather(1, col[:, None]).squeeze(1)
     if guard.any():
-        p = int(sel[torch.nonzero(guard)[0]])
+        i = int(torch.nonzero(guard)[0])
+        p = int(sel[i])
         raise ValueError(
             f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: sampled token {int(sampled[p])} is not a "
-            f"member of its support row {ids[int(torch.nonzero(guard)[0])][:16].tolist()} (row {int(rows[p])}); "
-            f"token and support coordinates are misaligned (support rows sit at logit positions: row j of a "
-            f"response predicts token P + j)"
+            f"member of its support row {ids[i][:16].tolist()} (row {int(rows[p])}); token and support coordinates "
+            f"are misaligned (support rows sit at logit positions: row j of a response predicts token P + j)"
         )
-    local = member & (ids >= v_start) & (ids < v_end)
-    lid = torch.where(local, ids - v_start, torch.zeros_like(ids))
+    if tp == 1:
+        local = ids >= 0
+        lid = ids.clamp(min=0).to(torch.int64)
+    else:
+        local = (ids >= v_start) & (ids < v_end)
+        lid = torch.where(local, ids - v_start, torch.zeros_like(ids)).to(torch.int64)
+    # Absent members score ``lowest`` (not -inf): exp gives 0 and no 0 * inf reaches a gradient.
+    lowest = torch.tensor(torch.finfo(cd).min, dtype=cd, device=device)
 
     # ---- local scores z/T for both groups ---------------------------------------------
-    neg_inf = torch.tensor(float("-inf"), dtype=cd, device=device)
     if hidden_mode:
         h = copy_to_shards(src, tp_group)
         z_sup = project_support(h, lm_head_weight, sel, lid, local, chunk_size=chunk_size, compute_dtype=cd)
@@ -335,50 +355,61 @@ def score_aligned_support(
     else:
         z_sup = _gather_pairs(src, sel, lid).to(cd)
         z_eos = src[eos].to(cd)
-    z_sup = torch.where(local, z_sup / temperature, neg_inf)
-    z_eos = z_eos / temperature
-    present_eos = torch.isfinite(z_eos)  # -inf logits on masked vocab entries stay out
+    if temperature != 1.0:
+        z_sup = z_sup / temperature
+        z_eos = z_eos / temperature
+    z_sup = torch.where(local, z_sup, lowest)
+    if compute_entropy:
+        z_sup = z_sup.clamp_min(lowest)  # -inf source logits on members
+    z_eos = z_eos.clamp_min(lowest)  # -inf logits on masked vocab entries
+    zs_sup = z_sup.gather(1, col[:, None]).squeeze(1)
+    if tp > 1:
+        zs_sup = torch.where(local.gather(1, col[:, None]).squeeze(1), zs_sup, torch.zeros_like(zs_sup))
     s_local = sampled[eos] - v_start
-    hit_eos = torch.zeros_like(present_eos)
     in_shard = (s_local >= 0) & (s_local < v_local)
-    hit_eos[in_shard, s_local[in_shard]] = True
-    hit_sup = is_sampled & local
+    zs_eos = z_eos.gather(1, s_local.clamp(0, max(v_local - 1, 0))[:, None]).squeeze(1) if eos.numel() else z_eos.new_zeros(0)
+    zs_eos = torch.where(in_shard, zs_eos, torch.zeros_like(zs_eos))
 
     # ---- one MAX all-reduce --------------------------------------------------------------
-    max_parts = [
-        z_sup.detach().amax(1) if z_sup.shape[1] else z_sup.new_full((z_sup.shape[0],), float("-inf")),
-        z_eos.detach().amax(1) if z_eos.shape[1] else z_eos.new_full((z_eos.shape[0],), float("-inf")),
-    ]
-    mass_chunks = []
+    max_parts = [_row_max(z_sup), _row_max(z_eos)]
     if compute_support_mass:
-        for start in range(0, sel.numel(), chunk_size):
-            zf = src[sel[start : start + chunk_size]].detach().to(cd) / temperature
-            mass_chunks.append(zf.amax(1))
-        max_parts.append(torch.cat(mass_chunks) if mass_chunks else z_sup.new_zeros(0))
+        max_parts.append(
+            torch.cat([_row_max(_scaled_rows(src, sel[i : i + chunk_size], cd, temperature)) for i in range(0, sel.numel(), chunk_size)])
+            if sel.numel()
+            else z_sup.new_zeros(0)
+        )
     max_parts.append(torch.tensor([float(v_end)], dtype=cd, device=device))
     sizes = [p.numel() for p in max_parts]
     maxima = all_reduce_max(torch.cat(max_parts), tp_group).split(sizes)
-    m_sup, m_eos = (torch.where(torch.isfinite(m), m, torch.zeros_like(m)) for m in maxima[:2])
+    m_sup, m_eos = maxima[0], maxima[1]
     vocab_size = int(maxima[-1][0])
     if tp > 1 and validate:
         if isinstance(support, PackedTensor):
             validate_support_rows(values, vocab_size=vocab_size, cu_seqlens=support.cu_seqlens, where="scorer support")
         else:
             support.validate(vocab_size=vocab_size, where="scorer support")
-    if ((sampled[eos] < 0) | (sampled[eos] >= vocab_size)).any():
-        p = int(eos[torch.nonzero((sampled[eos] < 0) | (sampled[eos] >= vocab_size))[0]])
-        raise ValueError(f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: sampled id {int(sampled[p])} outside [0, {vocab_size})")
+    bad_eos = (sampled[eos] < 0) | (sampled[eos] >= vocab_size)
+    if bad_eos.any():
+        p = int(eos[torch.nonzero(bad_eos)[0]])
+        raise ValueError(
+            f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: sampled id {int(sampled[p])} outside "
+            f"the vocabulary [0, {vocab_size})"
+        )
 
     # ---- one SUM all-reduce --------------------------------------------------------------
-    sum_parts = _sums(z_sup, m_sup, local, hit_sup, compute_entropy)
-    sum_parts += _sums(z_eos, m_eos, present_eos, hit_eos, compute_entropy)
+    sum_parts = _sums(z_sup, m_sup, zs_sup, compute_entropy) + _sums(z_eos, m_eos, zs_eos, compute_entropy)
     if compute_support_mass:
         m_full = maxima[2]
-        full = []
-        for start in range(0, sel.numel(), chunk_size):
-            zf = src[sel[start : start + chunk_size]].detach().to(cd) / temperature
-            full.append(torch.where(torch.isfinite(zf), torch.exp(zf - m_full[start : start + chunk_size, None]), 0).sum(1))
-        sum_parts.append(torch.cat(full) if full else z_sup.new_zeros(0))
+        sum_parts.append(
+            torch.cat(
+                [
+                    torch.exp(_scaled_rows(src, sel[i : i + chunk_size], cd, temperature) - m_full[i : i + chunk_size, None]).sum(1)
+                    for i in range(0, sel.numel(), chunk_size)
+                ]
+            )
+            if sel.numel()
+            else z_sup.new_zeros(0)
+        )
     sizes = [p.numel() for p in sum_parts]
     totals = list(reduce_sum_from_shards(torch.cat(sum_parts), tp_group).split(sizes))
     k = 3 if compute_entropy else 2
