@@ -149,10 +149,12 @@ def _check_fallbacks(fallback, loss_mask, traj, pos_shape) -> None:
             f"support row ids are placed at logit positions and that every sampled token has a row"
         )
     active = torch.nonzero(loss_mask).flatten()
-    last = torch.full((int(t.max()) + 1,), -1, dtype=torch.int64, device=idx.device)
     a_traj = traj[active]
     keep = a_traj >= 0
-    last.scatter_reduce_(0, a_traj[keep].clamp(max=last.numel() - 1), active[keep], reduce="amax", include_self=True)
+    # One slot per trajectory id seen at a loss-active position (not only those with a
+    # row-less position): a clamp here would fold later trajectories into earlier slots.
+    last = torch.full((int(a_traj[keep].max()) + 1,), -1, dtype=torch.int64, device=idx.device)
+    last.scatter_reduce_(0, a_traj[keep], active[keep], reduce="amax", include_self=True)
     not_last = idx != last[t]
     if not_last.any():
         p = int(idx[torch.nonzero(not_last)[0]])
