@@ -1,0 +1,24 @@
+"""The ``megatron`` strategy: megatron-core GPTModels, TP / CP / PP, MoE route replay.
+
+Modules: :mod:`.parallel` (the one read of ``parallel_state``), :mod:`.batch` (layout and
+aligned channels per micro-batch), :mod:`.steps` (forward-step functions and loss
+closures), :mod:`.routing` (MoE router replay), :mod:`.strategy` (``run_role``).
+Importing this package does not import megatron-core; running a role does.
+"""
+
+from nemo_replay.strategies.megatron.parallel import MegatronParallel
+from nemo_replay.strategies.megatron.strategy import MegatronReplayStrategy
+from nemo_replay.strategies.registry import StrategySpec
+
+__all__ = ["SPEC", "MegatronReplayStrategy", "MegatronParallel"]
+
+
+def _factory(**options) -> MegatronReplayStrategy:
+    return MegatronReplayStrategy(**options)
+
+
+SPEC = StrategySpec(
+    "megatron",
+    _factory,
+    "megatron-core GPTModel: unpadded or packed THD layout, vocab-parallel scoring, CP/PP, MoE route replay",
+)

@@ -1,0 +1,207 @@
+"""One canonical micro-batch turned into Megatron inputs and aligned channels.
+
+Every channel starts from :func:`~nemo_replay.layout.canonical.canonical_channels` (logit
+coordinates ``[B, S - 1]``) and moves through the micro-batch's
+:class:`~nemo_replay.layout.megatron_layout.TokenMetadataLayout`; the support row ids are
+taken from the canonical channels too, so the layout never re-derives where a row sits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels
+from nemo_replay.layout.megatron_layout import TokenMetadataLayout
+from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.support.packed import PackedTensor
+
+__all__ = [
+    "PreparedMicroBatch",
+    "prepare_micro_batch",
+    "role_replays",
+    "check_rowless_positions",
+    "response_to_logit_columns",
+]
+
+
+def role_replays(role: str, settings: RoleSettings) -> bool:
+    """Whether ``role`` scores over the recorded support under ``settings``."""
+    if not settings.replay:
+        return False
+    return not (role == "reference" and settings.reference_full_vocab)
+
+
+@dataclass
+class PreparedMicroBatch:
+    """A micro-batch ready for one forward step; tensors are on the model's device.
+
+    Attributes:
+        index: position of the micro-batch in the role's list.
+        batch: the canonical batch.
+        canonical: its canonical channels, ``(B, S - 1)``.
+        layout: the token layout on this rank.
+        replay: score over the support (True) or the full vocabulary.
+        input_ids, position_ids: ``layout.local_shape``, int64 model inputs.
+        packed_seq_params: megatron-core ``PackedSeqParams`` in packed mode, else None.
+        sampled_ids: ``local_shape`` int64, the token each logit predicts (0 where none).
+        row_ids: ``local_shape`` int64 global support row, -1 for none.
+        loss_mask: ``local_shape`` bool.
+        trajectory_ids: ``local_shape`` int64, -1 where no logit is predicted.
+        support: the batch's support on the model's device, or None.
+        old_logprobs, ref_logprobs, advantages: ``local_shape`` float32 or None (policy role).
+        routes: ``(*local_shape, layers, topk)`` int64 recorded MoE routes (-1 on padding), or None.
+    """
+
+    index: int
+    batch: ReplayBatch
+    canonical: CanonicalChannels
+    layout: TokenMetadataLayout
+    replay: bool
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: Optional[object]
+    sampled_ids: torch.Tensor
+    row_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    trajectory_ids: torch.Tensor
+    support: Optional[object] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    routes: Optional[torch.Tensor] = None
+
+
+def _row_nonempty(support) -> torch.Tensor:
+    if isinstance(support, PackedTensor):
+        v = support.values
+        return v[:, 0] >= 0 if v.shape[1] else torch.zeros(v.shape[0], dtype=torch.bool, device=v.device)
+    return support.row_lengths > 0
+
+
+def check_rowless_positions(channels: CanonicalChannels, support) -> None:
+    """The synthetic-EOS rule (DESIGN.md §3) checked in canonical coordinates.
+
+    At most one loss-active position without a support row per trajectory, and it must be
+    the trajectory's last loss-active position. Checked here because under context
+    parallelism no single rank sees a whole trajectory.
+    """
+    rows = channels.row_ids
+    nonempty = _row_nonempty(support).to(rows.device)
+    has_row = (rows >= 0) & nonempty[rows.clamp(min=0)] if nonempty.numel() else torch.zeros_like(channels.loss_mask)
+    rowless = channels.loss_mask & ~has_row
+    counts = rowless.sum(1)
+    many = torch.nonzero(counts > 1).flatten().tolist()
+    if many:
+        raise ValueError(
+            f"trajectories {many} have {[int(counts[i]) for i in many]} loss-active tokens without a support row; at "
+            f"most one per trajectory (a synthetic EOS, its last token) may be scored over the full vocabulary. "
+            f"Record a support row for every sampled token (or loss-mask observation tokens)"
+        )
+    W = rows.shape[1]
+    cols = torch.arange(W, device=rows.device).expand_as(rows)
+    last_active = torch.where(channels.loss_mask, cols, -1).amax(1)
+    bad = rowless & (cols != last_active[:, None])
+    if bad.any():
+        b, c = (int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"trajectory {b}, logit position {c} (predicting token column {c + 1}): loss-active without a support "
+            f"row but not the trajectory's last loss-active token; only a synthetic EOS may lack a row"
+        )
+
+
+def response_to_logit_columns(x: torch.Tensor, B: int, W: int, name: str) -> torch.Tensor:
+    """(B,) or (B, A) response-aligned values -> (B, W) logit coordinates (last A columns)."""
+    x = torch.as_tensor(x)
+    if x.dim() == 1:
+        if x.shape[0] != B:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({B},) or ({B}, A)")
+        return x[:, None].expand(B, W).to(torch.float32)
+    if x.dim() != 2 or x.shape[0] != B or not 1 <= x.shape[1] <= W:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({B}, A) with A <= S - 1 = {W}, right-aligned")
+    out = torch.zeros(B, W, dtype=torch.float32, device=x.device)
+    out[:, W - x.shape[1] :] = x.to(torch.float32)
+    return out
+
+
+def prepare_micro_batch(
+    index: int,
+    batch: ReplayBatch,
+    *,
+    role: str,
+    settings: RoleSettings,
+    tp_size: int,
+    cp_size: int,
+    cp_rank: int,
+    fp8: bool,
+    packed: bool,
+    device,
+    min_length: Optional[int] = None,
+    pad_id: int = 0,
+    with_routes: bool = False,
+) -> PreparedMicroBatch:
+    """Lay out ``batch`` for this rank and align every channel the role needs.
+
+    Raises:
+        ValueError: replay on without support; policy role without ``old_logprobs`` /
+            ``advantages``; KL without ``ref_logprobs``; route replay without routes; the
+            synthetic-EOS rule broken; and the layout's own errors (CP without packing, a
+            row holding several trajectories).
+    """
+    replay = role_replays(role, settings)
+    if replay and batch.support is None:
+        hint = " or RoleSettings(reference_full_vocab=True)" if role == "reference" else ""
+        raise ValueError(
+            f"micro-batch {index}: role {role!r} replays the recorded support but the batch carries none "
+            f"(support=None). Record supports at rollout (replay.sample_support.enabled) or run with "
+            f"RoleSettings(replay=False){hint}"
+        )
+    if role == "policy":
+        missing = [n for n in ("old_logprobs", "advantages") if getattr(batch, n) is None]
+        if settings.kl_coef > 0 and batch.ref_logprobs is None:
+            missing.append("ref_logprobs (kl_coef > 0)")
+        if missing:
+            raise ValueError(
+                f"micro-batch {index}: the policy role needs {', '.join(missing)} on the batch; run the recompute "
+                f"(and reference) roles first and store their log-probs, or set kl_coef=0"
+            )
+    if with_routes and batch.routes is None:
+        raise ValueError(
+            f"micro-batch {index}: MoE route replay is on but the batch carries no routes; record routes at "
+            f"rollout or build the strategy with route_replay=False"
+        )
+    channels = canonical_channels(batch)
+    if replay:
+        check_rowless_positions(channels, batch.support)
+    layout = TokenMetadataLayout.build(
+        batch.attention_mask, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, fp8=fp8, packed=packed,
+        min_length=min_length,
+    )
+    B, W = channels.sampled_ids.shape
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    prepared = PreparedMicroBatch(
+        index=index,
+        batch=batch,
+        canonical=channels,
+        layout=layout,
+        replay=replay,
+        input_ids=to(layout.input_ids(batch.sequences, pad_id)),
+        position_ids=to(layout.position_ids()),
+        packed_seq_params=layout.packed_seq_params(device) if packed else None,
+        sampled_ids=to(layout.align_logits(channels.sampled_ids, 0)),
+        row_ids=to(layout.align_logits(channels.row_ids, -1)),
+        loss_mask=to(layout.align_logits(channels.loss_mask, False)),
+        trajectory_ids=to(layout.logit_trajectory_ids()),
+        support=batch.support.to(device) if replay else None,
+    )
+    if role == "policy":
+        prepared.old_logprobs = to(layout.align_logits(response_to_logit_columns(batch.old_logprobs, B, W, "old_logprobs"), 0.0))
+        prepared.advantages = to(layout.align_logits(response_to_logit_columns(batch.advantages, B, W, "advantages"), 0.0))
+        if batch.ref_logprobs is not None:
+            prepared.ref_logprobs = to(layout.align_logits(response_to_logit_columns(batch.ref_logprobs, B, W, "ref_logprobs"), 0.0))
+    if with_routes:
+        # Routes are token-aligned over the whole trajectory: offset 0, no next-token shift.
+        prepared.routes = to(layout.align_packed(batch.routes, torch.zeros(B, dtype=torch.int64), shift=False, fill=-1)).to(torch.int64)
+    return prepared

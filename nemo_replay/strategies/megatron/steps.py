@@ -1,0 +1,194 @@
+"""Forward-step functions and loss closures in megatron-core's convention (DESIGN.md §6).
+
+``get_forward_backward_func()`` calls ``forward_step_func(data_iterator, model)``, which
+returns the model output and a closure ``loss_func(output) -> (loss, reduced)``; on the
+last pipeline stage the schedule calls the closure, multiplies the loss by the CP size,
+divides it by the number of micro-batches and (unless ``forward_only``) back-propagates.
+
+:class:`RoleForwardStep` is that ``forward_step_func`` for one role:
+
+- ``policy``: scores with gradients and returns the clipped objective (plus the KL term);
+- ``recompute`` / ``reference``: score under ``torch.no_grad`` (the caller runs the schedule
+  with ``forward_only=True``) and return a zero loss.
+
+Each closure also stores the micro-batch's results, scattered back to canonical
+``[B, S - 1]`` coordinates, in :attr:`RoleForwardStep.results`. A trainer with its own
+training loop can hand a ``RoleForwardStep`` to its own ``forward_backward_func`` call.
+
+Sources. Logits mode scores the GPTModel output ``[b, s, V/tp]`` (vocab-parallel; a
+gathered ``[b, s, V]`` output is scored without the TP group). Hidden mode runs the model
+with ``post_process`` switched off for the call, so GPTModel returns the decoder output
+``[s, b, H]`` (after the final norm) and never builds logits; the scorer projects it
+against this rank's output-layer shard ``[V/tp, H]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+import torch
+import torch.distributed as dist
+
+from nemo_replay.objectives import clipped_policy_loss
+from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
+from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.strategies.megatron.batch import PreparedMicroBatch, response_to_logit_columns
+from nemo_replay.strategies.megatron.parallel import MegatronParallel
+from nemo_replay.strategies.megatron.routing import install_routes
+
+__all__ = ["RoleForwardStep", "unwrap_gpt_model"]
+
+
+def unwrap_gpt_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (the module holding ``decoder``)."""
+    inner = model
+    while not hasattr(inner, "decoder") and hasattr(inner, "module"):
+        inner = inner.module
+    if not hasattr(inner, "decoder"):
+        raise ValueError(f"expected a megatron-core GPTModel (possibly wrapped), got {type(model).__name__}")
+    return inner
+
+
+def output_weight(inner: torch.nn.Module) -> torch.Tensor:
+    """This rank's LM-head shard ``[V/tp, H]`` (the shared embedding when tied)."""
+    if getattr(inner, "share_embeddings_and_output_weights", False):
+        return inner.shared_embedding_or_output_weight()
+    return inner.output_layer.weight
+
+
+@contextlib.contextmanager
+def _decoder_output(inner: torch.nn.Module, enabled: bool):
+    """Make GPTModel return its decoder output instead of logits for one call."""
+    if not enabled:
+        yield
+        return
+    saved = inner.post_process
+    inner.post_process = False
+    try:
+        yield
+    finally:
+        inner.post_process = saved
+
+
+class RoleForwardStep:
+    """``forward_step_func`` for one role (see the module doc).
+
+    Args:
+        role: ``policy``, ``recompute`` or ``reference``.
+        settings: the role's RoleSettings.
+        parallel: explicit process groups (never read from ``parallel_state`` here).
+        config: the model's TransformerConfig.
+        routers: routers for MoE route replay, or None.
+
+    Attributes:
+        results: micro-batch index -> dict of RoleOutput fields in canonical coordinates
+            (filled on the last pipeline stage).
+    """
+
+    def __init__(self, role: str, settings: RoleSettings, parallel: MegatronParallel, config, routers=None):
+        self.role = role
+        self.settings = settings
+        self.parallel = parallel
+        self.config = config
+        self.routers = routers
+        self.results: dict[int, dict] = {}
+        if settings.source == "hidden" and getattr(config, "mtp_num_layers", None):
+            raise ValueError(
+                "hidden-state scoring with multi-token prediction (mtp_num_layers set) is not supported: the decoder "
+                "output then carries the MTP streams. Use RoleSettings(source='logits')"
+            )
+
+    # ------------------------------------------------------------------ forward step
+    def __call__(self, data_iterator, model):
+        mb: PreparedMicroBatch = next(data_iterator)
+        inner = unwrap_gpt_model(model)
+        if self.routers is not None:
+            install_routes(self.routers, mb.routes, self.config, tp_size=self.parallel.tp_size, tp_rank=self.parallel.tp_rank)
+        hidden = self.settings.source == "hidden" and bool(inner.post_process)
+        with _decoder_output(inner, hidden):
+            output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+        return output, partial(self._loss, mb, inner, hidden)
+
+    # ------------------------------------------------------------------ loss closure
+    def _source(self, output: torch.Tensor, inner, hidden: bool):
+        """(source ``[*local_shape, V_local or H]``, lm_head_weight or None, vocab_range, tp_group)."""
+        p = self.parallel
+        weight = output_weight(inner)
+        v_local = weight.shape[0]
+        if hidden:
+            if self.config.sequence_parallel and p.tp_size > 1:
+                from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+                # Backward only splits: the scorer already all-reduces the hidden grad over TP.
+                output = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False, group=p.tp_group)
+            return output.transpose(0, 1), weight, (p.tp_rank * v_local, (p.tp_rank + 1) * v_local), p.tp_group
+        if output.shape[-1] == v_local:
+            return output, None, (p.tp_rank * v_local, (p.tp_rank + 1) * v_local), p.tp_group
+        if output.shape[-1] == v_local * p.tp_size:
+            return output, None, None, None  # parallel_output=False: every rank holds all V
+        raise ValueError(
+            f"model output has last dimension {output.shape[-1]}; expected the vocab shard {v_local} "
+            f"(or the gathered vocabulary {v_local * p.tp_size})"
+        )
+
+    def _score(self, mb: PreparedMicroBatch, source, weight, vocab_range, tp_group):
+        s = self.settings
+        if mb.replay:
+            return score_aligned_support(
+                source, mb.sampled_ids, mb.row_ids, mb.loss_mask, mb.support,
+                vocab_range=vocab_range, tp_group=tp_group, lm_head_weight=weight, temperature=s.temperature,
+                trajectory_ids=mb.trajectory_ids, compute_entropy=s.compute_entropy,
+                compute_support_mass=s.compute_support_mass, chunk_size=s.chunk_size,
+            )
+        return score_full_vocabulary(
+            source, mb.sampled_ids, loss_mask=mb.layout.logit_valid(source.device), vocab_range=vocab_range,
+            tp_group=tp_group, lm_head_weight=weight, temperature=s.temperature, compute_entropy=s.compute_entropy,
+        )
+
+    def _loss(self, mb: PreparedMicroBatch, inner, hidden: bool, output: torch.Tensor):
+        source, weight, vocab_range, tp_group = self._source(output, inner, hidden)
+        scores = self._score(mb, source, weight, vocab_range, tp_group)
+        p, lay = self.parallel, mb.layout
+        canon = lambda t, fill: None if t is None else lay.to_canonical(t.detach(), fill, cp_group=p.cp_group)  # noqa: E731
+        result = {
+            "logprobs": canon(scores.logprobs.float(), 0.0),
+            "valid_mask": canon(scores.valid_mask, False),
+            "fallback_mask": canon(scores.fallback_mask, False),
+            "entropy": canon(scores.entropy, 0.0),
+            "support_logmass": canon(scores.support_logmass, 0.0),
+            "loss": None,
+            "metrics": {},
+        }
+        if self.role != "policy":
+            self.results[mb.index] = result
+            return torch.zeros((), device=source.device), {}
+        s = self.settings
+        loss, _ = clipped_policy_loss(
+            scores.logprobs.float(), mb.old_logprobs, mb.advantages, mb.loss_mask,
+            clip_eps=s.clip_eps, kl_coef=s.kl_coef, ref_logprobs=mb.ref_logprobs,
+        )
+        if p.cp_size > 1:
+            # The local loss is normalised by local tokens; rescale so the CP ranks' losses sum
+            # to the objective (the schedule multiplies by cp_size, DDP averages over dp x cp).
+            local = mb.loss_mask.sum().to(torch.float32)
+            total = local.clone()
+            dist.all_reduce(total, group=p.cp_group)
+            loss = loss * local / total.clamp(min=1)
+        result["loss"], result["metrics"] = self._canonical_objective(mb, result["logprobs"])
+        self.results[mb.index] = result
+        return loss.clone(), {}
+
+    def _canonical_objective(self, mb: PreparedMicroBatch, logprobs: torch.Tensor):
+        """The objective and its diagnostics recomputed (no grad) over the whole micro-batch."""
+        s, batch = self.settings, mb.batch
+        B, W = logprobs.shape
+        dev = logprobs.device
+        col = lambda x, n: response_to_logit_columns(x, B, W, n).to(dev)  # noqa: E731
+        ref = None if batch.ref_logprobs is None else col(batch.ref_logprobs, "ref_logprobs")
+        with torch.no_grad():
+            loss, metrics = clipped_policy_loss(
+                logprobs, col(batch.old_logprobs, "old_logprobs"), col(batch.advantages, "advantages"),
+                mb.canonical.loss_mask.to(dev), clip_eps=s.clip_eps, kl_coef=s.kl_coef, ref_logprobs=ref,
+            )
+        return loss.detach(), metrics
+

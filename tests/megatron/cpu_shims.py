@@ -1,0 +1,59 @@
+"""Test-only shims that let megatron-core's GPTModel run on CPU under gloo.
+
+Megatron-core touches CUDA in three places the CPU tests reach:
+
+- ``torch.cuda.current_device()`` names the device of megatron's global memory buffer and
+  of a few scratch tensors; on CPU it must name the CPU device.
+- the CUDA RNG tracker's ``fork()`` swaps CUDA generator states around dropout and weight
+  initialisation; on CPU it becomes a no-op context (the tests use dropout 0 and load
+  their weights explicitly).
+- the pipeline schedules create their token counter with a literal ``device="cuda"``
+  (``schedules.py``: ``torch.zeros([], dtype=torch.int, device="cuda")``); a torch-function
+  mode maps an explicit CUDA device argument of tensor factories to the CPU.
+
+Nothing else is replaced: process groups, layers and schedules are megatron-core's own.
+Call :func:`install_cpu_shims` at the top of every spawned worker before building a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` keyword arguments to the CPU; everything else passes through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = dict(kwargs, device=torch.device("cpu"))
+        return func(*args, **kwargs)
+
+
+def install_cpu_shims() -> None:
+    """Apply the three shims in this process (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+    def _fork(self, name=None):
+        return contextlib.nullcontext()
+
+    mp_random.CudaRNGStatesTracker.fork = _fork
+    # Entered for the life of the (spawned, single-purpose) worker process.
+    _CudaFactoriesOnCpu().__enter__()
+    _INSTALLED = True
