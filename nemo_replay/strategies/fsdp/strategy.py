@@ -1,0 +1,258 @@
+"""The fsdp strategy: Hugging Face causal LMs under FSDP2, with optional Ulysses SP.
+
+Each role runs the model forward on the layout of :mod:`nemo_replay.strategies.fsdp.layout`,
+calls the shared scorer on this rank's positions with explicit trajectory ids, and brings
+the results back to canonical ``[B, S-1]`` columns (DESIGN.md §5, §6).
+
+Sources (``RoleSettings.source``):
+
+- ``logits``: the model's full forward; logits ``[R, T, V]`` go to the scorer.
+- ``hidden``: the trunk runs and the full LM head is skipped (``logits_to_keep`` selects
+  no position); the scorer projects only the support against the LM-head weight. Under
+  FSDP2 that weight is a sharded DTensor: the LM head must be its own ``fully_shard``
+  unit, which is unsharded for the scorer. Its gradient reaches the unsharded parameter
+  and FSDP's end-of-backward callback reduce-scatters it and reshards; forward-only roles
+  reshard right after scoring.
+
+Sequence parallelism: ranks of ``sp_group`` pass the same micro-batches. Every rank scores
+its slice, and the log-probs are all-gathered before the objective, so each rank computes
+the same loss. FSDP then averages gradients over all ranks, the SP ranks of one batch
+included; the gather's backward multiplies this rank's gradient by ``sp_grad_scale``
+(default: the SP size) so that average is the gradient of the batch's loss.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.layout.ulysses import sp_size_rank
+from nemo_replay.objectives import clipped_policy_loss
+from nemo_replay.scoring.scorer import SupportScores, _check_fallbacks, score_aligned_support, score_full_vocabulary
+from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings, check_role
+from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
+from nemo_replay.strategies.fsdp.layout import FSDPLayout, build_layout
+from nemo_replay.support.packed import PackedTensor
+
+__all__ = ["FSDPStrategy", "lm_head_weight", "run_trunk"]
+
+
+def run_trunk(model, inputs: dict) -> torch.Tensor:
+    """The model's final hidden states without the full LM-head projection.
+
+    Runs the whole forward (so FSDP's root hooks run as usual) with ``logits_to_keep``
+    selecting no position, and takes the decoder's ``last_hidden_state``.
+
+    Returns:
+        (R, T, H), the normalised hidden states the LM head would project.
+    """
+    decoder = model.get_decoder()
+    captured = []
+
+    def keep(_module, _args, out):
+        captured.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+    handle = decoder.register_forward_hook(keep)
+    try:
+        none = torch.empty(0, dtype=torch.int64, device=inputs["input_ids"].device)
+        model(**inputs, logits_to_keep=none)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise ValueError(
+            f"{type(model).__name__}.get_decoder() ran {len(captured)} times in one forward; hidden mode needs a "
+            f"causal LM whose decoder produces the hidden states of the LM head once"
+        )
+    return captured[0]
+
+
+def lm_head_weight(model):
+    """The full LM-head weight ``(V, H)`` and a function that releases it.
+
+    Under FSDP2 with the LM head as its own unit, the unit is unsharded: the returned
+    tensor is the unsharded parameter, so gradients flow to the sharded one through
+    FSDP's reduce-scatter. ``release()`` reshards (forward-only use). A plain module's
+    weight comes back as is.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(f"{type(model).__name__} has no output embedding (LM head) weight; hidden mode needs one")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("hidden mode projects hidden states with the LM-head weight only; this LM head has a bias. Use source='logits'")
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError("this model soft-caps its logits, which hidden mode cannot reproduce; use source='logits'")
+    if isinstance(head, FSDPModule):
+        head.unshard()
+        return head.weight, head.reshard
+    if isinstance(head.weight, DTensor):
+        raise ValueError(
+            "the LM-head weight is a sharded DTensor outside its own FSDP unit; for hidden mode apply "
+            "fully_shard(model.lm_head) before fully_shard(model), or use source='logits'"
+        )
+    return head.weight, lambda: None
+
+
+def _has_row(support, row_ids: torch.Tensor) -> torch.Tensor:
+    """True where ``row_ids`` names a non-empty support row."""
+    if isinstance(support, PackedTensor):
+        values = support.values.to(row_ids.device)
+        nonempty = values[:, 0] >= 0
+    else:
+        nonempty = (support.row_lengths > 0).to(row_ids.device)
+    ok = (row_ids >= 0) & (row_ids < nonempty.numel())
+    return ok & nonempty[row_ids.clamp(0, max(nonempty.numel() - 1, 0))]
+
+
+class FSDPStrategy(ReplayStrategy):
+    """Replay for Hugging Face causal LMs wrapped in FSDP2 (or unwrapped).
+
+    Args:
+        sp_group: the Ulysses SP process group (ranks holding the same micro-batches), or
+            None. With more than one rank the model's attention is switched to Ulysses
+            attention; the number of attention heads must divide by the SP size.
+        remove_padding: pack real tokens into one row (varlen) before the forward.
+        sp_grad_scale: multiplies the gradient of this rank's log-prob slice; default the
+            SP size, which undoes FSDP's average over the SP ranks of one batch.
+    """
+
+    name = "fsdp"
+
+    def __init__(self, *, sp_group=None, remove_padding: bool = True, sp_grad_scale: Optional[float] = None):
+        self.sp_group = sp_group
+        self.remove_padding = bool(remove_padding)
+        self.sp_size, self.sp_rank = sp_size_rank(sp_group)
+        self.sp_grad_scale = float(self.sp_size if sp_grad_scale is None else sp_grad_scale)
+
+    # ------------------------------------------------------------------ roles
+    def run_role(self, role, model, batches: Sequence[ReplayBatch], settings: RoleSettings) -> list[RoleOutput]:
+        check_role(role)
+        if not isinstance(settings, RoleSettings):
+            raise ValueError(f"settings must be a RoleSettings, got {type(settings).__name__}")
+        if self.sp_size > 1:
+            use_ulysses_attention(model)
+        outputs = []
+        for batch in batches:
+            if role == "policy":
+                outputs.append(self._policy(model, batch, settings, 1.0 / len(batches)))
+            else:
+                with torch.no_grad():
+                    outputs.append(self._forward(model, batch, settings, role, grad=False)[0])
+        return outputs
+
+    def _policy(self, model, batch: ReplayBatch, settings: RoleSettings, scale: float) -> RoleOutput:
+        if batch.advantages is None:
+            raise ValueError("the policy role needs batch.advantages (B,) or (B, A); compute them before training")
+        out, layout = self._forward(model, batch, settings, "policy", grad=True)
+        A = batch.response_width
+        logprobs = out.logprobs[:, -A:]
+        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        loss, metrics = clipped_policy_loss(
+            logprobs, old.to(logprobs), batch.advantages.to(logprobs), layout.canonical.loss_mask[:, -A:],
+            clip_eps=settings.clip_eps, kl_coef=settings.kl_coef,
+            ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(logprobs),
+        )
+        (loss * scale).backward()
+        detach = lambda t: None if t is None else t.detach()  # noqa: E731
+        return RoleOutput(
+            out.logprobs.detach(), out.valid_mask, out.fallback_mask, detach(out.entropy),
+            detach(out.support_logmass), loss.detach(), metrics,
+        )
+
+    # ------------------------------------------------------------------ one forward
+    def _forward(self, model, batch: ReplayBatch, settings: RoleSettings, role: str, *, grad: bool):
+        replay = settings.replay and not (role == "reference" and settings.reference_full_vocab)
+        if replay and batch.support is None:
+            raise ValueError(
+                f"the {role} role scores over the recorded support but the micro-batch carries none; attach the "
+                f"rollout's support rows (batch.support) or set RoleSettings(replay=False)"
+            )
+        layout = build_layout(batch, remove_padding=self.remove_padding, sp_group=self.sp_group)
+        if replay and self.sp_size > 1:
+            self._check_synthetic_eos(batch, layout)
+        inputs = layout.model_inputs()
+        hidden = settings.source == "hidden"
+        if hidden:
+            source = run_trunk(model, inputs)
+            weight, release = lm_head_weight(model)
+        else:
+            source, weight, release = model(**inputs).logits, None, (lambda: None)
+        if layout.ulysses_plan is not None and layout.ulysses_plan.calls == 0:
+            raise ValueError(
+                f"{type(model).__name__} ran without calling Ulysses attention, so each rank attended within its own "
+                f"slice; use a model whose attention goes through transformers' AttentionInterface"
+            )
+        try:
+            scores = self._agree(lambda: self._score(source, weight, batch, layout, settings, replay), source.device)
+        finally:
+            if not grad:
+                release()
+        return self._to_canonical(scores, layout, grad), layout
+
+    def _score(self, source, weight, batch, layout: FSDPLayout, settings: RoleSettings, replay: bool) -> SupportScores:
+        if replay:
+            return score_aligned_support(
+                source, layout.sampled_ids, layout.row_ids, layout.loss_mask, batch.support,
+                lm_head_weight=weight, temperature=settings.temperature, trajectory_ids=layout.trajectory_ids,
+                compute_entropy=settings.compute_entropy, compute_support_mass=settings.compute_support_mass,
+                chunk_size=settings.chunk_size,
+            )
+        # Replay off: the ordinary full-vocabulary log-probs of every real position.
+        return score_full_vocabulary(
+            source, layout.sampled_ids, loss_mask=layout.trajectory_ids >= 0, lm_head_weight=weight,
+            temperature=settings.temperature, compute_entropy=settings.compute_entropy,
+        )
+
+    def _to_canonical(self, s: SupportScores, layout: FSDPLayout, grad: bool) -> RoleOutput:
+        scale = self.sp_grad_scale if grad else 1.0
+        back = lambda t, fill=0: None if t is None else layout.to_canonical(t, fill=fill, grad_scale=scale)  # noqa: E731
+        return RoleOutput(
+            logprobs=back(s.logprobs),
+            valid_mask=back(s.valid_mask, False),
+            fallback_mask=back(s.fallback_mask, False),
+            entropy=back(s.entropy),
+            support_logmass=back(s.support_logmass),
+        )
+
+    # ------------------------------------------------------------------ SP safety
+    def _check_synthetic_eos(self, batch: ReplayBatch, layout: FSDPLayout) -> None:
+        """The one-row-less-position-per-trajectory rule over the whole sequence.
+
+        Each SP rank's scorer sees one slice, and a trajectory can span slices: a second
+        row-less position, or one that is not the trajectory's last loss-active token, may
+        sit in another rank's slice. Every rank holds the whole canonical batch, so the
+        rule is checked here on the canonical channels, identically on every rank.
+        """
+        ch = layout.canonical
+        fallback = ch.loss_mask & ~_has_row(batch.support, ch.row_ids)
+        _check_fallbacks(fallback.reshape(-1), ch.loss_mask.reshape(-1), ch.trajectory_ids.reshape(-1), ch.loss_mask.shape)
+
+    def _agree(self, fn, device):
+        """Run ``fn`` on every SP rank; if any rank raises ValueError, every rank raises.
+
+        One int32 MAX all-reduce over the SP group (plus one object all-gather when some
+        rank failed), so a rank that rejects its slice never leaves the others waiting in
+        the next collective.
+        """
+        if self.sp_size == 1:
+            return fn()
+        error, result = None, None
+        try:
+            result = fn()
+        except ValueError as exc:
+            error = exc
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.sp_group)
+        if int(flag) == 0:
+            return result
+        messages = [None] * self.sp_size
+        dist.all_gather_object(messages, None if error is None else str(error), group=self.sp_group)
+        if error is not None:
+            raise error
+        rank = next(r for r, m in enumerate(messages) if m is not None)
+        raise ValueError(f"SP rank {rank} rejected its slice of the micro-batch: {messages[rank]}")

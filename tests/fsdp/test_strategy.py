@@ -1,0 +1,122 @@
+"""The fsdp strategy on one process (no FSDP wrapping): roles against float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_replay import get_strategy
+from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.strategies.fsdp import FSDPStrategy
+from tests.fsdp.fixtures import (
+    BATCH_A,
+    BATCH_B,
+    canonical_from_response,
+    make_batch,
+    reference_full_positions,
+    reference_policy_grads,
+    reference_scores,
+    tiny_llama,
+    with_old_and_ref,
+)
+
+TOL = dict(rtol=1e-9, atol=1e-10)
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference_model(model):
+    from tests.fsdp.fixtures import plain_copy
+
+    return plain_copy(model)
+
+
+def _batches(ref):
+    return [with_old_and_ref(ref, make_batch(**spec), TEMPERATURE) for spec in (BATCH_A, BATCH_B)]
+
+
+def test_registry_builds_the_strategy():
+    strategy = get_strategy("fsdp").factory(remove_padding=False)
+    assert isinstance(strategy, FSDPStrategy) and strategy.name == "fsdp" and not strategy.remove_padding
+
+
+@pytest.mark.parametrize("remove_padding", [True, False], ids=["unpadded", "padded"])
+def test_roles_match_reference_hidden_equals_logits(model, reference_model, remove_padding):
+    batches = _batches(reference_model)
+    strategy = FSDPStrategy(remove_padding=remove_padding)
+    want_grads = reference_policy_grads(reference_model, batches, RoleSettings(temperature=TEMPERATURE, kl_coef=0.1))
+    got = {}
+    for source in ("logits", "hidden"):
+        settings = RoleSettings(temperature=TEMPERATURE, source=source, kl_coef=0.1)
+        for role in ("recompute", "reference"):
+            outs = strategy.run_role(role, model, batches, settings)
+            for batch, out in zip(batches, outs):
+                with torch.no_grad():
+                    want, valid, fallback = reference_scores(reference_model, batch, temperature=TEMPERATURE)
+                S = batch.seq_len
+                torch.testing.assert_close(out.logprobs, canonical_from_response(want, S), **TOL)
+                assert torch.equal(out.valid_mask, canonical_from_response(valid, S))
+                assert torch.equal(out.fallback_mask, canonical_from_response(fallback, S))
+                assert not out.logprobs.requires_grad
+            assert fallback.any(), "the batch must exercise the synthetic-EOS fallback"
+        model.zero_grad(set_to_none=True)
+        outs = strategy.run_role("policy", model, batches, settings)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        for name, g in want_grads.items():
+            torch.testing.assert_close(grads[name], g, **TOL, msg=lambda m: f"{source} grad {name}: {m}")
+        got[source] = (outs, grads)
+    # Hidden mode equals logits mode, values and gradients.
+    for a, b in zip(got["logits"][0], got["hidden"][0]):
+        torch.testing.assert_close(a.logprobs, b.logprobs, **TOL)
+        torch.testing.assert_close(a.loss, b.loss, **TOL)
+    for name in got["logits"][1]:
+        torch.testing.assert_close(got["logits"][1][name], got["hidden"][1][name], **TOL)
+    assert got["logits"][1]["lm_head.weight"].abs().max() > 0
+
+
+def test_replay_off_and_full_vocab_reference(model, reference_model):
+    batch = make_batch(**BATCH_A)
+    strategy = FSDPStrategy()
+    with torch.no_grad():
+        want = reference_full_positions(reference_model, batch, temperature=TEMPERATURE)
+        replay_lp, _, _ = reference_scores(reference_model, batch, temperature=TEMPERATURE)
+    real = batch.attention_mask[:, :-1]
+    for source in ("logits", "hidden"):
+        off = strategy.run_role("recompute", model, [batch], RoleSettings(replay=False, temperature=TEMPERATURE, source=source))[0]
+        torch.testing.assert_close(off.logprobs, want, **TOL)
+        assert torch.equal(off.fallback_mask, real) and not off.valid_mask.any()
+        ref = strategy.run_role(
+            "reference", model, [batch], RoleSettings(temperature=TEMPERATURE, source=source, reference_full_vocab=True)
+        )[0]
+        torch.testing.assert_close(ref.logprobs, want, **TOL)
+    # Replay changes the answer: the support normalisation is not the full vocabulary's.
+    active = batch.loss_mask
+    assert (replay_lp[active] - want[:, -batch.response_width :][active]).abs().max() > 1e-3
+
+
+def test_swapped_support_trips_the_alignment_guard(model):
+    batch = make_batch(**BATCH_B)  # two trajectories with 4 response rows each
+    swapped = make_batch(**BATCH_B)
+    swapped.support = batch.support.gather([1, 0])
+    strategy = FSDPStrategy()
+    settings = RoleSettings(temperature=TEMPERATURE)
+    strategy.run_role("recompute", model, [batch], settings)
+    with pytest.raises(ValueError, match="not a member of its support row"):
+        strategy.run_role("recompute", model, [swapped], settings)
+
+
+def test_replay_needs_support_and_policy_needs_advantages(model):
+    batch = make_batch(**BATCH_B)
+    batch.support = None
+    with pytest.raises(ValueError, match="carries none"):
+        FSDPStrategy().run_role("recompute", model, [batch], RoleSettings())
+    batch = make_batch(**BATCH_B)
+    batch.advantages = None
+    with pytest.raises(ValueError, match="advantages"):
+        FSDPStrategy().run_role("policy", model, [batch], RoleSettings())
