@@ -104,6 +104,10 @@ def _check_inputs(source, sampled_ids, row_ids, loss_mask, trajectory_ids, lm_he
 def _vocab_range(vocab_range, v_local: int) -> tuple[int, int]:
     if vocab_range is None:
         return 0, v_local
+    if not isinstance(vocab_range, (tuple, list)) or len(vocab_range) != 2:
+        raise ValueError(
+            f"vocab_range must be a pair (start, end) of this rank's vocabulary shard, got {vocab_range!r}"
+        )
     start, end = (int(v) for v in vocab_range)
     if start < 0 or end - start != v_local:
         raise ValueError(
