@@ -1,0 +1,258 @@
+"""Every malformed scorer input raises ValueError naming the problem (and where it is)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support, score_full_vocabulary
+from tests.core.batches import make_case
+
+
+@pytest.fixture(scope="module")
+def case():
+    return make_case(B=3, T=19, V=61, k=5, H=8, eos=(1,), seed=21)
+
+
+def _score(case, **overrides):
+    args = dict(
+        source=case.logits, sampled_ids=case.sampled_ids, row_ids=case.row_ids,
+        loss_mask=case.loss_mask, support=case.support,
+    )
+    kwargs = {k: overrides.pop(k) for k in list(overrides) if k not in args}
+    args.update(overrides)
+    return score_aligned_support(
+        args["source"], args["sampled_ids"], args["row_ids"], args["loss_mask"], args["support"], **kwargs
+    )
+
+
+def _valid_positions(case, traj):
+    """Columns of trajectory ``traj`` that are loss-active and carry a non-empty row."""
+    return [t for t in range(case.row_ids.shape[1])
+            if case.loss_mask[traj, t] and case.row_ids[traj, t] >= 0 and case.sets[int(case.row_ids[traj, t])]]
+
+
+def test_the_fixture_scores_cleanly(case):
+    out = _score(case, compute_entropy=True)
+    assert out.valid_mask.any() and int(out.fallback_mask.sum()) == 1
+
+
+# ------------------------------------------------------------------ shapes and dtypes
+
+
+@pytest.mark.parametrize(
+    "name, make, match",
+    [
+        ("source", lambda c: c.logits.long(), r"source must be a floating-point tensor"),
+        ("source", lambda c: c.logits.tolist(), r"source must be a floating-point tensor.*list"),
+        ("source", lambda c: c.logits[0, 0], r"source must have a position dimension"),
+        ("sampled_ids", lambda c: c.sampled_ids[:, :-1], r"sampled_ids has shape \(3, 18\) but source positions are \(3, 19\)"),
+        ("row_ids", lambda c: c.row_ids.T, r"row_ids has shape \(19, 3\)"),
+        ("loss_mask", lambda c: c.loss_mask[None], r"loss_mask has shape \(1, 3, 19\)"),
+        ("sampled_ids", lambda c: c.sampled_ids.double(), r"sampled_ids must be an integer tensor, got torch.float64"),
+        ("row_ids", lambda c: c.row_ids.float(), r"row_ids must be an integer tensor, got torch.float32"),
+        ("row_ids", lambda c: c.row_ids >= 0, r"row_ids must be an integer tensor, got torch.bool"),
+        ("sampled_ids", lambda c: c.sampled_ids.tolist(), r"sampled_ids must be a tensor, got list"),
+    ],
+)
+def test_bad_channels(case, name, make, match):
+    with pytest.raises(ValueError, match=match):
+        _score(case, **{name: make(case)})
+
+
+def test_bad_trajectory_ids(case):
+    with pytest.raises(ValueError, match=r"trajectory_ids has shape \(57,\)"):
+        _score(case, trajectory_ids=case.trajectory_ids.reshape(-1))
+    with pytest.raises(ValueError, match=r"trajectory_ids must be an integer tensor, got torch.float32"):
+        _score(case, trajectory_ids=case.trajectory_ids.float())
+
+
+def test_bad_lm_head_weight(case):
+    with pytest.raises(ValueError, match=r"lm_head_weight must be \[V_local, H=8\].*got \(61, 7\)"):
+        _score(case, source=case.hidden, lm_head_weight=case.weight[:, :7])
+    with pytest.raises(ValueError, match=r"lm_head_weight must be \[V_local, H=8\].*got \(61, 8, 1\)"):
+        _score(case, source=case.hidden, lm_head_weight=case.weight[..., None])
+
+
+@pytest.mark.parametrize(
+    "vocab_range, match",
+    [
+        ((0, 60), r"vocab_range=\(0, 60\).*local vocabulary size 61"),
+        ((-1, 60), r"vocab_range=\(-1, 60\).*start >= 0"),
+        ((10, 10), r"vocab_range=\(10, 10\).*local vocabulary size 61"),
+        ((0,), r"vocab_range must be a pair \(start, end\).*got \(0,\)"),
+        ((0, 61, 122), r"vocab_range must be a pair \(start, end\).*got \(0, 61, 122\)"),
+        (61, r"vocab_range must be a pair \(start, end\).*got 61"),
+    ],
+)
+def test_bad_vocab_range(case, vocab_range, match):
+    with pytest.raises(ValueError, match=match):
+        _score(case, vocab_range=vocab_range)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.0, -1.0, float("nan"), float("inf"), "1.0", None])
+def test_bad_temperature(case, temperature):
+    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0.*got"):
+        _score(case, temperature=temperature)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0"):
+        score_full_vocabulary(case.logits, case.sampled_ids, temperature=temperature)
+
+
+def test_bad_chunk_size(case):
+    with pytest.raises(ValueError, match=r"chunk_size must be >= 1, got 0"):
+        _score(case, source=case.hidden, lm_head_weight=case.weight, chunk_size=0)
+
+
+def test_support_mass_needs_logits(case):
+    with pytest.raises(ValueError, match=r"compute_support_mass needs full logits.*compute_support_mass=False"):
+        _score(case, source=case.hidden, lm_head_weight=case.weight, compute_support_mass=True)
+
+
+# ------------------------------------------------------------------ support argument
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda c: c.support.values.tolist(), r"support must be a PackedTensor.*RaggedSupport.*got list"),
+        (lambda c: None, r"support must be a PackedTensor.*got NoneType"),
+        (lambda c: c.support.values.reshape(-1), r"support rows must be \[rows, k\], got shape \(\d+,\)"),
+        (lambda c: PackedTensor(c.support.values[..., None], c.support.cu_seqlens),
+         r"fixed-width support values must be \[rows, k\], got \(\d+, 5, 1\)"),
+        (lambda c: c.support.values.float(), r"support rows must be integer"),
+        (lambda c: PackedTensor(c.support.values.float(), c.support.cu_seqlens), r"support rows must be integer"),
+    ],
+)
+def test_bad_support_types(case, make, match):
+    with pytest.raises(ValueError, match=match):
+        _score(case, support=make(case))
+
+
+def _edit_row(case, traj, fn):
+    """Support values with the row at trajectory ``traj``'s first valid position edited by ``fn``."""
+    t = _valid_positions(case, traj)[0]
+    row = int(case.row_ids[traj, t])
+    vals = case.support.values.clone()
+    vals[row] = fn(vals[row].clone())
+    return PackedTensor(vals, case.support.cu_seqlens), row
+
+
+def test_support_invariants_are_validated(case):
+    def too_big(r):
+        r[-1] = 61 if r[-1] < 0 else r[-1]
+        r[0] = 99
+        return r
+
+    sup, row = _edit_row(case, 2, lambda r: torch.cat([r[:1], r[:-1]]))  # duplicate of the first id
+    with pytest.raises(ValueError, match=r"scorer support: trajectory 2, row \d+ holds a duplicate id"):
+        _score(case, support=sup)
+    sup, _ = _edit_row(case, 0, lambda r: torch.tensor([-1, 3, -1, -1, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"trajectory 0, row \d+ has a member after -1 padding"):
+        _score(case, support=sup)
+    sup, _ = _edit_row(case, 0, lambda r: torch.tensor([4, -2, -1, -1, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"holds an id below -1"):
+        _score(case, support=sup)
+    sup, _ = _edit_row(case, 1, too_big)
+    with pytest.raises(ValueError, match=r"trajectory 1, row \d+ holds an id >= vocab_size=61"):
+        _score(case, support=sup)
+    ragged = RaggedSupport(torch.tensor([1, 2, 2]), torch.tensor([0, 3]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"trajectory 0, row 0 holds a duplicate id"):
+        score_aligned_support(case.logits[0, :1], case.sampled_ids[0, :1].fill_(1), torch.zeros(1, dtype=torch.long),
+                              torch.ones(1, dtype=torch.bool), ragged)
+
+
+def test_validate_false_skips_the_invariant_pass(case):
+    """An id >= vocab in a row that no loss-active position uses only fails when validating."""
+    vals = case.support.values.clone()
+    unused = [r for r, members in enumerate(case.sets) if not members and r not in case.row_ids[case.loss_mask]]
+    vals[unused[0], 0] = 1000
+    sup = PackedTensor(vals, case.support.cu_seqlens)
+    with pytest.raises(ValueError, match=r"holds an id >= vocab_size=61"):
+        _score(case, support=sup)
+    torch.testing.assert_close(_score(case, support=sup, validate=False).logprobs, _score(case).logprobs)
+
+
+# ------------------------------------------------------------------ alignment and EOS
+
+
+def test_row_id_out_of_range_names_trajectory_and_position(case):
+    t = _valid_positions(case, 2)[1]
+    rows = case.row_ids.clone()
+    rows[2, t] = case.support.num_rows
+    with pytest.raises(ValueError, match=rf"trajectory 2, position {t}: row id {case.support.num_rows} outside \[-1, "):
+        _score(case, row_ids=rows)
+    rows[2, t] = -2
+    with pytest.raises(ValueError, match=rf"trajectory 2, position {t}: row id -2 outside"):
+        _score(case, row_ids=rows)
+
+
+@pytest.mark.parametrize("form", ["packed", "ragged"])
+def test_sampled_not_in_row_names_trajectory_and_position(case, form):
+    t = _valid_positions(case, 1)[2]
+    members = case.sets[int(case.row_ids[1, t])]
+    outsider = next(v for v in range(61) if v not in members)
+    sampled = case.sampled_ids.clone()
+    sampled[1, t] = outsider
+    support = case.support if form == "packed" else RaggedSupport.from_padded(case.support)
+    with pytest.raises(ValueError, match=rf"trajectory 1, position {t}: sampled token {outsider} is not a member of its "
+                                         rf"support row .*misaligned"):
+        _score(case, sampled_ids=sampled, support=support)
+    # The same token at a loss-inactive position is not scored, so it is not an error.
+    lmask = case.loss_mask.clone()
+    lmask[1, t] = False
+    out = _score(case, sampled_ids=sampled, loss_mask=lmask, support=support)
+    assert out.logprobs[1, t] == 0 and not out.scored_mask[1, t]
+
+
+def test_off_by_one_rows_are_caught(case):
+    """Row ids shifted one position right (placed at token instead of logit positions)."""
+    rows = torch.full_like(case.row_ids, -1)
+    rows[:, 1:] = case.row_ids[:, :-1]
+    with pytest.raises(ValueError, match=r"(trajectory \d+, position \d+: sampled token|trajectories \[[\d, ]+\] have)"):
+        _score(case, row_ids=rows)
+
+
+def test_two_rowless_positions_in_one_trajectory(case):
+    rows = case.row_ids.clone()
+    t = _valid_positions(case, 1)[-1]
+    rows[1, t] = -1  # trajectory 1 already ends with a synthetic EOS
+    with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active positions without a support row"):
+        _score(case, row_ids=rows)
+    t0 = _valid_positions(case, 0)[-1]
+    rows[0, t0] = -1
+    rows[0, _valid_positions(case, 0)[0]] = -1
+    with pytest.raises(ValueError, match=r"trajectories \[0, 1\] have \[2, 2\]"):
+        _score(case, row_ids=rows)
+
+
+def test_rowless_position_that_is_not_the_last(case):
+    t = _valid_positions(case, 2)[0]
+    rows = case.row_ids.clone()
+    rows[2, t] = -1
+    with pytest.raises(ValueError, match=rf"trajectory 2, position {t}: loss-active with no support row but not the "
+                                         rf"trajectory's last loss-active token"):
+        _score(case, row_ids=rows)
+
+
+def test_loss_active_padding(case):
+    lmask = case.loss_mask.clone()
+    pad = int(torch.nonzero(case.trajectory_ids[1] < 0)[0])
+    lmask[1, pad] = True
+    with pytest.raises(ValueError, match=rf"position {pad} is loss-active but belongs to no trajectory \(trajectory id "
+                                         rf"-1, padding\)"):
+        _score(case, loss_mask=lmask, trajectory_ids=case.trajectory_ids)
+
+
+def test_eos_sampled_id_outside_vocab(case):
+    t = int(torch.nonzero(case.loss_mask[1])[-1])
+    sampled = case.sampled_ids.clone()
+    sampled[1, t] = 61
+    with pytest.raises(ValueError, match=rf"trajectory 1, position {t}: sampled id 61 outside the vocabulary \[0, 61\)"):
+        _score(case, sampled_ids=sampled)
+
+
+def test_full_vocabulary_shape_errors(case):
+    with pytest.raises(ValueError, match=r"sampled_ids has shape \(3, 18\)"):
+        score_full_vocabulary(case.logits, case.sampled_ids[:, 1:])
+    with pytest.raises(ValueError, match=r"loss_mask has shape \(3,\)"):
+        score_full_vocabulary(case.logits, case.sampled_ids, loss_mask=case.loss_mask[:, 0])
