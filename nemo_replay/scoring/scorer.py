@@ -473,15 +473,14 @@ def score_full_vocabulary(
         z = (copy_to_shards(src, tp_group)[sel] @ lm_head_weight.t()).to(cd)
     else:
         z = src[sel].to(cd)
-    z = z / temperature
-    present = torch.isfinite(z)
+    # -inf logits (masked vocab entries) score ``lowest``: exp gives 0, gradients stay finite.
+    z = (z / temperature).clamp_min(torch.finfo(cd).min)
     s_local = sampled_ids.reshape(-1).to(device=device, dtype=torch.int64)[sel] - v_start
-    hit = torch.zeros_like(present)
     ok = (s_local >= 0) & (s_local < v_local)
-    hit[ok, s_local[ok]] = True
-    m = all_reduce_max(z.detach().amax(1) if z.shape[1] else z.new_zeros(z.shape[0]), tp_group)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    parts = _sums(z, m, present, hit, compute_entropy)
+    zs = z.gather(1, s_local.clamp(0, max(v_local - 1, 0))[:, None]).squeeze(1) if z.numel() else z.new_zeros(z.shape[0])
+    zs = torch.where(ok, zs, torch.zeros_like(zs))
+    m = all_reduce_max(_row_max(z), tp_group)
+    parts = _sums(z, m, zs, compute_entropy)
     sizes = [p.numel() for p in parts]
     totals = reduce_sum_from_shards(torch.cat(parts), tp_group).split(sizes)
     lp, ent = _finish(m, totals[0], totals[1], totals[2] if compute_entropy else None)
