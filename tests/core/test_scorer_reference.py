@@ -320,3 +320,18 @@ def test_score_full_vocabulary_matches_log_softmax(hidden):
     for a, b in zip(torch.autograd.grad(_loss(out.logprobs, out.entropy, shape), leaves),
                     torch.autograd.grad(_loss(ref_lp, ref_ent, shape), ref_leaves)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_score_full_vocabulary_with_neg_inf_logits():
+    case = make_case(eos=(), seed=14, masked_vocab=50)
+    src = case.logits.clone().requires_grad_()
+    out = score_full_vocabulary(src, case.sampled_ids, loss_mask=case.loss_mask, temperature=0.9, compute_entropy=True)
+    (g,) = torch.autograd.grad(_loss(out.logprobs, out.entropy, case.loss_mask.shape), src)
+    ref_src = case.logits.clone().requires_grad_()
+    no_rows = torch.full_like(case.row_ids, -1)
+    ref = reference_scores(ref_src, case.sampled_ids, no_rows, case.loss_mask, [], temperature=0.9)
+    (g_ref,) = torch.autograd.grad(_loss(ref["logprobs"], ref["entropy"], case.loss_mask.shape), ref_src)
+    assert not torch.isnan(g).any() and torch.all(g[..., case.masked] == 0)
+    torch.testing.assert_close(out.logprobs, ref["logprobs"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.entropy, ref["entropy"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(g, g_ref, atol=ATOL, rtol=0)
