@@ -1,0 +1,142 @@
+"""Tensor parallel scoring on real gloo ranks: TP=2 over an uneven vocab split equals TP=1.
+
+One spawn (2 ranks) runs every check: logits and hidden mode, fixed-width and ragged
+support, entropy, support mass, the synthetic-EOS fallback, the full-vocabulary path. In
+each rank ``torch.distributed.all_reduce`` is wrapped by a counter that forwards to the
+real collective, so the test also counts the collectives of forward and backward and
+sees which group object they ran on (a subgroup from ``dist.new_group``, never WORLD).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nemo_replay import RaggedSupport, score_aligned_support, score_full_vocabulary
+from tests.core.batches import make_case
+from tests.spawn import run_workers
+
+V = 423
+SPLIT = (0, 200, V)  # rank 0 holds ids [0, 200), rank 1 holds [200, 423): uneven
+TEMPERATURE = 0.7
+
+
+def _case():
+    return make_case(B=3, T=37, V=V, k=7, H=16, eos=(0, 1, 2), seed=31)
+
+
+def _weights(shape):
+    g = torch.Generator().manual_seed(5)
+    return torch.rand(shape, generator=g, dtype=torch.float64) + 0.5, torch.rand(shape, generator=g, dtype=torch.float64) - 0.5
+
+
+def _loss(out, shape):
+    w1, w2 = _weights(shape)
+    return (out.logprobs * w1).sum() + (out.entropy * w2).sum()
+
+
+def _scenarios(case):
+    """name -> (hidden mode?, scorer call taking (source, weight, vocab_range, group))."""
+    ragged = RaggedSupport.from_padded(case.support)
+    ch = (case.sampled_ids, case.row_ids, case.loss_mask)
+
+    def aligned(support, **kw):
+        def call(src, w, vr, group):
+            return score_aligned_support(src, *ch, support, lm_head_weight=w, vocab_range=vr, tp_group=group,
+                                         temperature=TEMPERATURE, compute_entropy=True, **kw)
+        return call
+
+    def full(src, w, vr, group):
+        return score_full_vocabulary(src, case.sampled_ids, loss_mask=case.loss_mask, lm_head_weight=w,
+                                     vocab_range=vr, tp_group=group, temperature=TEMPERATURE, compute_entropy=True)
+
+    return {
+        "logits_packed": (False, aligned(case.support, compute_support_mass=True)),
+        "logits_ragged": (False, aligned(ragged, compute_support_mass=True)),
+        "hidden_packed": (True, aligned(case.support)),
+        "hidden_ragged_chunked": (True, aligned(ragged, chunk_size=9)),
+        "full_logits": (False, full),
+        "full_hidden": (True, full),
+    }
+
+
+def _run(case, hidden, call, lo, hi, group):
+    """Forward + backward on the vocab shard [lo, hi); returns outputs and gradients."""
+    if hidden:
+        h = case.hidden.clone().requires_grad_()
+        w = case.weight[lo:hi].clone().requires_grad_()
+        out = call(h, w, (lo, hi), group)
+        leaves = (h, w)
+    else:
+        z = case.logits[..., lo:hi].clone().requires_grad_()
+        out = call(z, None, (lo, hi), group)
+        leaves = (z,)
+    return out, leaves
+
+
+def _tp_worker(rank, world_size):
+    case = _case()
+    lo, hi = SPLIT[rank], SPLIT[rank + 1]
+    group = dist.new_group(ranks=list(range(world_size)))
+    real_all_reduce = dist.all_reduce
+    calls = []
+
+    def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        name = "MAX" if op == dist.ReduceOp.MAX else "SUM" if op == dist.ReduceOp.SUM else str(op)
+        calls.append((name, group))
+        return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counting_all_reduce
+    results = {}
+    try:
+        for name, (hidden, call) in _scenarios(case).items():
+            calls.clear()
+            out, leaves = _run(case, hidden, call, lo, hi, group)
+            forward = list(calls)
+            calls.clear()
+            grads = torch.autograd.grad(_loss(out, case.loss_mask.shape), leaves)
+            backward = list(calls)
+            results[name] = {
+                "logprobs": out.logprobs.detach(),
+                "entropy": out.entropy.detach(),
+                "logmass": None if out.support_logmass is None else out.support_logmass,
+                "fallback": out.fallback_mask,
+                "grads": [g.detach() for g in grads],
+                "forward_ops": [op for op, _ in forward],
+                "backward_ops": [op for op, _ in backward],
+                "on_subgroup": all(g is group for _, g in forward + backward),
+                "group_is_world": any(g is None or g is dist.group.WORLD for _, g in forward + backward),
+            }
+    finally:
+        dist.all_reduce = real_all_reduce
+    return results
+
+
+def test_tp2_uneven_split_equals_tp1_and_counts_collectives():
+    ranks = run_workers(_tp_worker, 2)
+    case = _case()
+    for name, (hidden, call) in _scenarios(case).items():
+        out, leaves = _run(case, hidden, call, 0, V, None)
+        grads = torch.autograd.grad(_loss(out, case.loss_mask.shape), leaves)
+        assert out.fallback_mask.any() and (name.startswith("full") or int(out.fallback_mask.sum()) == 3)
+        for rank, res in enumerate(ranks):
+            r = res[name]
+            where = f"{name}, rank {rank}"
+            torch.testing.assert_close(r["logprobs"], out.logprobs.detach(), atol=1e-10, rtol=0, msg=where)
+            torch.testing.assert_close(r["entropy"], out.entropy.detach(), atol=1e-10, rtol=0, msg=where)
+            assert torch.equal(r["fallback"], out.fallback_mask), where
+            if out.support_logmass is not None:
+                torch.testing.assert_close(r["logmass"], out.support_logmass, atol=1e-10, rtol=0, msg=where)
+            lo, hi = SPLIT[rank], SPLIT[rank + 1]
+            assert all(g.abs().sum() > 0 for g in r["grads"]), where  # both shards carry gradient
+            if hidden:
+                gh, gw = r["grads"]
+                torch.testing.assert_close(gh, grads[0], atol=1e-10, rtol=0, msg=where)
+                torch.testing.assert_close(gw, grads[1][lo:hi], atol=1e-10, rtol=0, msg=where)
+            else:
+                torch.testing.assert_close(r["grads"][0], grads[0][..., lo:hi], atol=1e-10, rtol=0, msg=where)
+            # Forward: one MAX then one SUM all-reduce. Backward: none for logits, one SUM
+            # (the hidden-state gradient) in hidden mode. All on the explicit subgroup.
+            assert r["forward_ops"] == ["MAX", "SUM"], (where, r["forward_ops"])
+            assert r["backward_ops"] == (["SUM"] if hidden else []), (where, r["backward_ops"])
+            assert r["on_subgroup"] and not r["group_is_world"], where
