@@ -1,0 +1,344 @@
+"""Wire codec for large token-aligned arrays inside JSON bodies (DESIGN.md §7).
+
+An array travels as an envelope object ``{"data": <base64>, "shape": [...], "dtype": <name>}``:
+the raw little-endian bytes of the C-contiguous array, base64-encoded (RFC 4648, with
+padding), its shape, and a dtype name from :data:`WIRE_DTYPES` (anything else is refused).
+
+:func:`dumps` writes compact JSON (no spaces, envelope keys in the order above).
+:func:`loads` reads a body in two passes:
+
+1. **Fast path.** It scans the raw bytes for compact envelopes, decodes each base64 run
+   straight from a ``memoryview`` of the body into the array's final buffer, in 4 MiB
+   chunks, and replaces the envelope with a small marker object. No Python ``str`` of the
+   base64 is ever built; peak extra memory is the decoded array plus one chunk. The JSON
+   left over (the small part) goes to ``json.loads``.
+2. **Fallback.** Envelopes the scan did not recognise -- a proxy pretty-printed the body or
+   re-ordered keys -- arrive as ordinary JSON objects and are decoded from their strings.
+   Slower and heavier, never a crash.
+
+Why the scan is safe: inside a JSON string every ``"`` is escaped, so the unescaped byte
+sequence ``{"data":"`` can only open a real object, and base64 never contains ``"``.
+
+Worked example. ``dumps({"ids": torch.tensor([1, 2], dtype=torch.int32), "n": 2})`` gives
+
+    {"ids":{"data":"AQAAAAIAAAA=","shape":[2],"dtype":"int32"},"n":2}
+
+``loads`` finds ``{"data":"`` at byte 7, the closing quote after ``AQAAAAIAAAA=``, matches the
+``","shape":[2],"dtype":"int32"}`` tail, decodes 8 bytes into an int32 buffer of 2, and parses
+``{"ids":{"\\u0000wire":0},"n":2}`` with ``json.loads``.
+
+Every malformed payload -- truncated body, base64 that is not base64 or whose length does
+not match ``shape`` x ``dtype``, a dtype off the allow-list, a bad shape, a bool byte other
+than 0/1 -- raises :class:`WireError`, a ``ValueError`` a client may retry.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+import sys
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from nemo_replay.rollout.boundary import validate_support
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+
+__all__ = [
+    "WIRE_DTYPES",
+    "WireError",
+    "dumps",
+    "loads",
+    "encode_array",
+    "decode_envelope",
+    "support_to_wire",
+    "support_from_wire",
+    "routes_from_wire",
+]
+
+#: Allowed dtype names and their torch dtypes (little-endian on the wire).
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+_KEYS = frozenset(("data", "shape", "dtype"))
+_MARKER_KEY = "\x00wire"
+_MARKER = b'{"\\u0000wire":%d}'
+_PREFIX = b'{"data":"'
+_TAIL = re.compile(rb'","shape":\[((?:\d+(?:,\d+)*)?)\],"dtype":"([A-Za-z0-9_]{1,16})"\}')
+_CHUNK = 4 << 20  # base64 characters decoded per step (a multiple of 4)
+_MAX_DIMS = 8
+
+assert sys.byteorder == "little", "the wire format is little-endian; big-endian hosts are not supported"
+
+
+class WireError(ValueError):
+    """A malformed wire body: truncated, corrupted, or not the expected shape/dtype."""
+
+
+# ---------------------------------------------------------------------------------- encode
+
+
+def encode_array(array: Union[torch.Tensor, np.ndarray]) -> bytes:
+    """One compact envelope, as bytes.
+
+    Args:
+        array: any shape, a dtype from :data:`WIRE_DTYPES` (a numpy array is converted).
+    """
+    t = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+    if t.dtype not in _NAMES:
+        raise WireError(f"wire encode: dtype {t.dtype} is not on the allow-list {sorted(WIRE_DTYPES)}")
+    t = t.detach().cpu().contiguous().reshape(-1)
+    raw = t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    shape = ",".join(str(int(s)) for s in array.shape)
+    return b"".join(
+        (_PREFIX, base64.b64encode(memoryview(raw)), b'","shape":[', shape.encode(), b'],"dtype":"', _NAMES[t.dtype].encode(), b'"}')
+    )
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes; every tensor / numpy array inside ``obj`` becomes an envelope."""
+    arrays: list = []
+
+    def marker(o):
+        if isinstance(o, (torch.Tensor, np.ndarray)):
+            arrays.append(o)
+            return {_MARKER_KEY: len(arrays) - 1}
+        raise TypeError(f"wire encode: {type(o).__name__} is not JSON serialisable")
+
+    text = json.dumps(obj, separators=(",", ":"), default=marker, allow_nan=False).encode()
+    if not arrays:
+        return text
+    pieces, last = [], 0
+    for i, arr in enumerate(arrays):
+        m = _MARKER % i
+        at = text.index(m, last)
+        pieces += [text[last:at], encode_array(arr)]
+        last = at + len(m)
+    pieces.append(text[last:])
+    return b"".join(pieces)
+
+
+# ---------------------------------------------------------------------------------- decode
+
+
+def _check_header(shape: Any, dtype: Any, where: str) -> tuple[tuple[int, ...], torch.dtype]:
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        raise WireError(f"{where}: dtype {dtype!r} is not on the allow-list {sorted(WIRE_DTYPES)}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape)
+    ):
+        raise WireError(f"{where}: shape {shape!r} must be a list of at most {_MAX_DIMS} non-negative ints")
+    return tuple(shape), WIRE_DTYPES[dtype]
+
+
+def _decode_b64(b64: Union[memoryview, bytes, str], shape: tuple[int, ...], dtype: torch.dtype, where: str) -> torch.Tensor:
+    """Decode base64 into a new tensor of ``shape``/``dtype``, chunk by chunk, in place."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    n = len(b64)
+    if n % 4:
+        raise WireError(f"{where}: base64 length {n} is not a multiple of 4 (truncated or corrupted payload)")
+    tail = b64[-2:] if n else b""
+    tail = tail.tobytes() if isinstance(tail, memoryview) else tail
+    tail = tail.encode("ascii", "replace") if isinstance(tail, str) else tail
+    pad = tail.count(b"=") if tail.endswith(b"=") else 0
+    if n // 4 * 3 - pad != nbytes:
+        raise WireError(
+            f"{where}: payload holds {n // 4 * 3 - pad} bytes but shape {list(shape)} of {dtype} needs {nbytes}; "
+            f"wrong shape or dtype, or a truncated payload"
+        )
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    view = out.numpy()
+    at = 0
+    try:
+        for s in range(0, n, _CHUNK):
+            chunk = binascii.a2b_base64(b64[s : s + _CHUNK], strict_mode=True)
+            view[at : at + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            at += len(chunk)
+    except (binascii.Error, ValueError) as exc:
+        raise WireError(f"{where}: payload is not valid base64 ({exc}); corrupted body") from None
+    if at != nbytes:
+        raise WireError(f"{where}: decoded {at} bytes, expected {nbytes}; corrupted payload")
+    if dtype == torch.bool and bool((out > 1).any()):
+        raise WireError(f"{where}: a bool payload holds bytes other than 0 and 1; corrupted payload")
+    return out.view(dtype).reshape(shape)
+
+
+def decode_envelope(obj: dict, *, where: str = "wire decode") -> torch.Tensor:
+    """Decode an envelope already parsed by ``json`` (the fallback path)."""
+    shape, dtype = _check_header(obj.get("shape"), obj.get("dtype"), where)
+    data = obj.get("data")
+    if not isinstance(data, str):
+        raise WireError(f"{where}: envelope 'data' must be a base64 string, got {type(data).__name__}")
+    if not data.isascii():
+        raise WireError(f"{where}: envelope 'data' holds non-ASCII characters; corrupted payload")
+    return _decode_b64(data, shape, dtype, where)
+
+
+def _restore(node: Any, arrays: list, path: str) -> Any:
+    """Swap markers and fallback envelopes for tensors, depth first."""
+    if isinstance(node, dict):
+        if len(node) == 1 and _MARKER_KEY in node:
+            return arrays[node[_MARKER_KEY]]
+        if _KEYS <= node.keys():
+            if node.keys() != _KEYS:
+                extra = sorted(set(node) - _KEYS)
+                raise WireError(f"wire decode at {path}: envelope with unexpected keys {extra}")
+            return decode_envelope(node, where=f"wire decode at {path}")
+        return {k: _restore(v, arrays, f"{path}.{k}") for k, v in node.items()}
+    if isinstance(node, list):
+        return [_restore(v, arrays, f"{path}[{i}]") for i, v in enumerate(node)]
+    return node
+
+
+def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
+    """Parse a body written by :func:`dumps` (or reformatted in transit); envelopes -> tensors.
+
+    Args:
+        raw: the body bytes, as read from the socket.
+
+    Returns:
+        The JSON value with every envelope replaced by a CPU tensor of its shape and dtype.
+
+    Raises:
+        WireError (a ValueError) for truncated or corrupted bodies and bad envelopes.
+    """
+    if isinstance(raw, memoryview):
+        raw = raw.tobytes()
+    if not isinstance(raw, (bytes, bytearray)):
+        raise WireError(f"wire decode: expected the raw body bytes, got {type(raw).__name__}")
+    mv = memoryview(raw)
+    pieces: list = []
+    arrays: list = []
+    last = pos = 0
+    while True:
+        i = raw.find(_PREFIX, pos)
+        if i < 0:
+            break
+        start = i + len(_PREFIX)
+        j = raw.find(b'"', start)
+        if j < 0:
+            raise WireError(f"wire decode: the envelope at byte {i} never closes its base64 string; truncated body")
+        m = _TAIL.match(raw, j)
+        if m is None:  # not the compact layout: leave it to the fallback
+            pos = start
+            continue
+        shape_txt = m.group(1).decode()
+        shape = [int(s) for s in shape_txt.split(",")] if shape_txt else []
+        where = f"wire decode, envelope at byte {i}"
+        shape_t, dtype = _check_header(shape, m.group(2).decode(), where)
+        arrays.append(_decode_b64(mv[start:j], shape_t, dtype, where))
+        pieces += [mv[last:i], _MARKER % (len(arrays) - 1)]
+        last = pos = m.end()
+    pieces.append(mv[last:])
+    text = b"".join(pieces) if arrays else raw
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WireError(f"wire decode: body is not valid JSON ({exc.msg} at char {exc.pos}); truncated or corrupted") from None
+    except UnicodeDecodeError:
+        raise WireError("wire decode: body is not UTF-8 text; corrupted") from None
+    return _restore(obj, arrays, "$")
+
+
+# ---------------------------------------------------------------------------------- schema
+
+
+def support_to_wire(support: Union[PackedTensor, RaggedSupport, torch.Tensor]) -> dict:
+    """The support of one response as a wire object.
+
+    Fixed-width rows (``[n, k]`` int32, bare or a one-segment PackedTensor) become
+    ``{"rows": <envelope>}``; CSR rows (a one-segment RaggedSupport) become
+    ``{"member_ids": <envelope int32>, "row_offsets": <envelope int64>}``.
+    """
+    if isinstance(support, RaggedSupport):
+        if support.batch_size != 1:
+            raise WireError(f"wire encode: send one response's support at a time, got {support.batch_size} segments")
+        return {"member_ids": support.member_ids.to(torch.int32), "row_offsets": support.row_offsets.to(torch.int64)}
+    if isinstance(support, PackedTensor):
+        if support.batch_size != 1:
+            raise WireError(f"wire encode: send one response's support at a time, got {support.batch_size} segments")
+        support = support.values
+    return {"rows": support.to(torch.int32)}
+
+
+def _integer(t: Any, dims: int, name: str, where: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise WireError(f"{where}: '{name}' must be an array envelope, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise WireError(f"{where}: '{name}' must hold integers, got dtype {t.dtype}")
+    if t.dim() != dims:
+        raise WireError(f"{where}: '{name}' must be {dims}-D, got shape {list(t.shape)}")
+    return t
+
+
+def support_from_wire(
+    obj: Any,
+    *,
+    sampled_ids: Optional[torch.Tensor] = None,
+    vocab_size: Optional[int] = None,
+    where: str = "wire decode: support",
+) -> Union[PackedTensor, RaggedSupport]:
+    """Read :func:`support_to_wire`'s object back and check it (DESIGN.md §2 boundary).
+
+    Args:
+        obj: the decoded object (envelopes already tensors, as :func:`loads` returns).
+        sampled_ids: (n,) the response's tokens; sets the expected row count and checks
+            that each sampled token is a member of its row.
+        vocab_size: ids must be below it when given.
+
+    Returns:
+        A one-segment ``PackedTensor`` (int32 [n, k]) or ``RaggedSupport`` (n rows).
+    """
+    if not isinstance(obj, dict):
+        raise WireError(f"{where}: expected an object with 'rows' or 'member_ids'/'row_offsets', got {type(obj).__name__}")
+    try:
+        if "rows" in obj:
+            rows = _integer(obj["rows"], 2, "rows", where)
+            if rows.numel() and (rows.min() < -1 or rows.max() > torch.iinfo(torch.int32).max):
+                raise WireError(f"{where}: 'rows' hold ids outside [-1, 2**31)")
+            support: Union[PackedTensor, RaggedSupport] = PackedTensor(rows.to(torch.int32), [0, rows.shape[0]])
+        elif "member_ids" in obj and "row_offsets" in obj:
+            members = _integer(obj["member_ids"], 1, "member_ids", where)
+            offsets = _integer(obj["row_offsets"], 1, "row_offsets", where)
+            if offsets.numel() == 0:
+                raise WireError(f"{where}: 'row_offsets' must hold n + 1 entries, got none")
+            support = RaggedSupport(members, offsets.to(torch.int64), torch.tensor([0, offsets.numel() - 1], dtype=torch.int32))
+        else:
+            raise WireError(f"{where}: expected keys 'rows' or 'member_ids' and 'row_offsets', got {sorted(obj)}")
+        n = support.values.shape[0] if isinstance(support, PackedTensor) else support.num_rows
+        if sampled_ids is not None and torch.as_tensor(sampled_ids).shape != (n,):
+            raise WireError(
+                f"{where}: {n} support rows for {torch.as_tensor(sampled_ids).numel()} sampled tokens; expected one each"
+            )
+        validate_support(support, sampled_ids=sampled_ids, vocab_size=vocab_size, where=where)
+    except WireError:
+        raise
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
+    return support
+
+
+def routes_from_wire(obj: Any, *, where: str = "wire decode: routes") -> torch.Tensor:
+    """Check a routes envelope: integer ``[tokens, layers, topk]``, expert ids >= -1."""
+    routes = _integer(obj, 3, "routes", where)
+    if routes.numel() and routes.min() < -1:
+        raise WireError(f"{where}: expert ids must be >= -1, got {int(routes.min())}")
+    return routes

@@ -1,0 +1,180 @@
+"""Wire codec: round trips, memory of a 64 MiB decode, malformed and reformatted bodies."""
+
+import json
+import re
+import tracemalloc
+
+import pytest
+import torch
+
+from nemo_replay import capture
+from nemo_replay.rollout.wire import (
+    WIRE_DTYPES,
+    WireError,
+    dumps,
+    loads,
+    routes_from_wire,
+    support_from_wire,
+    support_to_wire,
+)
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+
+MiB = 1 << 20
+
+
+def sample_array(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -(2**62)), min(info.max, 2**62), shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+@pytest.mark.parametrize("name", sorted(WIRE_DTYPES))
+def test_every_allowed_dtype_round_trips(name):
+    t = sample_array(WIRE_DTYPES[name])
+    body = dumps({"a": t, "meta": {"n": 3, "s": 'quote " and {"data":"x"} inside a string'}, "empty": t[:0], "scalar": t[0, 0]})
+    out = loads(body)
+    for key, want in (("a", t), ("empty", t[:0]), ("scalar", t[0, 0])):
+        assert out[key].dtype == want.dtype and out[key].shape == want.shape
+        assert torch.equal(out[key].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))  # bit-exact
+    assert out["meta"] == {"n": 3, "s": 'quote " and {"data":"x"} inside a string'}
+
+
+def test_support_and_routes_round_trip():
+    torch.manual_seed(0)
+    logits = torch.randn(40, 300)
+    fixed = capture.sample(logits, temperature=1.0, top_k=16, top_p=0.9)
+    ragged = capture.sample(logits, temperature=1.0, top_p=0.9)
+    routes = torch.randint(0, 64, (57, 4, 2), dtype=torch.int16)
+    body = dumps({"fixed": support_to_wire(fixed.support), "ragged": support_to_wire(ragged.support), "routes": routes})
+    out = loads(body)
+    got_fixed = support_from_wire(out["fixed"], sampled_ids=fixed.ids, vocab_size=300)
+    got_ragged = support_from_wire(out["ragged"], sampled_ids=ragged.ids, vocab_size=300)
+    assert isinstance(got_fixed, PackedTensor) and got_fixed == fixed.support
+    assert isinstance(got_ragged, RaggedSupport) and got_ragged == ragged.support
+    assert torch.equal(routes_from_wire(out["routes"]), routes)
+
+
+def _rss_high_water_kib():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+def _reset_high_water() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def test_64_mib_decode_peak_memory_under_twice_its_size():
+    size = 64 * MiB
+    array = torch.randint(-(2**31), 2**31 - 1, (size // 4,), dtype=torch.int32)
+    body = dumps({"routes": array, "n": 1})
+    assert len(body) > 4 * size // 3  # the base64 alone is 4/3 of the array
+    # Python-level allocations (bytes, str, numpy chunks) during the decode.
+    tracemalloc.start()
+    out = loads(body)
+    _, py_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert torch.equal(out["routes"], array)
+    assert py_peak < 16 * MiB, f"decode built {py_peak / MiB:.1f} MiB of Python objects"
+    del out
+    # Process memory, which also sees the tensor buffer: reset the high-water mark, decode.
+    if not _reset_high_water():
+        pytest.skip("cannot reset VmHWM here (/proc/self/clear_refs); the tracemalloc bound above held")
+    base = _rss_kib()
+    out = loads(body)
+    extra = (_rss_high_water_kib() - base) * 1024
+    assert torch.equal(out["routes"][:1000], array[:1000])
+    assert extra < 2 * size, f"peak extra memory {extra / MiB:.1f} MiB for a {size / MiB:.0f} MiB array"
+
+
+def small_body() -> bytes:
+    return dumps({
+        "output_ids": torch.tensor([5, 9, 11, 2], dtype=torch.int64),
+        "support": {"rows": torch.tensor([[5, 1, -1], [9, 3, 4], [11, -1, -1], [2, 7, -1]], dtype=torch.int32)},
+        "finish_reason": "stop",
+    })
+
+
+def test_every_truncation_raises_value_error():
+    body = small_body()
+    for cut in range(len(body)):
+        with pytest.raises(ValueError):
+            loads(body[:cut])
+
+
+def test_corruption_raises_value_error_or_decodes_never_crashes():
+    body = small_body()
+    for pos in range(len(body)):
+        for ch in (b"!", b"A", b"]", b'"', b"9", b"\xff"):
+            bad = body[:pos] + ch + body[pos + 1 :]
+            try:
+                loads(bad)
+            except ValueError:
+                pass
+
+
+@pytest.mark.parametrize(
+    "envelope, match",
+    [
+        ('{"data":"AQAAAAIAAAA=","shape":[3],"dtype":"int32"}', "needs 12"),  # wrong shape
+        ('{"data":"AQAAAAIAAAA=","shape":[2],"dtype":"int64"}', "needs 16"),  # wrong dtype size
+        ('{"data":"AQAAAAIAAAA=","shape":[2],"dtype":"object"}', "allow-list"),
+        ('{"data":"AQAAAAIAAAA=","shape":[2],"dtype":"complex64"}', "allow-list"),
+        ('{"data":"AQAA!AIAAAA=","shape":[2],"dtype":"int32"}', "base64"),
+        ('{"data":"AQAAAAIAAA","shape":[2],"dtype":"int32"}', "multiple of 4"),
+        ('{"data":"AgA=","shape":[2],"dtype":"bool"}', "0 and 1"),
+        ('{"data":"AQAAAAIAAAA=","shape":[-2],"dtype":"int32"}', "shape"),
+        ('{"data": "AQAAAAIAAAA=", "shape": [2.5], "dtype": "int32"}', "shape"),
+        ('{"data": "AQAAAAIAAAA=", "shape": [2], "dtype": "int32", "x": 1}', "unexpected keys"),
+    ],
+)
+def test_malformed_envelopes(envelope, match):
+    with pytest.raises(ValueError, match=match):
+        loads(('{"a":' + envelope + "}").encode())
+
+
+def test_reformatted_bodies_parse():
+    body = small_body()
+    want = loads(body)
+    for text in (
+        json.dumps(json.loads(body), indent=2),  # pretty-printed
+        json.dumps(json.loads(body), sort_keys=True),  # keys re-ordered: dtype, shape, data
+        json.dumps(json.loads(body), separators=(", ", ": ")),
+    ):
+        assert b'{"data":"' not in text.encode()
+        got = loads(text.encode())
+        assert torch.equal(got["output_ids"], want["output_ids"])
+        assert torch.equal(got["support"]["rows"], want["support"]["rows"])
+        assert got["finish_reason"] == "stop"
+
+
+def test_support_schema_errors():
+    rows = torch.tensor([[5, 1, -1], [9, 3, 4]], dtype=torch.int32)
+    with pytest.raises(WireError, match="must hold integers"):
+        support_from_wire(loads(dumps({"rows": rows.float()})))
+    with pytest.raises(WireError, match="2-D"):
+        support_from_wire(loads(dumps({"rows": rows[0]})))
+    with pytest.raises(WireError, match="row 1: sampled token 7"):
+        support_from_wire(loads(dumps({"rows": rows})), sampled_ids=torch.tensor([5, 7]))
+    with pytest.raises(WireError, match="2 support rows for 3 sampled tokens"):
+        support_from_wire(loads(dumps({"rows": rows})), sampled_ids=torch.tensor([5, 9, 1]))
+    with pytest.raises(WireError, match="padding must be trailing"):
+        support_from_wire(loads(dumps({"rows": torch.tensor([[5, -1, 2]], dtype=torch.int32)})))
+    with pytest.raises(WireError, match="row_offsets"):
+        support_from_wire(loads(dumps({"member_ids": rows[0], "row_offsets": torch.tensor([0, 5])})))
+    with pytest.raises(WireError, match="expert ids"):
+        routes_from_wire(torch.full((2, 1, 1), -3))
