@@ -1,0 +1,157 @@
+"""The generate client against the real loopback server: retries, reformatted bodies, traces."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from aiohttp import web
+
+from nemo_replay import capture
+from nemo_replay.rollout.client import GenerateClient, GenerateRequestError
+from nemo_replay.rollout.server import GenerateServer
+from nemo_replay.rollout.trace import RouteTrace, SupportTrace
+from nemo_replay.rollout.wire import WireError
+
+V, EOS, LAYERS, TOPK = 48, 2, 3, 2
+TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 2
+
+
+def logits_fn(tokens: torch.Tensor) -> torch.Tensor:
+    """A toy causal model: the next-token logits depend on the last token and the length."""
+    return TABLE[tokens[-1]] + 0.05 * tokens.numel()
+
+
+def routes_fn(tokens: torch.Tensor) -> torch.Tensor:
+    prefix = torch.cumsum(tokens * 7 + 3, 0)
+    base = prefix[:, None, None] + torch.arange(LAYERS)[None, :, None] * 11 + torch.arange(TOPK)[None, None, :] * 3
+    return (base % 16).to(torch.int16)
+
+
+PARAMS = {"temperature": 0.9, "top_k": 6, "top_p": 0.95, "max_new_tokens": 7}
+
+
+def local_generation(prompt, params, seed):
+    """The same loop without a server: what the response must contain."""
+    params = dict(params)
+    max_new = params.pop("max_new_tokens")
+    gen = torch.Generator().manual_seed(seed)
+    tokens, ids, lps, rows = torch.tensor(prompt), [], [], []
+    for _ in range(max_new):
+        r = capture.sample(logits_fn(tokens)[None], generator=gen, **params)
+        ids.append(int(r.ids[0])), lps.append(r.logprobs), rows.append(r.support.values)
+        tokens = torch.cat([tokens, r.ids])
+        if ids[-1] == EOS:
+            break
+    return torch.tensor(ids), torch.cat(lps), torch.cat(rows)
+
+
+def disturb_first(n_bad: int, how: str):
+    state = {"seen": 0}
+
+    @web.middleware
+    async def middleware(request, handler):
+        resp = await handler(request)
+        state["seen"] += 1
+        if state["seen"] > n_bad and how != "pretty":
+            return resp
+        if how == "truncate":
+            return web.Response(body=resp.body[: len(resp.body) * 2 // 3], content_type="application/json")
+        if how == "corrupt":
+            body = bytearray(resp.body)
+            at = body.index(b'"rows":{"data":"') + 20
+            body[at : at + 4] = b"!!!!"
+            return web.Response(body=bytes(body), content_type="application/json")
+        if how == "unavailable":
+            return web.Response(status=503, text="warming up")
+        if how == "pretty":  # a proxy re-indenting JSON
+            return web.Response(body=json.dumps(json.loads(resp.body), indent=2).encode(), content_type="application/json")
+        raise AssertionError(how)
+
+    return middleware
+
+
+async def one_request(how, n_bad, *, max_attempts=4, prompt=(5, 6, 7)):
+    async with GenerateServer(logits_fn, routes_fn=routes_fn, eos_id=EOS, middlewares=[disturb_first(n_bad, how)]) as server:
+        assert server.url.startswith("http://127.0.0.1:")
+        async with GenerateClient(server.url, max_attempts=max_attempts, backoff_s=0.01, vocab_size=V) as client:
+            try:
+                return await client.generate(list(prompt), sampling_params=PARAMS, routes_start=0, seed=3), client, server
+            except GenerateRequestError as exc:
+                return exc, client, server
+
+
+@pytest.mark.parametrize("how", ["truncate", "corrupt", "unavailable"])
+def test_client_retries_a_bad_response_then_succeeds(how):
+    result, client, server = asyncio.run(one_request(how, 1))
+    assert client.num_retries == 1 and server.num_requests == 2
+    ids, lps, rows = local_generation([5, 6, 7], PARAMS, 3)
+    assert torch.equal(result.output_ids, ids)
+    torch.testing.assert_close(result.logprobs, lps, rtol=0, atol=0)
+    assert torch.equal(result.support.values, rows) and result.support.cu_seqlens.tolist() == [0, ids.numel()]
+    forwarded = torch.cat([torch.tensor([5, 6, 7]), ids])[:-1]
+    assert result.routes_start == 0 and torch.equal(result.routes, routes_fn(forwarded))
+
+
+def test_reformatted_response_parses():
+    result, client, _ = asyncio.run(one_request("pretty", 0))
+    assert client.num_retries == 0
+    ids, _, rows = local_generation([5, 6, 7], PARAMS, 3)
+    assert torch.equal(result.output_ids, ids) and torch.equal(result.support.values, rows)
+
+
+def test_client_gives_up_after_max_attempts():
+    exc, client, server = asyncio.run(one_request("truncate", 10, max_attempts=3))
+    assert isinstance(exc, GenerateRequestError) and "all 3 attempts failed" in str(exc)
+    assert isinstance(exc.__cause__, WireError)
+    assert client.num_retries == 2 and server.num_requests == 3
+
+
+def test_client_does_not_retry_a_refused_request():
+    async def run():
+        async with GenerateServer(logits_fn, eos_id=EOS) as server:
+            async with GenerateClient(server.url, backoff_s=0.01) as client:
+                with pytest.raises(GenerateRequestError, match="HTTP 400.*temperature"):
+                    await client.generate([1, 2], sampling_params={"temperature": 0.0, "top_k": 4})
+                return client.num_retries, server.num_requests
+
+    assert asyncio.run(run()) == (0, 1)
+
+
+def test_server_binds_loopback_only():
+    with pytest.raises(ValueError, match="loopback"):
+        GenerateServer(logits_fn, host="0.0.0.0")
+
+
+def test_multi_turn_rollout_over_loopback_traces_support_and_routes():
+    prompt = [9, 10, 11, 12]
+    observations = [[20, 21], [22, 23, 24]]
+
+    async def run():
+        support, routes = SupportTrace(top_k=PARAMS["top_k"], eos_id=EOS, vocab_size=V), RouteTrace(num_layers=LAYERS, topk=TOPK, dtype=torch.int16)
+        conversation = list(prompt)
+        routes.add_tokens(len(prompt))
+        starts = []
+        async with GenerateServer(logits_fn, routes_fn=routes_fn, eos_id=EOS) as server:
+            async with GenerateClient(server.url, backoff_s=0.01, vocab_size=V) as client:
+                for t in range(3):
+                    start = routes.request_start
+                    starts.append(start)
+                    res = await client.generate(conversation, sampling_params=PARAMS, routes_start=start, seed=t)
+                    support.add_turn(res.output_ids, res.support)
+                    routes.add_request(res.routes, start=res.routes_start, num_generated=res.output_ids.numel())
+                    conversation += res.output_ids.tolist()
+                    if t < 2:
+                        support.add_observation(observations[t])
+                        routes.add_tokens(len(observations[t]))
+                        conversation += observations[t]
+        return support, routes, conversation, starts
+
+    support, routes, conversation, starts = asyncio.run(run())
+    response = conversation[len(prompt) :]
+    support.check_response(response)
+    assert support.num_rows == len(response)
+    assert starts[0] == 0 and starts[1] < starts[2] < len(conversation)  # each request asks only for a suffix
+    out = routes.finish(support.loss_mask)
+    full = routes_fn(torch.tensor(conversation))
+    assert torch.equal(out[:-1], full[:-1]) and (out[-1] == -1).all()
