@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import nemo_replay
 from nemo_replay import capture
@@ -186,3 +187,25 @@ def test_broken_logits_are_refused():
         capture.sample(torch.full((1, 5), -math.inf), temperature=1.0, top_k=4)
     with pytest.raises(ValueError, match=r"\[N, V\]"):
         capture.sample(torch.randn(10), temperature=1.0, top_k=4)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 6),
+    v=st.integers(2, 60),
+    scale=st.sampled_from([0.1, 1.0, 4.0]),
+    temperature=st.floats(0.3, 2.0),
+    top_k=st.one_of(st.none(), st.integers(2, 70)),
+    top_p=st.sampled_from([1.0, 0.95, 0.7, 0.3]),
+    min_p=st.sampled_from([0.0, 0.01, 0.2]),
+)
+def test_random_settings_match_the_reference(seed, n, v, scale, temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g) * scale
+    ids, lps, support = capture.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=g)
+    x = logits.double() / temperature
+    for r, row in enumerate(rows_of(support, n)):
+        want = reference_support(x[r], top_k, top_p, min_p)
+        assert row == want and int(ids[r]) in want
+        assert abs(float(lps[r]) - reference_logprob(x[r], want, int(ids[r]))) < 1e-5
