@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -158,7 +159,7 @@ def _parse_value(value: Any, where: str) -> tuple[float, float]:
         lp, rank = value.logprob, getattr(value, "rank", None)
     else:
         lp, rank = value, None
-    if isinstance(lp, bool) or not isinstance(lp, (int, float)) or math.isnan(lp):
+    if isinstance(lp, bool) or not isinstance(lp, numbers.Real) or math.isnan(lp):
         raise ValueError(f"{where}: log-prob {lp!r} is not a number")
     return float(lp), float(rank) if rank is not None else math.inf
 

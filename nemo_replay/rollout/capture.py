@@ -42,6 +42,7 @@ packed as a :class:`PackedTensor` of one segment. Without ``top_k``, rows are ra
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -88,7 +89,7 @@ def check_capture_settings(
         ValueError naming each offending flag, the value received and the fix.
     """
     errors = []
-    if temperature is None or isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if temperature is None or isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         errors.append(
             f"temperature={temperature!r}: capture needs a number > 0 (greedy decoding has no "
             f"distribution to replay); set generation.temperature, e.g. 1.0"
@@ -99,7 +100,7 @@ def check_capture_settings(
             f"means greedy decoding); set generation.temperature, e.g. 1.0"
         )
     if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
             errors.append(f"top_k={top_k!r}: expected an int > 1 or None (no top-k bound)")
         elif top_k <= 1:
             errors.append(
@@ -107,9 +108,9 @@ def check_capture_settings(
                 f"spell 'no bound' as 0 or -1, which here is top_k=None); set generation.top_k > 1 "
                 f"or leave it unset for ragged rows"
             )
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
         errors.append(f"top_p={top_p!r}: expected a number in (0, 1]; 1.0 disables top-p")
-    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0.0 <= min_p < 1.0:
+    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0.0 <= min_p < 1.0:
         errors.append(f"min_p={min_p!r}: expected a number in [0, 1); 0.0 disables min-p")
     for flag, value, neutral in (
         ("repetition_penalty", repetition_penalty, 1.0),
