@@ -20,11 +20,11 @@ WIDTH = 4  # support row width k
 
 
 def tiny_llama(seed: int = 0, *, heads: int = 4, kv_heads: int = 2, attn: str = "sdpa"):
-    """A float64 two-layer LlamaForCausalLM built from a config (no download)."""
+    """A float64 two-layer LlamaForCausalLM built from a config (no download); head_dim 8."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=64,
         rope_theta=100.0, tie_word_embeddings=False, attn_implementation=attn,
     )
