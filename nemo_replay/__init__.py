@@ -4,6 +4,7 @@ Importing the package is cheap: it never imports megatron-core or transformers. 
 load on first lookup (:func:`get_strategy`).
 """
 
+from nemo_replay import capture
 from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.strategies.registry import (
     StrategySpec,
@@ -17,6 +18,7 @@ from nemo_replay.support.ragged import RaggedSupport
 __version__ = "0.1.0"
 
 __all__ = [
+    "capture",
     "PackedTensor",
     "RaggedSupport",
     "SupportScores",
