@@ -161,8 +161,11 @@ class PackedTensor:
     # ------------------------------------------------------------------ batch ops
     def _normalise_index(self, index) -> torch.Tensor:
         if isinstance(index, slice):
-            return torch.arange(self.batch_size)[index]
+            # range() slicing also takes negative steps, which tensor slicing rejects.
+            return torch.tensor(range(self.batch_size)[index], dtype=torch.int64)
         idx = torch.as_tensor(index)
+        if idx.numel() == 0 and idx.dim() == 1:
+            return torch.zeros(0, dtype=torch.int64)  # an empty selection ([] parses as float)
         if idx.dtype == torch.bool:
             if idx.shape != (self.batch_size,):
                 raise ValueError(f"boolean segment mask must have shape ({self.batch_size},), got {tuple(idx.shape)}")

@@ -146,7 +146,7 @@ class RaggedSupport:
         if isinstance(index, int):
             index = [index]
         elif isinstance(index, slice):
-            index = torch.arange(self.batch_size)[index]
+            index = torch.tensor(range(self.batch_size)[index], dtype=torch.int64)
         return self.gather(index)
 
     def repeat(self, n: int) -> "RaggedSupport":
