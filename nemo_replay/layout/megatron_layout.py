@@ -355,27 +355,41 @@ class TokenMetadataLayout:
         """Per-logit outputs ``(*local_shape, *extra)`` -> canonical ``(B, S - 1, *extra)``.
 
         Under CP the local tensors of all ranks are all-gathered over ``cp_group`` (one
-        all_gather, not differentiable: outputs, not the loss path) and every rank returns
-        the whole canonical tensor. Positions no rank predicts get ``fill``.
+        all_gather of a detached copy: for outputs, not the loss path) and every rank
+        returns the whole canonical tensor. Positions no rank predicts get ``fill``.
         """
+        self._check_local(local)
+        if self.cp_size == 1:
+            return self.from_cp_parts([local], fill)
+        if cp_group is None or dist.get_world_size(cp_group) != self.cp_size:
+            raise ValueError(f"to_canonical with cp_size={self.cp_size} needs the context-parallel group of that size")
+        local = local.detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.cp_size)]
+        dist.all_gather(parts, local, group=cp_group)
+        return self.from_cp_parts(parts, fill)
+
+    def from_cp_parts(self, parts: Sequence[torch.Tensor], fill=0) -> torch.Tensor:
+        """Every CP rank's local outputs (in rank order) -> canonical ``(B, S - 1, *extra)``.
+
+        The scatter half of :meth:`to_canonical`, without communication.
+        """
+        if len(parts) != self.cp_size:
+            raise ValueError(f"expected one local tensor per CP rank ({self.cp_size}), got {len(parts)}")
+        for part in parts:
+            self._check_local(part)
+        extra = tuple(parts[0].shape[2:])
+        B, W = self.batch_size, self.seq_len - 1
+        device = parts[0].device
+        out = torch.full((B * W, *extra), fill, dtype=parts[0].dtype, device=device)
+        for r, part in enumerate(parts):
+            lay = self if r == self.cp_rank else self.for_cp_rank(r)
+            valid, b, col = lay._canonical_index(logit=True)
+            out[(b * W + col)[valid].to(device)] = part.reshape(self.num_local, *extra)[valid.to(device)]
+        return out.view(B, W, *extra)
+
+    def _check_local(self, local: torch.Tensor) -> None:
         if tuple(local.shape[:2]) != self.local_shape:
             raise ValueError(f"local outputs must be {self.local_shape} + extra dims, got {tuple(local.shape)}")
-        flat = local.reshape(self.num_local, *local.shape[2:])
-        B, W = self.batch_size, self.seq_len - 1
-        out = torch.full((B * W, *flat.shape[1:]), fill, dtype=local.dtype, device=local.device)
-        if self.cp_size > 1:
-            if cp_group is None or dist.get_world_size(cp_group) != self.cp_size:
-                raise ValueError(f"to_canonical with cp_size={self.cp_size} needs the context-parallel group of that size")
-            parts = [torch.empty_like(flat) for _ in range(self.cp_size)]
-            dist.all_gather(parts, flat.detach().contiguous(), group=cp_group)
-            layouts = [self.for_cp_rank(r) for r in range(self.cp_size)]
-        else:
-            parts, layouts = [flat], [self]
-        for part, lay in zip(parts, layouts):
-            valid, b, col = lay._canonical_index(logit=True)
-            idx = (b * W + col)[valid].to(local.device)
-            out[idx] = part[valid.to(local.device)]
-        return out.view(B, W, *flat.shape[1:])
 
     # ------------------------------------------------------------------ model inputs
     def input_ids(self, sequences: torch.Tensor, pad_id: int = 0) -> torch.Tensor:

@@ -13,6 +13,16 @@ Megatron-core touches CUDA in three places the CPU tests reach:
 
 Nothing else is replaced: process groups, layers and schedules are megatron-core's own.
 Call :func:`install_cpu_shims` at the top of every spawned worker before building a model.
+
+MoE without Transformer Engine. megatron-core 0.16.1 binds ``te_general_gemm`` in
+``transformer/moe/moe_utils.py`` only inside its ``try: import transformer_engine`` block,
+yet ``RouterGatingLinearFunction.forward`` (moe_utils.py line 1192) reads it
+unconditionally (``if te_general_gemm is not None and ...``). Without Transformer Engine
+every MoE router forward therefore raises ``NameError: name 'te_general_gemm' is not
+defined`` -- on CPU and GPU alike. :func:`install_moe_without_te_shim` binds the name to
+``None``, the value that very check expects, so the router takes its plain
+``torch.mm`` path. (The ``alltoall`` token dispatcher also needs ``torch.cuda.Stream``;
+the tests use the ``allgather`` dispatcher.)
 """
 
 from __future__ import annotations
@@ -57,3 +67,11 @@ def install_cpu_shims() -> None:
     # Entered for the life of the (spawned, single-purpose) worker process.
     _CudaFactoriesOnCpu().__enter__()
     _INSTALLED = True
+
+
+def install_moe_without_te_shim() -> None:
+    """Bind megatron's missing ``moe_utils.te_general_gemm`` to None when TE is absent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

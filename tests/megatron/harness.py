@@ -23,7 +23,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from tests.megatron.cpu_shims import install_cpu_shims
+from tests.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
 
 VOCAB = 64
 HIDDEN = 32
@@ -33,6 +33,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> None:
     """(Re)initialise megatron's parallel state in this spawned worker."""
     install_cpu_shims()
+    install_moe_without_te_shim()
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():

@@ -1,0 +1,473 @@
+"""The megatron strategy on real megatron-core GPTModels (local spec), CPU, gloo.
+
+One spawn of two gloo ranks runs every multi-process check, re-initialising megatron's
+parallel state between phases (building megatron is the slow part, so it happens once):
+
+A. TP=1: rollouts sampled from the model's own logits (top-k capture); ``recompute``
+   reproduces the sampler's log-probs; every role against float64 references from
+   plain single-trajectory forwards; ``policy`` (first ratio 1) and its gradients
+   against an autograd reference of the same objective.
+B. TP=2, same full weights sharded: log-probs and gathered gradients equal TP=1's, in
+   logits and hidden mode; a real CP all-gather of the layout's outputs; CP without
+   packing refused.
+C. PP=2: megatron's 1F1B schedule on gloo; log-probs on both stages and gradients equal TP=1's.
+D. MoE with routing replay: recorded routes installed through megatron's RouterReplay
+   reproduce the recording forward; under changed gate weights the routers still take
+   the recorded experts, token for token; virtual PP refused.
+
+The tests below assert on what the ranks return.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.objectives import clipped_policy_loss
+from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.support.packed import PackedTensor
+from tests.spawn import run_workers
+
+pytest.importorskip("megatron.core")
+
+TEMPERATURE = 0.9
+TOP_K = 8
+EOS = 63
+PROMPTS = [3, 5, 4, 2]
+RESPONSES = [4, 3, 5, 6]
+ADVANTAGES = [torch.tensor([0.5, -1.0]), torch.tensor([1.5, -0.25])]
+POLICY = RoleSettings(temperature=TEMPERATURE, kl_coef=0.1, clip_eps=0.2)
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+def make_batch(rolls, prompt_lengths, synthetic_eos: int | None = None) -> ReplayBatch:
+    """Left-padded canonical batch; ``synthetic_eos`` appends an unsampled EOS (all -1 row)."""
+    seqs, rows, R = [], [], []
+    for i, (tokens, _, r) in enumerate(rolls):
+        if i == synthetic_eos:
+            tokens = torch.cat([tokens, torch.tensor([EOS])])
+            r = torch.cat([r, torch.full((1, r.shape[1]), -1, dtype=r.dtype)])
+        seqs.append(tokens)
+        rows.append(r)
+        R.append(tokens.numel() - prompt_lengths[i])
+    B, S, A = len(seqs), max(s.numel() for s in seqs), max(R)
+    sequences = torch.zeros(B, S, dtype=torch.int64)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    loss_mask = torch.zeros(B, A, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        sequences[i, S - s.numel() :] = s
+        mask[i, S - s.numel() :] = True
+        loss_mask[i, A - R[i] :] = True
+    return ReplayBatch(sequences, mask, torch.tensor(R), loss_mask, support=PackedTensor.from_segments(rows))
+
+
+def with_policy_inputs(batch: ReplayBatch, old: torch.Tensor, advantages: torch.Tensor) -> ReplayBatch:
+    # A reference that differs from the policy, so the KL term has a gradient.
+    shift = 0.05 * torch.linspace(-1, 1, old.numel()).view_as(old)
+    return ReplayBatch(
+        batch.sequences, batch.attention_mask, batch.response_lengths, batch.loss_mask, support=batch.support,
+        old_logprobs=old, advantages=advantages, ref_logprobs=old + shift,
+    )
+
+
+def response_rows(batch: ReplayBatch, i: int) -> torch.Tensor:
+    return batch.support.segment(i)
+
+
+def naive_response(model, batch: ReplayBatch, *, full_vocab: bool) -> torch.Tensor:
+    """(B, A) float64 reference log-probs from one plain forward per trajectory."""
+    from tests.megatron.harness import naive_scores
+
+    B, A = batch.loss_mask.shape
+    out = torch.zeros(B, A, dtype=torch.float64)
+    for i in range(B):
+        seq = batch.sequences[i][batch.attention_mask[i]]
+        R = int(batch.response_lengths[i])
+        rows = response_rows(batch, i)
+        if full_vocab:
+            rows = torch.full_like(rows, -1)
+        out[i, A - R :] = naive_scores(model, seq, rows, R, TEMPERATURE)
+    return out
+
+
+# ---------------------------------------------------------------------------- phases
+
+
+def _outputs(results, batches):
+    return [
+        {k: getattr(r.response(b.loss_mask.shape[1]), k) for k in ("logprobs", "valid_mask", "fallback_mask", "entropy", "support_logmass")}
+        | {"loss": r.loss, "metrics": r.metrics}
+        for r, b in zip(results, batches)
+    ]
+
+
+def _zero_grads(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def _phase_tp1(out):
+    from tests.megatron import harness as H
+    from nemo_replay import get_strategy
+
+    H.init_parallel(tp=1)
+    model = H.build_model(H.make_config())
+    H.load_full_weights(model, 1, 0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, H.VOCAB - 1, (p,), generator=g) for p in PROMPTS]
+    rolls = H.generate(model, prompts, RESPONSES, top_k=TOP_K, temperature=TEMPERATURE, seed=1)
+    batches = [make_batch(rolls[:2], PROMPTS[:2], synthetic_eos=0), make_batch(rolls[2:], PROMPTS[2:])]
+    out["batches"] = batches
+    out["sampler_logprobs"] = [r[1] for r in rolls]
+    strategy = get_strategy("megatron").factory()
+    stats = RoleSettings(temperature=TEMPERATURE, compute_entropy=True, compute_support_mass=True)
+    out["tp1_recompute"] = _outputs(strategy.run_role("recompute", model, batches, stats), batches)
+    out["tp1_reference_full"] = _outputs(
+        strategy.run_role("reference", model, batches, RoleSettings(temperature=TEMPERATURE, reference_full_vocab=True)), batches
+    )
+    out["tp1_replay_off"] = _outputs(strategy.run_role("recompute", model, batches, RoleSettings(temperature=TEMPERATURE, replay=False)), batches)
+    with torch.no_grad():
+        out["naive_support"] = [naive_response(model, b, full_vocab=False) for b in batches]
+        out["naive_full"] = [naive_response(model, b, full_vocab=True) for b in batches]
+    policy_batches = [
+        with_policy_inputs(b, o["logprobs"], a) for b, o, a in zip(batches, out["tp1_recompute"], ADVANTAGES)
+    ]
+    out["policy_batches"] = policy_batches
+    _zero_grads(model)
+    out["tp1_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, POLICY), policy_batches)
+    out["tp1_grads"] = H.full_grads(model, 1, None)
+    # Autograd reference of the same objective: plain forwards, float64 scoring, 1/num_microbatches.
+    _zero_grads(model)
+    for b in policy_batches:
+        B, A = b.loss_mask.shape
+        lp = torch.zeros(B, A, dtype=torch.float64)
+        for i in range(B):
+            seq = b.sequences[i][b.attention_mask[i]]
+            R = int(b.response_lengths[i])
+            lp = lp.index_put((torch.tensor([i]), torch.arange(A - R, A)), H.naive_scores(model, seq, response_rows(b, i), R, TEMPERATURE))
+        loss, _ = clipped_policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, clip_eps=POLICY.clip_eps,
+                                      kl_coef=POLICY.kl_coef, ref_logprobs=b.ref_logprobs)
+        (loss / len(policy_batches)).backward()
+    out["naive_grads"] = H.full_grads(model, 1, None)
+    return batches, policy_batches
+
+
+def _phase_tp2(out, rank, batches, policy_batches):
+    import torch.distributed as dist
+
+    from tests.megatron import harness as H
+    from nemo_replay import get_strategy
+    from nemo_replay.layout.megatron_layout import TokenMetadataLayout
+    from nemo_replay.strategies.megatron import MegatronParallel
+    from megatron.core import parallel_state as ps
+
+    H.init_parallel(tp=2)
+    model = H.build_model(H.make_config(tp=2))
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    H.load_full_weights(model, 2, tp_rank)
+    strategy = get_strategy("megatron").factory()
+    for source in ("logits", "hidden"):
+        recompute = RoleSettings(temperature=TEMPERATURE, source=source, compute_entropy=True)
+        out[f"tp2_{source}_recompute"] = _outputs(strategy.run_role("recompute", model, batches, recompute), batches)
+        _zero_grads(model)
+        policy = RoleSettings(temperature=TEMPERATURE, kl_coef=POLICY.kl_coef, clip_eps=POLICY.clip_eps, source=source)
+        out[f"tp2_{source}_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, policy), policy_batches)
+        out[f"tp2_{source}_grads"] = H.full_grads(model, 2, ps.get_tensor_model_parallel_group())
+    out["tp2_replay_off"] = _outputs(strategy.run_role("recompute", model, batches, RoleSettings(temperature=TEMPERATURE, replay=False)), batches)
+    # The explicit groups are the ones used: told tp_size=1 (a group of this rank alone), the
+    # scorer takes this rank's 32-id shard for the whole vocabulary and rejects the rows.
+    alone = [dist.new_group([r]) for r in range(2)][rank]
+    wrong = MegatronParallel(tp_group=alone, tp_size=1, tp_rank=0, pp_last_rank=rank)
+    try:
+        get_strategy("megatron").factory(parallel=wrong).run_role("recompute", model, batches, RoleSettings())
+        out["tp2_wrong_group"] = None
+    except ValueError as exc:
+        out["tp2_wrong_group"] = str(exc)
+    # Context parallel: the CP layout's outputs gathered over a real gloo group of 2.
+    world = dist.group.WORLD
+    b = batches[1]
+    lay = TokenMetadataLayout.build(b.attention_mask, tp_size=2, cp_size=2, cp_rank=rank, packed=True)
+    x = torch.arange(b.sequences.shape[0] * (b.sequences.shape[1] - 1), dtype=torch.float32).view(b.sequences.shape[0], -1) + 1
+    out["cp_gather"] = (lay.to_canonical(lay.align_logits(x, 0.0), -1.0, cp_group=world), x, b.attention_mask)
+    cp = MegatronParallel(cp_group=world, cp_size=2, cp_rank=rank, pp_last_rank=rank)
+    try:
+        get_strategy("megatron").factory(parallel=cp).run_role("recompute", model, batches, RoleSettings())
+        out["cp_unpacked_error"] = None
+    except ValueError as exc:
+        out["cp_unpacked_error"] = str(exc)
+
+
+def _phase_pp2(out, batches, policy_batches):
+    from tests.megatron import harness as H
+    from nemo_replay import get_strategy
+
+    H.init_parallel(pp=2)
+    model = H.build_model(H.make_config(pp=2))
+    H.load_full_weights(model, 1, 0)
+    strategy = get_strategy("megatron").factory()
+    out["pp2_recompute"] = _outputs(strategy.run_role("recompute", model, batches, RoleSettings(temperature=TEMPERATURE)), batches)
+    _zero_grads(model)
+    out["pp2_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, POLICY), policy_batches)
+    out["pp2_grads"] = H.full_grads(model, 1, None)
+
+
+def _routing_maps(model):
+    """Forward hooks capturing each router's routing_map [tokens, experts], per layer number."""
+    from nemo_replay.strategies.megatron.routing import moe_routers
+
+    maps: dict[int, list] = {}
+    for router in moe_routers([model]):
+        router.register_forward_hook(lambda m, args, output: maps.setdefault(m.layer_number, []).append(output[1].detach()))
+    return maps
+
+
+def _phase_moe(out, batches):
+    from tests.megatron import harness as H
+    from nemo_replay import get_strategy
+    from nemo_replay.strategies.megatron.routing import moe_routers
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    H.init_parallel()
+    config = H.make_config(moe=True)
+    model = H.build_model(config, moe=True)
+    H.load_full_weights(model, 1, 0)
+    routers = moe_routers([model])
+    # The recording forward: one plain forward per trajectory with megatron's RECORD action.
+    recorded, reference = [], []
+    with torch.no_grad():
+        for b in batches:
+            segs = []
+            for i in range(b.batch_size):
+                seq = b.sequences[i][b.attention_mask[i]]
+                for r in routers:
+                    r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+                H.forward_logits(model, seq)
+                segs.append(torch.stack([r.router_replay.get_recorded_indices() for r in routers], 1))
+                for r in routers:
+                    r.router_replay.clear_indices()
+                    r.router_replay.clear_router_replay_action()
+            recorded.append(PackedTensor.from_segments(segs))
+            reference.append(naive_response(model, b, full_vocab=False))
+    routed = [
+        ReplayBatch(b.sequences, b.attention_mask, b.response_lengths, b.loss_mask, support=b.support, routes=rt)
+        for b, rt in zip(batches, recorded)
+    ]
+    out["moe_reference"] = reference
+    out["moe_routes"] = recorded
+    settings = RoleSettings(temperature=TEMPERATURE)
+    replaying = get_strategy("megatron").factory(route_replay=True)
+    out["moe_replay_same_weights"] = _outputs(replaying.run_role("recompute", model, routed, settings), routed)
+    # Change the gates: ordinary routing now picks other experts for some tokens; replay must not.
+    gate = {name: 2.0 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7))
+            for name, p in H.global_names(model).items() if name.endswith("router.weight")}
+    H.load_full_weights(model, 1, 0, perturb=gate)
+    maps = _routing_maps(model)
+    get_strategy("megatron").factory().run_role("recompute", model, routed, settings)
+    out["moe_free_maps"] = {k: list(v) for k, v in maps.items()}
+    maps.clear()
+    out["moe_replay_changed_gate"] = _outputs(replaying.run_role("recompute", model, routed, settings), routed)
+    out["moe_replay_maps"] = {k: list(v) for k, v in maps.items()}
+    out["moe_layer_numbers"] = [r.layer_number for r in routers]
+    out["moe_after_clear"] = [r.router_replay.router_replay_action for r in routers]
+    try:
+        replaying.run_role("recompute", [model, model], routed, settings)
+        out["moe_vpp_error"] = None
+    except ValueError as exc:
+        out["moe_vpp_error"] = str(exc)
+
+
+def _worker(rank, world_size):
+    out = {}
+    batches, policy_batches = _phase_tp1(out)
+    _phase_tp2(out, rank, batches, policy_batches)
+    _phase_pp2(out, batches, policy_batches)
+    _phase_moe(out, batches)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_workers(_worker, 2)
+
+
+# ---------------------------------------------------------------------------- assertions
+
+
+def _close(a, b, atol, rtol=0.0):
+    torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol)
+
+
+def test_recompute_reproduces_the_sampler_and_the_float64_reference(ranks):
+    r = ranks[0]
+    for k, (b, o) in enumerate(zip(r["batches"], r["tp1_recompute"])):
+        A = b.loss_mask.shape[1]
+        for i in range(b.batch_size):
+            sampled = r["sampler_logprobs"][2 * k + i]
+            R = sampled.numel()
+            start = A - int(b.response_lengths[i])
+            # Sampled tokens: the processed (temperature, top-k) distribution, within 1e-5 in fp32.
+            _close(o["logprobs"][i, start : start + R], sampled, atol=1e-5)
+            assert o["valid_mask"][i, start : start + R].all()
+        _close(o["logprobs"], r["naive_support"][k], atol=1e-5)
+        assert torch.equal(o["valid_mask"] | o["fallback_mask"], b.loss_mask)
+    # The synthetic EOS of trajectory 0 is scored over the full vocabulary.
+    eos = r["tp1_recompute"][0]
+    assert eos["fallback_mask"][0, -1] and eos["fallback_mask"].sum() == 1
+    _close(eos["logprobs"][0, -1], r["naive_full"][0][0, -1], atol=1e-5)
+    assert all(o["entropy"] is not None and (o["entropy"] >= 0).all() for o in r["tp1_recompute"])
+    assert all((o["support_logmass"] <= 0).all() for o in r["tp1_recompute"])
+
+
+def test_full_vocabulary_paths_match_the_reference(ranks):
+    r = ranks[0]
+    for k, b in enumerate(r["batches"]):
+        ref = r["naive_full"][k]
+        m = b.loss_mask
+        for name in ("tp1_reference_full", "tp1_replay_off", "tp2_replay_off"):
+            o = r[name][k]
+            _close(torch.where(m, o["logprobs"], 0), ref, atol=1e-5)
+            assert not o["valid_mask"].any() and o["fallback_mask"][m].all()
+        # Replay changes the numbers (the truncation correction is not zero here).
+        assert (r["tp1_recompute"][k]["logprobs"] - ref).abs().max() > 1e-2
+
+
+def test_first_policy_ratio_is_one_and_gradients_match_the_autograd_reference(ranks):
+    r = ranks[0]
+    for o in r["tp1_policy"]:
+        assert o["metrics"]["ratio_max_dev"] < 1e-5 and o["metrics"]["clip_fraction"] == 0.0
+        assert o["loss"] is not None and torch.isfinite(o["loss"])
+    grads, ref = r["tp1_grads"], r["naive_grads"]
+    assert grads.keys() == ref.keys()
+    scale = max(float(g.abs().max()) for g in ref.values())
+    assert scale > 1e-3
+    for name in ref:
+        _close(grads[name], ref[name], atol=2e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_tp2_equals_tp1_log_probs_and_gradients(ranks, source):
+    for r in ranks:
+        for o1, o2 in zip(r["tp1_recompute"], r[f"tp2_{source}_recompute"]):
+            _close(o2["logprobs"], o1["logprobs"], atol=1e-5)
+            assert torch.equal(o2["valid_mask"], o1["valid_mask"])
+            _close(o2["entropy"], o1["entropy"], atol=1e-5)
+        for o1, o2 in zip(r["tp1_policy"], r[f"tp2_{source}_policy"]):
+            _close(o2["loss"], o1["loss"], atol=1e-6)
+        ref = r["tp1_grads"]
+        scale = max(float(g.abs().max()) for g in ref.values())
+        for name, g in r[f"tp2_{source}_grads"].items():
+            _close(g, ref[name], atol=2e-5 * scale, rtol=1e-4)
+
+
+def test_the_explicit_tp_group_is_the_one_used(ranks):
+    for r in ranks:
+        assert "holds an id >= vocab_size=32" in r["tp2_wrong_group"]
+
+
+def test_context_parallel_outputs_gather_back_to_canonical(ranks):
+    for r in ranks:
+        back, x, am = r["cp_gather"]
+        real = am[:, :-1] & am[:, 1:]
+        assert torch.equal(back[real], x[real]) and (back[~real] == -1).all()
+        assert "needs packed THD sequences" in r["cp_unpacked_error"]
+        assert "packed=True" in r["cp_unpacked_error"]
+
+
+def test_pipeline_parallel_2_matches_tp1(ranks):
+    ref = ranks[0]
+    for r in ranks:  # both stages return the broadcast results
+        for o1, o2 in zip(ref["tp1_recompute"], r["pp2_recompute"]):
+            _close(o2["logprobs"], o1["logprobs"], atol=1e-5)
+        for o1, o2 in zip(ref["tp1_policy"], r["pp2_policy"]):
+            _close(o2["loss"], o1["loss"], atol=1e-6)
+            assert o2["metrics"]["ratio_max_dev"] < 1e-5
+    stages = {**ranks[0]["pp2_grads"], **ranks[1]["pp2_grads"]}
+    tp1 = ref["tp1_grads"]
+    scale = max(float(g.abs().max()) for g in tp1.values())
+    # Each stage owns its layers; embedding on stage 0, output layer on stage 1.
+    assert set(stages) == set(tp1)
+    for name, g in stages.items():
+        _close(g, tp1[name], atol=2e-5 * scale, rtol=1e-4)
+
+
+def _real_routes(batch, layout_maps, routes, layer_index):
+    """Per canonical real token: the experts chosen by the router, from its [s*B+b, E] map."""
+    from nemo_replay.layout.megatron_layout import TokenMetadataLayout
+
+    lay = TokenMetadataLayout.build(batch.attention_mask)
+    B, S_out = lay.local_shape
+    chosen = layout_maps.view(S_out, B, -1).transpose(0, 1).reshape(B * S_out, -1)
+    got, want = [], []
+    for slot, (t, q) in enumerate(zip(lay.slot_trajectory.tolist(), lay.slot_position.tolist())):
+        if t >= 0:
+            got.append(torch.nonzero(chosen[slot]).flatten().sort().values)
+            want.append(routes.segment(t)[q, layer_index].sort().values)
+    return torch.stack(got), torch.stack(want)
+
+
+def test_moe_route_replay_reproduces_the_recording_forward(ranks):
+    for r in ranks:
+        assert r["moe_layer_numbers"] == [1, 2]
+        assert all(a is None for a in r["moe_after_clear"])
+        for o, ref in zip(r["moe_replay_same_weights"], r["moe_reference"]):
+            _close(o["logprobs"], ref, atol=1e-5)
+        batches, routes = r["batches"], r["moe_routes"]
+        free_differs = False
+        for layer_index, layer in enumerate(r["moe_layer_numbers"]):
+            for k, b in enumerate(batches):
+                got, want = _real_routes(b, r["moe_replay_maps"][layer][k], routes[k], layer_index)
+                assert torch.equal(got, want)  # the installed routes, token for token
+                free, _ = _real_routes(b, r["moe_free_maps"][layer][k], routes[k], layer_index)
+                free_differs |= not torch.equal(free, want)
+        assert free_differs, "the changed gates should route some tokens elsewhere without replay"
+        assert "virtual pipeline" in r["moe_vpp_error"]
+
+
+# ---------------------------------------------------------------------------- single process
+
+
+def test_missing_support_and_policy_inputs_are_refused():
+    from nemo_replay.strategies.megatron.batch import prepare_micro_batch
+
+    seq = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    am = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    lm = torch.tensor([[False, True], [True, True]])  # response tokens only
+    batch = ReplayBatch(seq, am, torch.tensor([1, 2]), lm)
+    common = dict(tp_size=1, cp_size=1, cp_rank=0, fp8=False, packed=False, device="cpu")
+    with pytest.raises(ValueError, match=r"role 'recompute' replays the recorded support.*support=None.*replay=False"):
+        prepare_micro_batch(0, batch, role="recompute", settings=RoleSettings(), **common)
+    with pytest.raises(ValueError, match="reference_full_vocab=True"):
+        prepare_micro_batch(0, batch, role="reference", settings=RoleSettings(), **common)
+    prepare_micro_batch(0, batch, role="reference", settings=RoleSettings(reference_full_vocab=True), **common)
+    with pytest.raises(ValueError, match="policy role needs old_logprobs, advantages"):
+        prepare_micro_batch(0, batch, role="policy", settings=RoleSettings(replay=False), **common)
+    with pytest.raises(ValueError, match="route replay is on but the batch carries no routes"):
+        prepare_micro_batch(0, batch, role="recompute", settings=RoleSettings(replay=False), with_routes=True, **common)
+    # One synthetic EOS per trajectory (its last token) is fine.
+    rows = PackedTensor.from_segments([torch.tensor([[-1, -1]]), torch.tensor([[10, 3], [-1, -1]])])
+    eos = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
+    assert prepare_micro_batch(0, eos, role="recompute", settings=RoleSettings(), **common).replay
+    rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[-1, -1], [11, 3]])])
+    early = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
+    with pytest.raises(ValueError, match="trajectory 1, logit position 1 .*not the trajectory's last loss-active"):
+        prepare_micro_batch(0, early, role="recompute", settings=RoleSettings(), **common)
+    rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[-1, -1], [-1, -1]])])
+    many = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
+    with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active tokens without a support row"):
+        prepare_micro_batch(0, many, role="recompute", settings=RoleSettings(), **common)
+
+
+def test_registry_builds_the_strategy_without_importing_megatron_at_import_time():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nemo_replay; s = nemo_replay.get_strategy('megatron'); "
+        "st = s.factory(packed=True, route_replay=True); "
+        "print(type(st).__name__, st.packed, 'megatron.core' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["MegatronReplayStrategy", "True", "False"]
