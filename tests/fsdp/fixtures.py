@@ -7,6 +7,7 @@ loop over support members: no padding, no packing, no sequence parallelism, no s
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +38,26 @@ def tiny_llama(seed: int = 0, *, heads: int = 4, kv_heads: int = 2, attn: str = 
     return model
 
 
+def tiny_qwen2(seed: int = 0):
+    """A float64 two-layer Qwen2ForCausalLM (q/k/v biases, no sliding window)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=False, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
 def plain_copy(model, attn: str = "sdpa"):
     """An unsharded copy of ``model`` (same weights) with the given attention."""
-    ref = tiny_llama(heads=model.config.num_attention_heads, kv_heads=model.config.num_key_value_heads, attn=attn)
-    ref.load_state_dict(model.state_dict())
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation(attn)
     return ref
 
 
@@ -144,6 +161,35 @@ def reference_scores(model, batch: ReplayBatch, *, temperature: float, full_voca
                 out[i][col] = z[x] - torch.logsumexp(z[members], 0)
                 valid[i, col] = True
     return torch.stack([torch.stack(r) for r in out]), valid, fallback
+
+
+def reference_entropy_and_mass(model, batch: ReplayBatch, *, temperature: float):
+    """Naive float64 entropy of the scoring distribution and the support's log-mass, (B, A) each.
+
+    Entropy over the support row (over the full vocabulary at a synthetic EOS); log-mass
+    ``logsumexp_S z/T - logsumexp_V z/T`` at support positions, 0 elsewhere.
+    """
+    B, S = batch.sequences.shape
+    A = batch.response_width
+    cu = batch.support.cu_seqlens.tolist()
+    entropy = torch.zeros(B, A, dtype=torch.float64)
+    logmass = torch.zeros(B, A, dtype=torch.float64)
+    for i in range(B):
+        L = int(batch.attention_mask[i].sum())
+        R = int(batch.response_lengths[i])
+        logits = model(input_ids=batch.sequences[i, S - L :][None]).logits[0] / temperature
+        for j in range(R):
+            col = A - R + j
+            if not batch.loss_mask[i, col]:
+                continue
+            z = logits[L - R - 1 + j]
+            members = [int(m) for m in batch.support.values[cu[i] + j] if m >= 0]
+            kept = z[members] if members else z
+            p = torch.softmax(kept, 0)
+            entropy[i, col] = -(p * torch.log(p)).sum()
+            if members:
+                logmass[i, col] = torch.logsumexp(kept, 0) - torch.logsumexp(z, 0)
+    return entropy, logmass
 
 
 def reference_full_positions(model, batch: ReplayBatch, *, temperature: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ from tests.fsdp.fixtures import (
     reference_policy_grads,
     reference_scores,
     tiny_llama,
+    tiny_qwen2,
     with_old_and_ref,
 )
 from tests.spawn import run_workers
@@ -98,6 +99,11 @@ def _worker(rank: int, world_size: int, batches, eos_misplaced):
         lambda: FSDPStrategy(sp_group=sp_group).run_role("recompute", odd, batches[:1], RoleSettings(**SETTINGS))
     )
 
+    # A Qwen2 model (attention with biases, a sliding_window argument) under SP = 2.
+    results["qwen2"] = (
+        FSDPStrategy(sp_group=sp_group).run_role("recompute", tiny_qwen2(seed=SEED), batches[:1], RoleSettings(**SETTINGS))[0].logprobs
+    )
+
     model = tiny_llama(seed=SEED)
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.model.layers:
@@ -154,6 +160,7 @@ def test_fsdp_strategy_sp1_sp2_padded_unpadded_match_reference():
             lp, valid, fallback = reference_scores(reference, batch, temperature=temperature)
             want.append(tuple(canonical_from_response(t, batch.seq_len) for t in (lp, valid, fallback)))
         want_off = reference_full_positions(reference, batch_a, temperature=temperature)
+        want_qwen2 = reference_scores(tiny_qwen2(seed=SEED), batch_a, temperature=temperature)[0]
     assert want[0][2].any() and want[1][2].any(), "both batches end a trajectory in a synthetic EOS"
 
     for rank, res in enumerate(results):
@@ -179,6 +186,7 @@ def test_fsdp_strategy_sp1_sp2_padded_unpadded_match_reference():
                 torch.testing.assert_close(run["grads"][name], g, **TOL, msg=lambda m: f"{where} grad {name}: {m}")
 
         torch.testing.assert_close(res["replay_off"], want_off, **TOL)
+        torch.testing.assert_close(res["qwen2"], canonical_from_response(want_qwen2, batch_a.seq_len), **TOL)
         assert "not a member of its support row" in res["swapped"]
         assert "not the trajectory's last loss-active token" in res["eos_misplaced"]
         assert res["after_errors_err"] == 0.0

@@ -13,6 +13,7 @@ from tests.fsdp.fixtures import (
     BATCH_B,
     canonical_from_response,
     make_batch,
+    reference_entropy_and_mass,
     reference_full_positions,
     reference_policy_grads,
     reference_scores,
@@ -64,6 +65,18 @@ def test_roles_match_reference_hidden_equals_logits(model, reference_model, remo
                 assert torch.equal(out.fallback_mask, canonical_from_response(fallback, S))
                 assert not out.logprobs.requires_grad
             assert fallback.any(), "the batch must exercise the synthetic-EOS fallback"
+        # Entropy (and, from logits, the support's log-mass) come back in canonical columns too.
+        extra = RoleSettings(
+            temperature=TEMPERATURE, source=source, compute_entropy=True, compute_support_mass=source == "logits"
+        )
+        for batch, out in zip(batches, strategy.run_role("recompute", model, batches, extra)):
+            with torch.no_grad():
+                entropy, logmass = reference_entropy_and_mass(reference_model, batch, temperature=TEMPERATURE)
+            torch.testing.assert_close(out.entropy, canonical_from_response(entropy, batch.seq_len), **TOL)
+            if source == "logits":
+                torch.testing.assert_close(out.support_logmass, canonical_from_response(logmass, batch.seq_len), **TOL)
+            else:
+                assert out.support_logmass is None
         model.zero_grad(set_to_none=True)
         outs = strategy.run_role("policy", model, batches, settings)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
