@@ -91,6 +91,7 @@ def _worker(rank: int, world_size: int, batches, eos_misplaced):
     from nemo_replay.strategies.fsdp import FSDPStrategy
 
     sp_group = dist.new_group(ranks=list(range(world_size)))
+    singletons = [dist.new_group(ranks=[r]) for r in range(world_size)]
     results = {"collectives": _collectives(rank, sp_group)}
 
     # Heads must divide by the SP size (3 heads over 2 ranks), raised on every rank.
@@ -98,6 +99,12 @@ def _worker(rank: int, world_size: int, batches, eos_misplaced):
     results["odd_heads"] = _expect_error(
         lambda: FSDPStrategy(sp_group=sp_group).run_role("recompute", odd, batches[:1], RoleSettings(**SETTINGS))
     )
+
+    # The explicit group is the one used: a one-rank SP group slices nothing, although
+    # the default (world) group has two ranks.
+    own = FSDPStrategy(sp_group=singletons[rank])
+    assert own.sp_size == 1
+    results["singleton"] = own.run_role("recompute", tiny_llama(seed=SEED), batches[:1], RoleSettings(**SETTINGS))[0].logprobs
 
     # A Qwen2 model (attention with biases, a sliding_window argument) under SP = 2.
     results["qwen2"] = (
@@ -186,6 +193,7 @@ def test_fsdp_strategy_sp1_sp2_padded_unpadded_match_reference():
                 torch.testing.assert_close(run["grads"][name], g, **TOL, msg=lambda m: f"{where} grad {name}: {m}")
 
         torch.testing.assert_close(res["replay_off"], want_off, **TOL)
+        torch.testing.assert_close(res["singleton"], want[0][0], **TOL)
         torch.testing.assert_close(res["qwen2"], canonical_from_response(want_qwen2, batch_a.seq_len), **TOL)
         assert "not a member of its support row" in res["swapped"]
         assert "not the trajectory's last loss-active token" in res["eos_misplaced"]

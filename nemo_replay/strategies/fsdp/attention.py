@@ -12,6 +12,10 @@ ids the caller passed) and:
    attending a padding key;
 3. all-to-all back to ``[B, H, S/sp, D]``.
 
+Step 2 builds a dense ``[B, 1, S, S]`` boolean mask for PyTorch's SDPA: exact and
+portable (CPU, any dtype), quadratic in memory; a varlen flash-attention kernel fed the
+same segments is the drop-in for long sequences.
+
 The forward call carries a :class:`UlyssesPlan` (keyword ``ulysses_plan``), which names the
 SP group and the trajectory of every position of the padded full sequence. Without a plan
 the layer runs transformers' SDPA attention unchanged, so a switched model still works

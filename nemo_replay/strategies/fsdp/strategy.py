@@ -119,6 +119,10 @@ class FSDPStrategy(ReplayStrategy):
         remove_padding: pack real tokens into one row (varlen) before the forward.
         sp_grad_scale: multiplies the gradient of this rank's log-prob slice; default the
             SP size, which undoes FSDP's average over the SP ranks of one batch.
+
+    The ``policy`` role needs ``batch.advantages``; without ``batch.old_logprobs`` it is
+    on-policy (the detached current log-probs, ratio 1); ``batch.ref_logprobs`` feeds the
+    KL term when ``kl_coef > 0``.
     """
 
     name = "fsdp"
