@@ -33,7 +33,7 @@ from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import validate_support_rows
 
-__all__ = ["SupportScores", "score_aligned_support", "score_full_vocabulary"]
+__all__ = ["SupportScores", "score_aligned_support", "score_full_vocabulary", "check_synthetic_eos"]
 
 SupportArg = Union[PackedTensor, RaggedSupport, torch.Tensor]
 DEFAULT_CHUNK_SIZE = 8192
@@ -132,8 +132,20 @@ def _normalise_support(support: SupportArg) -> Union[PackedTensor, RaggedSupport
     )
 
 
-def _check_fallbacks(fallback, loss_mask, traj, pos_shape) -> None:
-    """At most one loss-active position without a row per trajectory, and it is the last."""
+def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
+    """The synthetic-EOS rule (DESIGN §3): at most one loss-active position without a support
+    row per trajectory, and it is that trajectory's last loss-active position.
+
+    Args:
+        fallback: (N,), bool. Loss-active positions without a row.
+        loss_mask: (N,), bool.
+        traj: (N,), int64 trajectory ids, -1 on padding. Positions of one trajectory must
+            appear in increasing order (true after unpadding, packing, CP and SP slicing).
+        pos_shape: the unflattened position shape, for error messages.
+
+    Strategies that shard a sequence call it on the whole sequence first, since a slice
+    cannot see another slice's positions.
+    """
     idx = torch.nonzero(fallback).flatten()
     if idx.numel() == 0:
         return
@@ -322,7 +334,7 @@ def score_aligned_support(
     has_row = (rows >= 0) & row_nonempty[rows.clamp(min=0)] if num_rows else torch.zeros_like(lmask)
     scored = lmask & has_row
     fallback = lmask & ~has_row
-    _check_fallbacks(fallback, lmask, traj, pos_shape)
+    check_synthetic_eos(fallback, lmask, traj, pos_shape)
     sel = torch.nonzero(scored).flatten()
     eos = torch.nonzero(fallback).flatten()
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import clipped_policy_loss
-from nemo_replay.scoring.scorer import SupportScores, _check_fallbacks, score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.scorer import SupportScores, check_synthetic_eos, score_aligned_support, score_full_vocabulary
 from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings, check_role
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
 from nemo_replay.strategies.fsdp.layout import FSDPLayout, build_layout
@@ -234,7 +234,7 @@ class FSDPStrategy(ReplayStrategy):
         """
         ch = layout.canonical
         fallback = ch.loss_mask & ~_has_row(batch.support, ch.row_ids)
-        _check_fallbacks(fallback.reshape(-1), ch.loss_mask.reshape(-1), ch.trajectory_ids.reshape(-1), ch.loss_mask.shape)
+        check_synthetic_eos(fallback.reshape(-1), ch.loss_mask.reshape(-1), ch.trajectory_ids.reshape(-1), ch.loss_mask.shape)
 
     def _agree(self, fn, device):
         """Run ``fn`` on every SP rank; if any rank raises ValueError, every rank raises.
