@@ -52,7 +52,7 @@ cu_seqlens_padded [0, 8, 12]; chunks have 8/4 = 2 and 4/4 = 1 tokens:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -227,14 +227,10 @@ class TokenMetadataLayout:
         """The same micro-batch laid out for another CP rank."""
         if not 0 <= cp_rank < self.cp_size:
             raise ValueError(f"cp_rank must be in [0, {self.cp_size}), got {cp_rank}")
-        glob = _global_slots(self.padded_lengths, self.cu_seqlens_padded.to(torch.int64), self.packed, self.cp_size, cp_rank)
-        traj, pos = _slot_owner(glob, self.lengths, self.cu_seqlens_padded.to(torch.int64), self.packed, int(self.padded_lengths[0]))
-        return TokenMetadataLayout(
-            packed=self.packed, tp_size=self.tp_size, cp_size=self.cp_size, cp_rank=cp_rank, fp8=self.fp8,
-            alignment=self.alignment, seq_len=self.seq_len, starts=self.starts, lengths=self.lengths,
-            padded_lengths=self.padded_lengths, cu_seqlens=self.cu_seqlens, cu_seqlens_padded=self.cu_seqlens_padded,
-            local_shape=self.local_shape, slot_trajectory=traj, slot_position=pos,
-        )
+        cup = self.cu_seqlens_padded.to(torch.int64)
+        glob = _global_slots(self.padded_lengths, cup, self.packed, self.cp_size, cp_rank)
+        traj, pos = _slot_owner(glob, self.lengths, cup, self.packed, int(self.padded_lengths[0]))
+        return replace(self, cp_rank=cp_rank, slot_trajectory=traj, slot_position=pos)
 
     # ------------------------------------------------------------------ views
     @property
@@ -295,9 +291,8 @@ class TokenMetadataLayout:
         valid, b, col = self._canonical_index(logit)
         dev = x.device
         vals = x[b.to(dev), col.clamp(max=width - 1).to(dev)]
-        filler = torch.full_like(vals, fill) if not isinstance(fill, torch.Tensor) else fill.to(vals).expand_as(vals)
         keep = valid.to(dev).view(-1, *([1] * (vals.dim() - 1)))
-        return self._view(torch.where(keep, vals, filler))
+        return self._view(torch.where(keep, vals, torch.full_like(vals, fill)))
 
     def align_tokens(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """Token channel ``(B, S, *extra)`` -> ``(*local_shape, *extra)``; ``fill`` on padding."""
@@ -363,10 +358,12 @@ class TokenMetadataLayout:
             return self.from_cp_parts([local], fill)
         if cp_group is None or dist.get_world_size(cp_group) != self.cp_size:
             raise ValueError(f"to_canonical with cp_size={self.cp_size} needs the context-parallel group of that size")
-        local = local.detach().contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.cp_size)]
-        dist.all_gather(parts, local, group=cp_group)
-        return self.from_cp_parts(parts, fill)
+        dtype = local.dtype
+        # Masks travel as uint8: not every backend reduces or gathers bool tensors.
+        wire = local.detach().to(torch.uint8 if dtype == torch.bool else dtype).contiguous()
+        parts = [torch.empty_like(wire) for _ in range(self.cp_size)]
+        dist.all_gather(parts, wire, group=cp_group)
+        return self.from_cp_parts([p.to(dtype) for p in parts], fill)
 
     def from_cp_parts(self, parts: Sequence[torch.Tensor], fill=0) -> torch.Tensor:
         """Every CP rank's local outputs (in rank order) -> canonical ``(B, S - 1, *extra)``.

@@ -8,8 +8,8 @@ A. TP=1: rollouts sampled from the model's own logits (top-k capture); ``recompu
    plain single-trajectory forwards; ``policy`` (first ratio 1) and its gradients
    against an autograd reference of the same objective.
 B. TP=2, same full weights sharded: log-probs and gathered gradients equal TP=1's, in
-   logits and hidden mode; a real CP all-gather of the layout's outputs; CP without
-   packing refused.
+   logits and hidden mode (untied and tied embeddings); explicit groups are the ones
+   used; a real CP all-gather of the layout's outputs; CP without packing refused.
 C. PP=2: megatron's 1F1B schedule on gloo; log-probs on both stages and gradients equal TP=1's.
 D. MoE with routing replay: recorded routes installed through megatron's RouterReplay
    reproduce the recording forward; under changed gate weights the routers still take
@@ -176,6 +176,12 @@ def _phase_tp2(out, rank, batches, policy_batches):
         policy = RoleSettings(temperature=TEMPERATURE, kl_coef=POLICY.kl_coef, clip_eps=POLICY.clip_eps, source=source)
         out[f"tp2_{source}_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, policy), policy_batches)
         out[f"tp2_{source}_grads"] = H.full_grads(model, 2, ps.get_tensor_model_parallel_group())
+    # Tied embeddings: hidden mode must project against the shared embedding shard.
+    tied = H.build_model(H.make_config(tp=2), share=True)
+    H.load_full_weights(tied, 2, tp_rank)
+    for source in ("logits", "hidden"):
+        settings = RoleSettings(temperature=TEMPERATURE, source=source)
+        out[f"tied_{source}"] = _outputs(strategy.run_role("recompute", tied, batches, settings), batches)
     out["tp2_replay_off"] = _outputs(strategy.run_role("recompute", model, batches, RoleSettings(temperature=TEMPERATURE, replay=False)), batches)
     # The explicit groups are the ones used: told tp_size=1 (a group of this rank alone), the
     # scorer takes this rank's 32-id shard for the whole vocabulary and rejects the rows.
@@ -191,7 +197,9 @@ def _phase_tp2(out, rank, batches, policy_batches):
     b = batches[1]
     lay = TokenMetadataLayout.build(b.attention_mask, tp_size=2, cp_size=2, cp_rank=rank, packed=True)
     x = torch.arange(b.sequences.shape[0] * (b.sequences.shape[1] - 1), dtype=torch.float32).view(b.sequences.shape[0], -1) + 1
+    real = b.attention_mask[:, :-1] & b.attention_mask[:, 1:]
     out["cp_gather"] = (lay.to_canonical(lay.align_logits(x, 0.0), -1.0, cp_group=world), x, b.attention_mask)
+    out["cp_gather_bool"] = (lay.to_canonical(lay.align_logits(real, False), False, cp_group=world), real)
     cp = MegatronParallel(cp_group=world, cp_size=2, cp_rank=rank, pp_last_rank=rank)
     try:
         get_strategy("megatron").factory(parallel=cp).run_role("recompute", model, batches, RoleSettings())
@@ -260,6 +268,15 @@ def _phase_moe(out, batches):
     settings = RoleSettings(temperature=TEMPERATURE)
     replaying = get_strategy("megatron").factory(route_replay=True)
     out["moe_replay_same_weights"] = _outputs(replaying.run_role("recompute", model, routed, settings), routed)
+    # The trained forward under replayed routes: ratio 1, gradients reach the gates.
+    trained = [
+        ReplayBatch(b.sequences, b.attention_mask, b.response_lengths, b.loss_mask, support=b.support, routes=b.routes,
+                    old_logprobs=o["logprobs"], advantages=a)
+        for b, o, a in zip(routed, out["moe_replay_same_weights"], ADVANTAGES)
+    ]
+    _zero_grads(model)
+    out["moe_policy"] = _outputs(replaying.run_role("policy", model, trained, RoleSettings(temperature=TEMPERATURE)), trained)
+    out["moe_gate_grads"] = [r.weight.grad.clone() for r in routers]
     # Change the gates: ordinary routing now picks other experts for some tokens; replay must not.
     gate = {name: 2.0 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7))
             for name, p in H.global_names(model).items() if name.endswith("router.weight")}
@@ -362,6 +379,13 @@ def test_tp2_equals_tp1_log_probs_and_gradients(ranks, source):
             _close(g, ref[name], atol=2e-5 * scale, rtol=1e-4)
 
 
+def test_hidden_mode_with_tied_embeddings(ranks):
+    for r in ranks:
+        for lo, hi, untied in zip(r["tied_logits"], r["tied_hidden"], r["tp1_recompute"]):
+            _close(hi["logprobs"], lo["logprobs"], atol=1e-5)
+            assert (lo["logprobs"] - untied["logprobs"]).abs().max() > 1e-3  # other weights, other numbers
+
+
 def test_the_explicit_tp_group_is_the_one_used(ranks):
     for r in ranks:
         assert "holds an id >= vocab_size=32" in r["tp2_wrong_group"]
@@ -372,6 +396,8 @@ def test_context_parallel_outputs_gather_back_to_canonical(ranks):
         back, x, am = r["cp_gather"]
         real = am[:, :-1] & am[:, 1:]
         assert torch.equal(back[real], x[real]) and (back[~real] == -1).all()
+        mask, real = r["cp_gather_bool"]
+        assert mask.dtype == torch.bool and torch.equal(mask, real)
         assert "needs packed THD sequences" in r["cp_unpacked_error"]
         assert "packed=True" in r["cp_unpacked_error"]
 
@@ -423,6 +449,8 @@ def test_moe_route_replay_reproduces_the_recording_forward(ranks):
                 free, _ = _real_routes(b, r["moe_free_maps"][layer][k], routes[k], layer_index)
                 free_differs |= not torch.equal(free, want)
         assert free_differs, "the changed gates should route some tokens elsewhere without replay"
+        assert all(o["metrics"]["ratio_max_dev"] < 1e-5 for o in r["moe_policy"])
+        assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in r["moe_gate_grads"])
         assert "virtual pipeline" in r["moe_vpp_error"]
 
 

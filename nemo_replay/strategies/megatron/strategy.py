@@ -111,7 +111,8 @@ class MegatronReplayStrategy(ReplayStrategy):
                 clear_routes(routers)
         results = [step.results.get(i) for i in range(len(prepared))]
         if parallel.pp_size > 1:
-            holder = [results if parallel.is_last_stage else None]
+            # CPU copies: a pickled CUDA tensor would land on the sender's device index.
+            holder = [[{k: _to(v, "cpu") for k, v in r.items()} for r in results] if parallel.is_last_stage else None]
             dist.broadcast_object_list(holder, src=parallel.pp_last_rank, group=parallel.pp_group)
             results = [{k: _to(v, device) for k, v in r.items()} for r in holder[0]]
         assert all(r is not None for r in results), "the loss closure did not run for every micro-batch"
