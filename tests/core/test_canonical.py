@@ -1,0 +1,181 @@
+"""Canonical batch coordinates (DESIGN.md §3): row ids at logit positions, the loss-mask shift."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support
+from nemo_replay.layout.canonical import ReplayBatch, canonical_channels, response_columns
+
+PAD = 0
+
+
+def _docstring_batch() -> ReplayBatch:
+    # S = 6: one left pad, prompt p0 p1 (ids 11, 12), response r0 r1 r2 (ids 21, 22, 23).
+    support = PackedTensor(torch.tensor([[21, 5], [22, 6], [23, -1]], dtype=torch.int32), [0, 3])
+    return ReplayBatch(
+        sequences=torch.tensor([[PAD, 11, 12, 21, 22, 23]]),
+        attention_mask=torch.tensor([[False, True, True, True, True, True]]),
+        response_lengths=torch.tensor([3]),
+        loss_mask=torch.tensor([[True, True, True]]),
+        support=support,
+    )
+
+
+def test_docstring_example():
+    ch = canonical_channels(_docstring_batch())
+    #                       logit column:  0   1   2   3   4
+    assert ch.sampled_ids.tolist() == [[11, 12, 21, 22, 23]]
+    assert ch.row_ids.tolist() == [[-1, -1, 0, 1, 2]]  # row j (s_j) at logit column S - 1 - R + j
+    assert ch.loss_mask.tolist() == [[False, False, True, True, True]]
+    assert ch.trajectory_ids.tolist() == [[-1, 0, 0, 0, 0]]
+    for c in (ch.sampled_ids, ch.row_ids, ch.trajectory_ids):
+        assert c.dtype == torch.int64 and c.shape == (1, 5)
+    assert ch.loss_mask.dtype == torch.bool
+    # The logit that predicts response token r_j carries row j, whose members include r_j.
+    for col in range(5):
+        if ch.row_ids[0, col] >= 0:
+            assert int(ch.sampled_ids[0, col]) in _docstring_batch().support.values[int(ch.row_ids[0, col])].tolist()
+
+
+def _ragged_batch(support_form="packed") -> ReplayBatch:
+    """B=3, S=9; real lengths 9, 5, 7; responses 4, 2, 5; loss mask [B, A=6] over the responses."""
+    lengths, responses, S = [9, 5, 7], [4, 2, 5], 9
+    g = torch.Generator().manual_seed(0)
+    seq = torch.zeros(3, S, dtype=torch.int64)
+    am = torch.zeros(3, S, dtype=torch.bool)
+    rows = []
+    for i, (L, R) in enumerate(zip(lengths, responses)):
+        seq[i, S - L :] = torch.randperm(90, generator=g)[:L] + 10
+        am[i, S - L :] = True
+        traj_rows = []
+        for j in range(R):
+            token = int(seq[i, S - R + j])
+            traj_rows.append([token, 100 + 10 * i + j])  # sampled token plus a distinct companion
+        rows.append(traj_rows)
+    # Token columns [S - 6, S); only response tokens are loss-active.
+    token_mask = torch.tensor([[S - 6 + a >= S - R for a in range(6)] for R in responses])
+    token_mask[2, -2] = False  # an observation token inside trajectory 2's response
+    if support_form == "packed":
+        support = PackedTensor.from_segments([torch.tensor(r, dtype=torch.int32) for r in rows])
+    else:
+        support = RaggedSupport.from_rows(rows)
+    return ReplayBatch(seq, am, torch.tensor(responses), token_mask, support=support)
+
+
+def test_ragged_batch_against_a_loop():
+    batch = _ragged_batch()
+    ch = canonical_channels(batch)
+    B, S = batch.sequences.shape
+    A = batch.loss_mask.shape[1]
+    cu = batch.support.cu_seqlens.tolist()
+    for i in range(B):
+        L, R = int(batch.attention_mask[i].sum()), int(batch.response_lengths[i])
+        for c in range(S - 1):
+            assert int(ch.sampled_ids[i, c]) == int(batch.sequences[i, c + 1])
+            # Logit column c predicts token column c + 1; response token j sits at token column S - R + j.
+            j = c + 1 - (S - R)
+            assert int(ch.row_ids[i, c]) == (cu[i] + j if 0 <= j < R else -1), (i, c)
+            t = c + 1  # the token this logit predicts; its mask entry is token column t
+            expected = t >= S - A and bool(batch.loss_mask[i, t - (S - A)]) and c >= S - L
+            assert bool(ch.loss_mask[i, c]) == expected, (i, c)
+            assert int(ch.trajectory_ids[i, c]) == (i if c >= S - L else -1)
+
+
+@pytest.mark.parametrize("form", ["packed", "ragged"])
+def test_channels_feed_the_scorer_and_a_shift_is_caught(form):
+    """The scorer accepts canonical channels; rolling the row ids by one is an alignment error."""
+    batch = _ragged_batch(form)
+    ch = canonical_channels(batch)
+    logits = torch.randn(3, 8, 200, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = score_aligned_support(logits, ch.sampled_ids, ch.row_ids, ch.loss_mask, batch.support,
+                                trajectory_ids=ch.trajectory_ids)
+    # Rows hold {token, companion}: log p = z[token] - logsumexp(z[token], z[companion]).
+    expected = torch.zeros(3, 8, dtype=torch.float64)
+    for i, c in torch.nonzero(ch.loss_mask).tolist():
+        members = [int(ch.sampled_ids[i, c]), 100 + 10 * i + int(ch.row_ids[i, c]) - int(batch.support.cu_seqlens[i])]
+        expected[i, c] = logits[i, c, members[0]] - torch.logsumexp(logits[i, c, members], 0)
+    torch.testing.assert_close(out.logprobs, expected, atol=1e-12, rtol=0)
+    assert torch.equal(out.valid_mask, ch.loss_mask)
+    shifted = torch.roll(ch.row_ids, 1, dims=1)
+    with pytest.raises(ValueError, match=r"trajectory \d, position \d: (sampled token \d+ is not a member|loss-active "
+                                         r"with no support row)|trajectories \[.*\] have"):
+        score_aligned_support(logits, ch.sampled_ids, shifted, ch.loss_mask, batch.support,
+                              trajectory_ids=ch.trajectory_ids)
+
+
+def test_response_columns():
+    b, col = response_columns(torch.tensor([2, 0, 3]), 8)
+    assert b.tolist() == [0, 0, 2, 2, 2] and col.tolist() == [6, 7, 5, 6, 7]
+
+
+def test_without_support_rows_are_none():
+    batch = _ragged_batch()
+    batch.support = None
+    ch = canonical_channels(batch)
+    assert torch.all(ch.row_ids == -1)
+
+
+def test_select_and_to():
+    batch = _ragged_batch()
+    sub = batch.select(torch.tensor([2, 0]))
+    assert sub.batch_size == 2 and sub.response_lengths.tolist() == [5, 4]
+    assert torch.equal(sub.sequences, batch.sequences[[2, 0]])
+    assert [s.tolist() for s in sub.support.segments()] == [batch.support.segment(2).tolist(), batch.support.segment(0).tolist()]
+    ch_sub, ch = canonical_channels(sub), canonical_channels(batch)
+    assert torch.equal(ch_sub.loss_mask, ch.loss_mask[[2, 0]])
+    # Row ids are renumbered for the new packing but point at the same rows.
+    for k, i in enumerate([2, 0]):
+        for c in range(8):
+            if ch.row_ids[i, c] >= 0:
+                assert torch.equal(sub.support.values[ch_sub.row_ids[k, c]], batch.support.values[ch.row_ids[i, c]])
+    moved = batch.to("cpu")
+    assert torch.equal(moved.sequences, batch.sequences) and moved.support == batch.support
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _fields(**changes):
+    b = _ragged_batch()
+    kw = dict(sequences=b.sequences, attention_mask=b.attention_mask, response_lengths=b.response_lengths,
+              loss_mask=b.loss_mask, support=b.support)
+    kw.update(changes)
+    return kw
+
+
+def _right_padded():
+    am = _ragged_batch().attention_mask.clone()
+    am[1] = am[1].flip(0)
+    return am
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(sequences=torch.zeros(3, 9)), r"sequences must be an integer \[B, S\] tensor, got torch.float32"),
+        (dict(sequences=torch.zeros(27, dtype=torch.int64)), r"sequences must be an integer \[B, S\] tensor"),
+        (dict(attention_mask=torch.ones(3, 8, dtype=torch.bool)), r"attention_mask has shape \(3, 8\), expected \(3, 9\)"),
+        (dict(attention_mask=_right_padded()), r"trajectory 1: attention_mask is not left-padded"),
+        (dict(response_lengths=torch.tensor([4, 2])), r"response_lengths has shape \(2,\), expected \(3,\)"),
+        (dict(response_lengths=torch.tensor([4, 0, 5])), r"trajectory 1: response_length 0 must be in \[1, L_i - 1\] with L_i=5"),
+        (dict(response_lengths=torch.tensor([4, 5, 5])), r"trajectory 1: response_length 5 must be in \[1, L_i - 1\]"),
+        (dict(loss_mask=torch.ones(3, 9, dtype=torch.bool)), r"loss_mask has shape \(3, 9\), expected \[B=3, A\].*S-1=8"),
+        (dict(loss_mask=torch.ones(2, 6, dtype=torch.bool)), r"loss_mask has shape \(2, 6\)"),
+        (dict(loss_mask=torch.ones(3, 0, dtype=torch.bool)), r"loss_mask has shape \(3, 0\)"),
+        (dict(support=_ragged_batch().support[[0, 1]]), r"support holds 2 trajectories, the batch 3"),
+        (dict(support=_ragged_batch().support[[0, 0, 2]]), r"trajectory 1 has 4 support rows for 2 response tokens"),
+        (dict(routes=PackedTensor(torch.zeros(21, 2, 1), [0, 9, 14, 21])[[0, 1]]), r"routes hold 2 trajectories, the batch 3"),
+        (dict(routes=PackedTensor(torch.zeros(21, 2, 1), [0, 9, 15, 21])),
+         r"trajectory 1 has 6 route rows for 5 real tokens; routes are token-aligned"),
+    ],
+)
+def test_validation_errors(changes, match):
+    with pytest.raises(ValueError, match=match):
+        ReplayBatch(**_fields(**changes))
+
+
+def test_routes_aligned_with_real_tokens_pass():
+    routes = PackedTensor(torch.zeros(21, 2, 1, dtype=torch.int32), [0, 9, 14, 21])
+    assert ReplayBatch(**_fields(routes=routes)).routes is routes
