@@ -248,7 +248,8 @@ class TokenMetadataLayout:
 
     def global_slots(self) -> torch.Tensor:
         """(N_local,), int64: each local slot's index in the whole padded layout (before the CP split)."""
-        return _global_slots(self.padded_lengths, self.cu_seqlens_padded.to(torch.int64), self.packed, self.cp_size, self.cp_rank)
+        cup = self.cu_seqlens_padded.to(torch.int64)
+        return _global_slots(self.padded_lengths, cup, self.packed, self.cp_size, self.cp_rank)
 
     def _view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.view(*self.local_shape, *flat.shape[1:])
@@ -341,7 +342,10 @@ class TokenMetadataLayout:
     def align_packed(self, packed: PackedTensor, offsets, *, shift: bool, fill=-1) -> torch.Tensor:
         """Rows of a packed channel at each local slot: ``(*local_shape, *row_shape)``, ``fill`` where none."""
         rows = self.packed_row_ids(packed.cu_seqlens, offsets, shift=shift).reshape(-1).to(packed.device)
-        vals = packed.values[rows.clamp(min=0)] if packed.num_rows else packed.values.new_zeros((rows.numel(), *packed.values.shape[1:]))
+        if packed.num_rows:
+            vals = packed.values[rows.clamp(min=0)]
+        else:
+            vals = packed.values.new_zeros((rows.numel(), *packed.values.shape[1:]))
         keep = (rows >= 0).view(-1, *([1] * (vals.dim() - 1)))
         return self._view(torch.where(keep, vals, torch.full_like(vals, fill)))
 

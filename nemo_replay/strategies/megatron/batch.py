@@ -197,11 +197,13 @@ def prepare_micro_batch(
         support=batch.support.to(device) if replay else None,
     )
     if role == "policy":
-        prepared.old_logprobs = to(layout.align_logits(response_to_logit_columns(batch.old_logprobs, B, W, "old_logprobs"), 0.0))
-        prepared.advantages = to(layout.align_logits(response_to_logit_columns(batch.advantages, B, W, "advantages"), 0.0))
-        if batch.ref_logprobs is not None:
-            prepared.ref_logprobs = to(layout.align_logits(response_to_logit_columns(batch.ref_logprobs, B, W, "ref_logprobs"), 0.0))
+        for name in ("old_logprobs", "advantages", "ref_logprobs"):
+            value = getattr(batch, name)
+            if value is not None:
+                columns = response_to_logit_columns(value, B, W, name)
+                setattr(prepared, name, to(layout.align_logits(columns, 0.0)))
     if with_routes:
         # Routes are token-aligned over the whole trajectory: offset 0, no next-token shift.
-        prepared.routes = to(layout.align_packed(batch.routes, torch.zeros(B, dtype=torch.int64), shift=False, fill=-1)).to(torch.int64)
+        starts = torch.zeros(B, dtype=torch.int64)
+        prepared.routes = to(layout.align_packed(batch.routes, starts, shift=False, fill=-1)).to(torch.int64)
     return prepared

@@ -26,7 +26,7 @@ class MegatronParallel:
         pp_group: pipeline-parallel group, or None for pp_size 1.
         tp_size, tp_rank, cp_size, cp_rank, pp_size, pp_rank: sizes and this rank's index.
         pp_last_rank: global rank of the last pipeline stage in this rank's pipeline (the
-            source of the result broadcast).
+            source of the result broadcast; read only when pp_size > 1).
         vpp_size: virtual pipeline size, or None.
     """
 
@@ -84,6 +84,6 @@ class MegatronParallel:
             cp_rank=ps.get_context_parallel_rank(),
             pp_size=pp,
             pp_rank=ps.get_pipeline_model_parallel_rank(),
-            pp_last_rank=ps.get_pipeline_model_parallel_last_rank() if pp > 1 else dist.get_rank() if dist.is_initialized() else 0,
+            pp_last_rank=ps.get_pipeline_model_parallel_last_rank() if pp > 1 else 0,
             vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         )

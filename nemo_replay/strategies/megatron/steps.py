@@ -103,7 +103,8 @@ class RoleForwardStep:
         mb: PreparedMicroBatch = next(data_iterator)
         inner = unwrap_gpt_model(model)
         if self.routers is not None:
-            install_routes(self.routers, mb.routes, self.config, tp_size=self.parallel.tp_size, tp_rank=self.parallel.tp_rank)
+            p = self.parallel
+            install_routes(self.routers, mb.routes, self.config, tp_size=p.tp_size, tp_rank=p.tp_rank)
         hidden = self.settings.source == "hidden" and bool(inner.post_process)
         with _decoder_output(inner, hidden):
             output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
