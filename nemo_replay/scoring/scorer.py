@@ -367,9 +367,8 @@ def score_aligned_support(
     # ---- local scores z/T for both groups ---------------------------------------------
     if hidden_mode:
         h = copy_to_shards(src, tp_group)
-        z_sup = project_support(h, lm_head_weight, sel, lid, local, chunk_size=chunk_size, compute_dtype=cd)
-        # Few rows (at most one per trajectory): a plain matmul in the weight's dtype.
-        z_eos = (h[eos] @ lm_head_weight.t()).to(cd) if eos.numel() else torch.zeros(0, v_local, dtype=cd, device=device)
+        # Support pairs and the few full-vocabulary rows in one function: one weight-sized gradient.
+        z_sup, z_eos = project_support(h, lm_head_weight, sel, lid, local, eos, chunk_size=chunk_size, compute_dtype=cd)
     else:
         z_sup = _gather_pairs(src, sel, lid).to(cd)
         z_eos = src[eos].to(cd)
