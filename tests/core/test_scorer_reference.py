@@ -335,3 +335,36 @@ def test_score_full_vocabulary_with_neg_inf_logits():
     torch.testing.assert_close(out.logprobs, ref["logprobs"], atol=ATOL, rtol=0)
     torch.testing.assert_close(out.entropy, ref["entropy"], atol=ATOL, rtol=0)
     torch.testing.assert_close(g, g_ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("trainable", ["hidden", "weight"])
+def test_hidden_mode_with_one_side_frozen(trainable):
+    """A frozen LM head (or frozen hidden states) still gets the other side's exact gradient."""
+    case = make_case(eos=(0,), seed=15)
+    h = case.hidden.clone().requires_grad_(trainable == "hidden")
+    w = case.weight.clone().requires_grad_(trainable == "weight")
+    out = score_aligned_support(h, *case.channels(), lm_head_weight=w, compute_entropy=True, chunk_size=16)
+    leaf = h if trainable == "hidden" else w
+    (g,) = torch.autograd.grad(_loss(out.logprobs, out.entropy, case.loss_mask.shape), leaf)
+    h_ref, w_ref = case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
+    ref = _reference(case, h_ref @ w_ref.T, 1.0)
+    g_ref = torch.autograd.grad(_loss(ref["logprobs"], ref["entropy"], case.loss_mask.shape),
+                                h_ref if trainable == "hidden" else w_ref)[0]
+    torch.testing.assert_close(g, g_ref, atol=ATOL, rtol=0)
+
+
+def test_no_grad_roles_and_nothing_to_score():
+    case = make_case(eos=(1,), seed=16)
+    with_grad = score_aligned_support(case.logits.clone().requires_grad_(), *case.channels(), compute_entropy=True)
+    with torch.no_grad():
+        plain = score_aligned_support(case.logits, *case.channels(), compute_entropy=True)
+        hidden = score_aligned_support(case.hidden, *case.channels(), lm_head_weight=case.weight, compute_entropy=True)
+    assert not plain.logprobs.requires_grad
+    torch.testing.assert_close(plain.logprobs, with_grad.logprobs.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(hidden.logprobs, plain.logprobs, atol=ATOL, rtol=0)
+    torch.testing.assert_close(hidden.entropy, plain.entropy, atol=ATOL, rtol=0)
+    nothing = score_aligned_support(case.logits, case.sampled_ids, case.row_ids, torch.zeros_like(case.loss_mask),
+                                    case.support, compute_entropy=True, compute_support_mass=True)
+    for t in (nothing.logprobs, nothing.entropy, nothing.support_logmass):
+        assert t.shape == case.loss_mask.shape and torch.all(t == 0)
+    assert not nothing.valid_mask.any() and not nothing.fallback_mask.any()
