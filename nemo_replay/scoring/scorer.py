@@ -33,7 +33,7 @@ from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import validate_support_rows
 
-__all__ = ["SupportScores", "score_aligned_support", "score_full_vocabulary", "check_synthetic_eos"]
+__all__ = ["SupportScores", "score_aligned_support", "score_full_vocabulary", "check_synthetic_eos", "has_support_row"]
 
 SupportArg = Union[PackedTensor, RaggedSupport, torch.Tensor]
 DEFAULT_CHUNK_SIZE = 8192
@@ -132,6 +132,27 @@ def _normalise_support(support: SupportArg) -> Union[PackedTensor, RaggedSupport
     )
 
 
+def has_support_row(support: Union[PackedTensor, RaggedSupport], row_ids: torch.Tensor) -> torch.Tensor:
+    """True where ``row_ids`` names a non-empty row (not -1, not all -1 / empty).
+
+    Args:
+        support: fixed-width (rows, k) PackedTensor or RaggedSupport.
+        row_ids: any shape, int; values outside ``[0, rows)`` count as no row.
+    Returns:
+        bool, shaped like ``row_ids``.
+    """
+    if isinstance(support, PackedTensor):
+        values = support.values
+        nonempty = values[:, 0] >= 0 if values.shape[1] else torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    else:
+        nonempty = support.row_lengths > 0
+    nonempty = nonempty.to(row_ids.device)
+    if nonempty.numel() == 0:
+        return torch.zeros(row_ids.shape, dtype=torch.bool, device=row_ids.device)
+    ok = (row_ids >= 0) & (row_ids < nonempty.numel())
+    return ok & nonempty[row_ids.clamp(0, nonempty.numel() - 1)]
+
+
 def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
     """The synthetic-EOS rule (DESIGN §3): at most one loss-active position without a support
     row per trajectory, and it is that trajectory's last loss-active position.
@@ -175,7 +196,7 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
     if not_last.any():
         p = int(idx[torch.nonzero(not_last)[0]])
         raise ValueError(
-            f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: loss-active with no support row but not "
+            f"trajectory {int(traj[p])}, logit position {_position(p, pos_shape)}: loss-active with no support row but not "
             f"the trajectory's last loss-active token; only a synthetic EOS (the last token) may lack a row. Support "
             f"rows are misaligned (an off-by-one between token and logit positions?)"
         )
@@ -317,7 +338,7 @@ def score_aligned_support(
     if bad_row.any():
         p = int(torch.nonzero(bad_row)[0])
         raise ValueError(
-            f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: row id {int(rows[p])} outside "
+            f"trajectory {int(traj[p])}, logit position {_position(p, pos_shape)}: row id {int(rows[p])} outside "
             f"[-1, {num_rows}) for a support of {num_rows} rows"
         )
     if isinstance(support, PackedTensor):
@@ -326,12 +347,9 @@ def score_aligned_support(
             raise ValueError(f"support rows must be integer (int32), got {values.dtype}")
         if validate:
             validate_support_rows(values, vocab_size=v_end if tp == 1 else None, cu_seqlens=support.cu_seqlens, where="scorer support")
-        row_nonempty = values[:, 0] >= 0 if values.shape[1] else torch.zeros(num_rows, dtype=torch.bool, device=device)
-    else:
-        if validate:
-            support.validate(vocab_size=v_end if tp == 1 else None, where="scorer support")
-        row_nonempty = (support.row_lengths > 0).to(device)
-    has_row = (rows >= 0) & row_nonempty[rows.clamp(min=0)] if num_rows else torch.zeros_like(lmask)
+    elif validate:
+        support.validate(vocab_size=v_end if tp == 1 else None, where="scorer support")
+    has_row = has_support_row(support, rows)
     scored = lmask & has_row
     fallback = lmask & ~has_row
     check_synthetic_eos(fallback, lmask, traj, pos_shape)
@@ -351,7 +369,7 @@ def score_aligned_support(
         i = int(torch.nonzero(guard)[0])
         p = int(sel[i])
         raise ValueError(
-            f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: sampled token {int(sampled[p])} is not a "
+            f"trajectory {int(traj[p])}, logit position {_position(p, pos_shape)}: sampled token {int(sampled[p])} is not a "
             f"member of its support row {ids[i][:16].tolist()} (row {int(rows[p])}); token and support coordinates "
             f"are misaligned (support rows sit at logit positions: row j of a response predicts token P + j)"
         )
@@ -409,7 +427,7 @@ def score_aligned_support(
     if bad_eos.any():
         p = int(eos[torch.nonzero(bad_eos)[0]])
         raise ValueError(
-            f"trajectory {int(traj[p])}, position {_position(p, pos_shape)}: sampled id {int(sampled[p])} outside "
+            f"trajectory {int(traj[p])}, logit position {_position(p, pos_shape)}: sampled id {int(sampled[p])} outside "
             f"the vocabulary [0, {vocab_size})"
         )
 

@@ -99,7 +99,7 @@ def test_channels_feed_the_scorer_and_a_shift_is_caught(form):
     torch.testing.assert_close(out.logprobs, expected, atol=1e-12, rtol=0)
     assert torch.equal(out.valid_mask, ch.loss_mask)
     shifted = torch.roll(ch.row_ids, 1, dims=1)
-    with pytest.raises(ValueError, match=r"trajectory \d, position \d: (sampled token \d+ is not a member|loss-active "
+    with pytest.raises(ValueError, match=r"trajectory \d, logit position \d: (sampled token \d+ is not a member|loss-active "
                                          r"with no support row)|trajectories \[.*\] have"):
         score_aligned_support(logits, ch.sampled_ids, shifted, ch.loss_mask, batch.support,
                               trajectory_ids=ch.trajectory_ids)

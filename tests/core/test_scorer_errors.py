@@ -179,10 +179,10 @@ def test_row_id_out_of_range_names_trajectory_and_position(case):
     t = _valid_positions(case, 2)[1]
     rows = case.row_ids.clone()
     rows[2, t] = case.support.num_rows
-    with pytest.raises(ValueError, match=rf"trajectory 2, position {t}: row id {case.support.num_rows} outside \[-1, "):
+    with pytest.raises(ValueError, match=rf"trajectory 2, logit position {t}: row id {case.support.num_rows} outside \[-1, "):
         _score(case, row_ids=rows)
     rows[2, t] = -2
-    with pytest.raises(ValueError, match=rf"trajectory 2, position {t}: row id -2 outside"):
+    with pytest.raises(ValueError, match=rf"trajectory 2, logit position {t}: row id -2 outside"):
         _score(case, row_ids=rows)
 
 
@@ -194,7 +194,7 @@ def test_sampled_not_in_row_names_trajectory_and_position(case, form):
     sampled = case.sampled_ids.clone()
     sampled[1, t] = outsider
     support = case.support if form == "packed" else RaggedSupport.from_padded(case.support)
-    with pytest.raises(ValueError, match=rf"trajectory 1, position {t}: sampled token {outsider} is not a member of its "
+    with pytest.raises(ValueError, match=rf"trajectory 1, logit position {t}: sampled token {outsider} is not a member of its "
                                          rf"support row .*misaligned"):
         _score(case, sampled_ids=sampled, support=support)
     # The same token at a loss-inactive position is not scored, so it is not an error.
@@ -208,7 +208,7 @@ def test_off_by_one_rows_are_caught(case):
     """Row ids shifted one position right (placed at token instead of logit positions)."""
     rows = torch.full_like(case.row_ids, -1)
     rows[:, 1:] = case.row_ids[:, :-1]
-    with pytest.raises(ValueError, match=r"(trajectory \d+, position \d+: sampled token|trajectories \[[\d, ]+\] have)"):
+    with pytest.raises(ValueError, match=r"(trajectory \d+, logit position \d+: sampled token|trajectories \[[\d, ]+\] have)"):
         _score(case, row_ids=rows)
 
 
@@ -229,7 +229,7 @@ def test_rowless_position_that_is_not_the_last(case):
     t = _valid_positions(case, 2)[0]
     rows = case.row_ids.clone()
     rows[2, t] = -1
-    with pytest.raises(ValueError, match=rf"trajectory 2, position {t}: loss-active with no support row but not the "
+    with pytest.raises(ValueError, match=rf"trajectory 2, logit position {t}: loss-active with no support row but not the "
                                          rf"trajectory's last loss-active token"):
         _score(case, row_ids=rows)
 
@@ -247,7 +247,7 @@ def test_eos_sampled_id_outside_vocab(case):
     t = int(torch.nonzero(case.loss_mask[1])[-1])
     sampled = case.sampled_ids.clone()
     sampled[1, t] = 61
-    with pytest.raises(ValueError, match=rf"trajectory 1, position {t}: sampled id 61 outside the vocabulary \[0, 61\)"):
+    with pytest.raises(ValueError, match=rf"trajectory 1, logit position {t}: sampled id 61 outside the vocabulary \[0, 61\)"):
         _score(case, sampled_ids=sampled)
 
 

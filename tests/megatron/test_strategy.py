@@ -480,11 +480,11 @@ def test_missing_support_and_policy_inputs_are_refused():
     assert prepare_micro_batch(0, eos, role="recompute", settings=RoleSettings(), **common).replay
     rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[-1, -1], [11, 3]])])
     early = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
-    with pytest.raises(ValueError, match="trajectory 1, logit position 1 .*not the trajectory's last loss-active"):
+    with pytest.raises(ValueError, match="trajectory 1, logit position 1: .*not the trajectory's last loss-active"):
         prepare_micro_batch(0, early, role="recompute", settings=RoleSettings(), **common)
     rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[-1, -1], [-1, -1]])])
     many = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
-    with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active tokens without a support row"):
+    with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active positions without a support row"):
         prepare_micro_batch(0, many, role="recompute", settings=RoleSettings(), **common)
 
 

@@ -31,11 +31,10 @@ import torch.distributed as dist
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import clipped_policy_loss
-from nemo_replay.scoring.scorer import SupportScores, check_synthetic_eos, score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.scorer import SupportScores, check_synthetic_eos, has_support_row, score_aligned_support, score_full_vocabulary
 from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings, check_role
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
 from nemo_replay.strategies.fsdp.layout import FSDPLayout, build_layout
-from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["FSDPStrategy", "lm_head_weight", "run_trunk"]
 
@@ -96,17 +95,6 @@ def lm_head_weight(model):
             "fully_shard(model.lm_head) before fully_shard(model), or use source='logits'"
         )
     return head.weight, lambda: None
-
-
-def _has_row(support, row_ids: torch.Tensor) -> torch.Tensor:
-    """True where ``row_ids`` names a non-empty support row."""
-    if isinstance(support, PackedTensor):
-        values = support.values.to(row_ids.device)
-        nonempty = values[:, 0] >= 0
-    else:
-        nonempty = (support.row_lengths > 0).to(row_ids.device)
-    ok = (row_ids >= 0) & (row_ids < nonempty.numel())
-    return ok & nonempty[row_ids.clamp(0, max(nonempty.numel() - 1, 0))]
 
 
 class FSDPStrategy(ReplayStrategy):
@@ -233,7 +221,7 @@ class FSDPStrategy(ReplayStrategy):
         rule is checked here on the canonical channels, identically on every rank.
         """
         ch = layout.canonical
-        fallback = ch.loss_mask & ~_has_row(batch.support, ch.row_ids)
+        fallback = ch.loss_mask & ~has_support_row(batch.support, ch.row_ids)
         check_synthetic_eos(fallback.reshape(-1), ch.loss_mask.reshape(-1), ch.trajectory_ids.reshape(-1), ch.loss_mask.shape)
 
     def _agree(self, fn, device):

@@ -15,8 +15,8 @@ import torch
 
 from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels
 from nemo_replay.layout.megatron_layout import TokenMetadataLayout
+from nemo_replay.scoring.scorer import check_synthetic_eos, has_support_row
 from nemo_replay.strategies.base import RoleSettings
-from nemo_replay.support.packed import PackedTensor
 
 __all__ = [
     "PreparedMicroBatch",
@@ -74,42 +74,16 @@ class PreparedMicroBatch:
     routes: Optional[torch.Tensor] = None
 
 
-def _row_nonempty(support) -> torch.Tensor:
-    if isinstance(support, PackedTensor):
-        v = support.values
-        return v[:, 0] >= 0 if v.shape[1] else torch.zeros(v.shape[0], dtype=torch.bool, device=v.device)
-    return support.row_lengths > 0
-
-
 def check_rowless_positions(channels: CanonicalChannels, support) -> None:
-    """The synthetic-EOS rule (DESIGN.md §3) checked in canonical coordinates.
-
-    At most one loss-active position without a support row per trajectory, and it must be
-    the trajectory's last loss-active position. Checked here because under context
-    parallelism no single rank sees a whole trajectory.
-    """
-    rows = channels.row_ids
-    nonempty = _row_nonempty(support).to(rows.device)
-    has_row = (rows >= 0) & nonempty[rows.clamp(min=0)] if nonempty.numel() else torch.zeros_like(channels.loss_mask)
-    rowless = channels.loss_mask & ~has_row
-    counts = rowless.sum(1)
-    many = torch.nonzero(counts > 1).flatten().tolist()
-    if many:
-        raise ValueError(
-            f"trajectories {many} have {[int(counts[i]) for i in many]} loss-active tokens without a support row; at "
-            f"most one per trajectory (a synthetic EOS, its last token) may be scored over the full vocabulary. "
-            f"Record a support row for every sampled token (or loss-mask observation tokens)"
-        )
-    W = rows.shape[1]
-    cols = torch.arange(W, device=rows.device).expand_as(rows)
-    last_active = torch.where(channels.loss_mask, cols, -1).amax(1)
-    bad = rowless & (cols != last_active[:, None])
-    if bad.any():
-        b, c = (int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(
-            f"trajectory {b}, logit position {c} (predicting token column {c + 1}): loss-active without a support "
-            f"row but not the trajectory's last loss-active token; only a synthetic EOS may lack a row"
-        )
+    """The synthetic-EOS rule (DESIGN.md §3) checked in canonical coordinates, before any
+    CP slicing: under context parallelism no single rank sees a whole trajectory."""
+    rowless = channels.loss_mask & ~has_support_row(support, channels.row_ids)
+    check_synthetic_eos(
+        rowless.reshape(-1),
+        channels.loss_mask.reshape(-1),
+        channels.trajectory_ids.reshape(-1),
+        channels.loss_mask.shape,
+    )
 
 
 def response_to_logit_columns(x: torch.Tensor, B: int, W: int, name: str) -> torch.Tensor:
