@@ -29,6 +29,7 @@ import torch
 
 from nemo_replay.scoring.collectives import all_reduce_max, copy_to_shards, group_size, reduce_sum_from_shards
 from nemo_replay.scoring.projection import project_support
+from nemo_replay.scoring.selection import select_scores
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import validate_support_rows
@@ -205,20 +206,6 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
 # ---------------------------------------------------------------------------- math
 
 
-def _gather_pairs(src: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """``src[pos[:, None], cols]`` for src (N, V), pos (n,) sorted unique (from nonzero), cols (n, w).
-
-    A flat ``index_select`` over the contiguous buffer: about twice as fast as advanced
-    indexing on CPU, and its backward is one ``index_add`` into a zero gradient.
-    """
-    if pos.numel() == src.shape[0]:
-        return torch.gather(src, 1, cols)
-    if src.is_contiguous():
-        flat = (pos[:, None] * src.shape[1] + cols).reshape(-1)
-        return src.reshape(-1).index_select(0, flat).view(cols.shape)
-    return src[pos[:, None], cols]
-
-
 def _row_max(z: torch.Tensor) -> torch.Tensor:
     """Detached row maxima of (m, w) scores; ``lowest`` rows stay finite."""
     if z.shape[1] == 0:
@@ -363,7 +350,7 @@ def score_aligned_support(
         ids = support.padded_rows(rows[sel]).to(device)
     sampled_sel = sampled[sel]
     is_sampled = ids == sampled_sel[:, None].to(ids.dtype)
-    col = is_sampled.to(torch.uint8).argmax(1)  # the sampled member's column (0 if absent)
+    col = is_sampled.view(torch.uint8).argmax(1)  # the sampled member's column (0 if absent)
     guard = ~is_sampled.gather(1, col[:, None]).squeeze(1)
     if guard.any():
         i = int(torch.nonzero(guard)[0])
@@ -387,13 +374,15 @@ def score_aligned_support(
         h = copy_to_shards(src, tp_group)
         # Support pairs and the few full-vocabulary rows in one function: one weight-sized gradient.
         z_sup, z_eos = project_support(h, lm_head_weight, sel, lid, local, eos, chunk_size=chunk_size, compute_dtype=cd)
+        if temperature != 1.0:
+            z_sup = z_sup / temperature
+            z_eos = z_eos / temperature
+        z_sup = torch.where(local, z_sup, lowest)
     else:
-        z_sup = _gather_pairs(src, sel, lid).to(cd)
-        z_eos = src[eos].to(cd)
-    if temperature != 1.0:
-        z_sup = z_sup / temperature
-        z_eos = z_eos / temperature
-    z_sup = torch.where(local, z_sup, lowest)
+        # One gather, temperature and fill in place, one [N, V] gradient for pairs and EOS rows.
+        z_sup, z_eos = select_scores(
+            src, sel, lid, local, eos, temperature=temperature, fill=float(lowest), compute_dtype=cd
+        )
     if compute_entropy:
         z_sup = z_sup.clamp_min(lowest)  # -inf source logits on members
     z_eos = z_eos.clamp_min(lowest)  # -inf logits on masked vocab entries

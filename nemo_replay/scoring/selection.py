@@ -1,0 +1,100 @@
+"""Logits mode: read the support pairs and the few full-vocabulary rows out of the logits.
+
+Legend: N positions, V vocabulary entries held by this rank, n positions scored over a
+support, w support width, e positions scored over the whole (local) vocabulary.
+
+    z[i, j]  = src[pos[i], ids[i, j]] / T     for present[i, j], else ``fill``
+    ze[i, :] = src[eos[i], :] / T
+
+Naive equivalent: ``torch.where(present, src[pos[:, None], ids], fill) / T`` and
+``src[eos] / T`` as two autograd graphs, whose backward builds two ``[N, V]`` gradients
+and adds them. Here the backward allocates ONE zero ``[N, V]`` gradient in the source's
+dtype and adds the pair gradients and the row gradients into it (the two sets are
+disjoint: a position is scored over a support or over the vocabulary, never both).
+
+Forward: one flat ``index_select`` over the contiguous logits (a random gather of n*w
+floats, the cost floor of logits mode), then the temperature and the fill in place.
+No collectives. Inputs are not modified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["select_scores"]
+
+
+def _flat_index(pos: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+    """Offsets of ``src[pos[i], ids[i, j]]`` in the flattened (N * V) buffer.
+
+    Example: V = 5, pos = [0, 2], ids = [[4, 1], [0, 3]] -> [[4, 1], [10, 13]].
+    """
+    return ids + (pos * width)[:, None]
+
+
+class _SelectScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, src, pos, ids, present, eos, temperature, fill, compute_dtype):
+        N, V = src.shape
+        if src.is_contiguous():
+            flat = _flat_index(pos, ids, V)
+            z = src.reshape(-1).index_select(0, flat.reshape(-1)).view(ids.shape)
+        else:
+            flat = None
+            z = src[pos[:, None], ids]
+        z = z.to(compute_dtype)
+        ze = src[eos].to(compute_dtype)
+        if temperature != 1.0:
+            z.div_(temperature)
+            ze.div_(temperature)
+        z.masked_fill_(~present, fill)
+        ctx.save_for_backward(pos, ids, present, eos)
+        ctx.shape, ctx.dtype, ctx.temperature = (N, V), src.dtype, temperature
+        return z, ze
+
+    @staticmethod
+    def backward(ctx, grad_z, grad_ze):
+        pos, ids, present, eos = ctx.saved_tensors
+        N, V = ctx.shape
+        grad = torch.zeros(N * V, dtype=ctx.dtype, device=pos.device)
+        g = grad_z.masked_fill(~present, 0)
+        ge = grad_ze
+        if ctx.temperature != 1.0:
+            g = g / ctx.temperature
+            ge = ge / ctx.temperature
+        # index_add (not index_copy): repeated ids in a row (validate=False) still add up.
+        grad.index_add_(0, _flat_index(pos, ids, V).reshape(-1), g.reshape(-1).to(ctx.dtype))
+        grad = grad.view(N, V)
+        if eos.numel():
+            grad.index_add_(0, eos, ge.to(ctx.dtype))
+        return grad, None, None, None, None, None, None, None
+
+
+def select_scores(
+    src: torch.Tensor,
+    pos: torch.Tensor,
+    ids: torch.Tensor,
+    present: torch.Tensor,
+    eos: torch.Tensor,
+    *,
+    temperature: float,
+    fill: float,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Support-pair scores and full rows from logits, divided by the temperature.
+
+    Args:
+        src: (N, V), float logits of this rank's vocabulary shard. Not modified.
+        pos: (n,), int64 rows scored over a support.
+        ids: (n, w), int64 local vocabulary ids (any valid id where not present).
+        present: (n, w), bool.
+        eos: (e,), int64 rows scored over the whole local vocabulary (disjoint from ``pos``).
+        temperature: divides every score.
+        fill: score where not present (the compute dtype's lowest value: ``exp`` gives 0).
+        compute_dtype: float32 or float64.
+
+    Returns:
+        z: (n, w), compute_dtype.
+        ze: (e, V), compute_dtype.
+    """
+    return _SelectScores.apply(src, pos, ids, present, eos, float(temperature), float(fill), compute_dtype)
