@@ -1,1 +1,11 @@
-"""nemo_replay.config"""
+"""Recipe flags: typed schema, YAML loading with ``defaults:`` inheritance, validation (DESIGN.md §8).
+
+    from nemo_replay.config import load_config
+    cfg = load_config("configs/fsdp_gpu.yaml", ["trainer.steps=20"])
+"""
+
+from nemo_replay.config.loading import ConfigError, load_config, read_recipe, to_yaml
+from nemo_replay.config.schema import RecipeConfig, flag_docs
+from nemo_replay.config.validation import collect_problems, validate
+
+__all__ = ["ConfigError", "RecipeConfig", "load_config", "read_recipe", "to_yaml", "flag_docs", "collect_problems", "validate"]

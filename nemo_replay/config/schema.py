@@ -1,0 +1,259 @@
+"""The recipe flags: typed OmegaConf structured dataclasses (DESIGN.md §8).
+
+A recipe YAML maps onto :class:`RecipeConfig`; every leaf is a flag addressed by its dotted
+path (``replay.sample_support.top_k``, ``parallel.context``). Each field carries a docstring
+right below it; :func:`flag_docs` reads them back so ``nemo-replay flags`` can print the
+whole list with defaults.
+
+The schema only types the flags. Cross-flag rules (replay needs capture, CP needs packing,
+sizes divide the world, ...) live in :mod:`nemo_replay.config.validation` and run before any
+model is built.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = [
+    "SampleSupportConfig",
+    "ScorerConfig",
+    "ReplayConfig",
+    "GenerationConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "RecipeConfig",
+    "flag_docs",
+]
+
+
+@dataclass
+class SampleSupportConfig:
+    """Support capture at sampling time (DESIGN.md §2, §7)."""
+
+    enabled: bool = True
+    """Record the support row of every sampled token. Replay needs it."""
+    top_k: Optional[int] = None
+    """Width of the fixed-width support rows; null follows ``generation.top_k``. Must be
+    >= ``generation.top_k`` (extra columns are -1 padding). With ``generation.top_k: null``
+    leave it null: rows are then ragged (CSR) and hold the whole top-p / min-p set."""
+
+
+@dataclass
+class ScorerConfig:
+    """How the shared scorer gets its input (DESIGN.md §4)."""
+
+    source: str = "logits"
+    """``logits``: score the model's (vocab-parallel) logits. ``hidden``: score hidden states
+    against the LM-head weight without materialising [tokens, V] logits."""
+    chunk_size: int = 8192
+    """(position, id) pairs projected per chunk in hidden mode; bounds the scorer's memory."""
+    compute_entropy: bool = False
+    """Also compute the entropy over the support (logged as ``entropy``)."""
+
+
+@dataclass
+class ReplayConfig:
+    """Support-conditioned log-prob replay (DESIGN.md §1, §6)."""
+
+    enabled: bool = True
+    """Score every trainer pass (policy, old-policy recompute, reference) over the recorded
+    support. false runs the ordinary full-vocabulary path: the no-replay baseline."""
+    strategy: str = "fsdp"
+    """Registered strategy: ``fsdp`` (Hugging Face + FSDP2), ``megatron`` (Megatron-Core) or a
+    plugin from the ``nemo_replay.strategies`` entry-point group."""
+    sample_support: SampleSupportConfig = field(default_factory=SampleSupportConfig)
+    """Capture of the support rows at sampling time."""
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    """Scorer input mode and chunking."""
+    reference_full_vocab: bool = False
+    """Score the reference model over the full vocabulary even with replay on."""
+    route_replay: bool = False
+    """MoE router replay (R3): the trained forward takes the rollout's expert routes.
+    Megatron strategy with an MoE model (``model.num_experts > 0``) only."""
+
+
+@dataclass
+class GenerationConfig:
+    """The rollout sampler (the torch capture sampler of :mod:`nemo_replay.capture`)."""
+
+    temperature: Optional[float] = 1.0
+    """Sampling temperature, > 0. Every trainer role divides its logits by the same value."""
+    top_k: Optional[int] = 8
+    """Keep the k most likely tokens (> 1); null for no top-k bound (ragged support rows)."""
+    top_p: float = 0.95
+    """Nucleus threshold in (0, 1]; 1.0 disables top-p."""
+    min_p: float = 0.0
+    """Keep tokens with probability >= min_p * max probability, in [0, 1); 0 disables."""
+    repetition_penalty: float = 1.0
+    """Must stay 1.0 under capture: a penalty rewrites logits from the history, which no
+    trainer pass reproduces."""
+    max_new_tokens: int = 6
+    """Tokens sampled per response."""
+    stop_token_id: Optional[int] = None
+    """A sampled token that ends a response early (kept, with its support row); null: none."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. Built from these fields with random weights unless ``pretrained``."""
+
+    pretrained: Optional[str] = None
+    """Local path of a Hugging Face checkpoint (fsdp strategy only; its own sizes replace the
+    ones below, ``vocab_size`` must match). null builds the model from the fields below: no
+    download."""
+    vocab_size: int = 32
+    """Vocabulary size V."""
+    hidden_size: int = 64
+    """Model width H."""
+    intermediate_size: int = 128
+    """MLP width (per expert for MoE)."""
+    num_layers: int = 2
+    """Transformer layers."""
+    num_attention_heads: int = 4
+    """Query heads; divisible by ``parallel.tensor`` and ``parallel.sequence``."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); divides ``num_attention_heads``."""
+    max_position_embeddings: int = 64
+    """Longest sequence (prompt + response) the position encoding covers."""
+    num_experts: int = 0
+    """MoE experts per layer; 0 builds a dense MLP."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (MoE only)."""
+    dtype: str = "float32"
+    """Parameter dtype: ``float32``, ``bfloat16`` or ``float16``."""
+    attn_implementation: str = "sdpa"
+    """Hugging Face attention kernel (``sdpa``, ``eager``, ``flash_attention_2``)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes. Their product with the data-parallel size is the world size."""
+
+    tensor: int = 1
+    """Tensor-parallel size (megatron)."""
+    pipeline: int = 1
+    """Pipeline-parallel size (megatron)."""
+    context: int = 1
+    """Context-parallel size (megatron); > 1 needs ``parallel.packing: true``."""
+    expert: int = 1
+    """Expert-parallel size (megatron MoE)."""
+    sequence: int = 1
+    """Ulysses sequence-parallel size (fsdp strategy)."""
+    packing: bool = False
+    """Pack micro-batches into THD sequences (megatron; needs Transformer Engine on GPU)."""
+
+
+@dataclass
+class TaskConfig:
+    """The built-in task with a verifiable reward."""
+
+    name: str = "successor"
+    """Task name (see :mod:`nemo_replay.trainer.task`)."""
+    num_symbols: Optional[int] = None
+    """Token ids the task uses, [0, num_symbols); null: the whole ``model.vocab_size``."""
+    min_prompt_len: int = 2
+    """Shortest prompt, in tokens."""
+    max_prompt_len: int = 5
+    """Longest prompt, in tokens."""
+
+
+@dataclass
+class TrainerConfig:
+    """The reference GRPO loop."""
+
+    steps: int = 150
+    """Rollout + update iterations."""
+    prompts_per_step: int = 16
+    """Prompts per iteration, over all data-parallel ranks."""
+    group_size: int = 8
+    """Responses sampled per prompt (GRPO group); >= 2."""
+    micro_batch_size: int = 64
+    """Trajectories per forward/backward on one rank."""
+    minibatches_per_step: int = 2
+    """Optimizer steps per iteration; the rollout batch is split into this many minibatches."""
+    lr: float = 1.0e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip; 0 disables."""
+    clip_eps: float = 0.2
+    """PPO clip range."""
+    kl_coef: float = 0.01
+    """Weight of the KL-to-reference penalty; 0 keeps KL as a diagnostic only."""
+    old_logprobs: str = "recompute"
+    """Old-policy log-probs of the PPO ratio: ``recompute`` (a trainer forward before the
+    update) or ``rollout`` (the sampler's recorded log-probs)."""
+    seed: int = 1234
+    """Seeds weights, prompts and sampling; equal seeds give equal runs."""
+    accelerator: str = "auto"
+    """``cpu``, ``gpu`` or ``auto`` (GPU when CUDA is available)."""
+    devices: int = 1
+    """Processes per node (under torchrun: its --nproc_per_node)."""
+    num_nodes: int = 1
+    """Nodes (under torchrun: its --nnodes)."""
+    num_threads: Optional[int] = None
+    """CPU threads per process (torch.set_num_threads); null keeps torch's choice."""
+    output_dir: Optional[str] = None
+    """Where metrics.jsonl and metrics.png go; null: runs/<time>-<strategy>-replay-<on|off>."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on rank 0."""
+    plot: bool = True
+    """Write metrics.png at the end of the run."""
+
+
+@dataclass
+class RecipeConfig:
+    """A whole recipe: what ``nemo-replay train`` reads."""
+
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """Replay switch, strategy, capture and scorer."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampler settings."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel sizes."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Built-in task."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """GRPO loop."""
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """Field name -> the string literal right below it in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def flag_docs(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, object, str]]:
+    """Every leaf flag of ``cls`` as ``(dotted path, default, docstring)``, in schema order."""
+    out = []
+    docs = _attribute_docs(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            out.extend(flag_docs(type(value), path + "."))
+        else:
+            out.append((path, value, docs.get(f.name, "")))
+    return out

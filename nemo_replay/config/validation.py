@@ -1,0 +1,306 @@
+"""Cross-flag rules of a recipe, checked before any model is built (DESIGN.md §8).
+
+:func:`collect_problems` returns every violated rule as one line naming the flag, the
+value it holds and the fix; :func:`validate` raises them together as one
+:class:`~nemo_replay.config.loading.ConfigError`. The rules:
+
+- replay on without support capture;
+- sampling that cannot be captured: temperature missing or <= 0, ``top_k <= 1`` for
+  fixed-width rows, rows narrower than the sampler's top-k, a repetition penalty != 1;
+- an unregistered strategy (the message lists the registered ones);
+- context parallel > 1 without packing; Ulysses SP with the megatron strategy; TP / CP / PP
+  with the fsdp strategy; route replay without megatron + MoE;
+- parallel sizes that do not divide the world, prompts that do not split over the
+  data-parallel ranks, heads that do not split over TP / SP;
+- plain range checks on the loop and model sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+from nemo_replay.config.schema import RecipeConfig
+
+__all__ = ["collect_problems", "validate", "resolve_world_size", "data_parallel_size", "model_parallel_size"]
+
+_SOURCES = ("logits", "hidden")
+_OLD_LOGPROBS = ("recompute", "rollout")
+_ACCELERATORS = ("cpu", "gpu", "auto")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_world_size(cfg: RecipeConfig, world_size: Optional[int] = None) -> int:
+    """``world_size`` if given, else ``WORLD_SIZE`` (torchrun), else ``devices * num_nodes``."""
+    if world_size is not None:
+        return int(world_size)
+    env = os.environ.get("WORLD_SIZE")
+    if env:
+        return int(env)
+    return max(1, cfg.trainer.devices) * max(1, cfg.trainer.num_nodes)
+
+
+def model_parallel_size(cfg: RecipeConfig) -> int:
+    """Ranks that hold one copy of the data: ``tp * pp * cp`` (megatron) or ``sp`` (fsdp)."""
+    p = cfg.parallel
+    if cfg.replay.strategy == "megatron":
+        return max(1, p.tensor) * max(1, p.pipeline) * max(1, p.context)
+    return max(1, p.sequence)
+
+
+def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
+    return max(1, world_size // model_parallel_size(cfg))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _sampling(cfg: RecipeConfig, out: list[str]) -> None:
+    g, cap = cfg.generation, cfg.replay.sample_support
+    why = " (support capture needs a sampled distribution)" if cap.enabled else ""
+    if g.temperature is None:
+        out.append(f"generation.temperature is missing{why}; set generation.temperature=1.0")
+    elif not (math.isfinite(g.temperature) and g.temperature > 0):
+        out.append(
+            f"generation.temperature={g.temperature} must be > 0 (<= 0 means greedy decoding, which RL "
+            f"cannot train on{why}); set generation.temperature=1.0"
+        )
+    if g.top_k is not None and g.top_k <= 1:
+        out.append(
+            f"generation.top_k={g.top_k} must be > 1 for fixed-width support rows (top_k=1 is greedy); "
+            f"set generation.top_k to e.g. 8, or null for ragged top-p rows"
+        )
+    if not 0.0 < g.top_p <= 1.0:
+        out.append(f"generation.top_p={g.top_p} must be in (0, 1]; 1.0 disables top-p")
+    if not 0.0 <= g.min_p < 1.0:
+        out.append(f"generation.min_p={g.min_p} must be in [0, 1); 0.0 disables min-p")
+    if g.repetition_penalty != 1.0:
+        out.append(
+            f"generation.repetition_penalty={g.repetition_penalty}: a penalty rewrites logits from the "
+            f"generation history, which no trainer pass reproduces, so the captured support and "
+            f"log-probs cannot be replayed; set generation.repetition_penalty=1.0"
+        )
+    if g.max_new_tokens < 1:
+        out.append(f"generation.max_new_tokens={g.max_new_tokens} must be >= 1")
+    if g.stop_token_id is not None and not 0 <= g.stop_token_id < cfg.model.vocab_size:
+        out.append(
+            f"generation.stop_token_id={g.stop_token_id} is outside the vocabulary [0, {cfg.model.vocab_size}); "
+            f"set a valid id or null"
+        )
+    if cap.enabled and cap.top_k is not None:
+        if cap.top_k <= 1:
+            out.append(
+                f"replay.sample_support.top_k={cap.top_k} must be > 1 for fixed-width rows; set it to "
+                f"generation.top_k or null"
+            )
+        elif g.top_k is None:
+            out.append(
+                f"replay.sample_support.top_k={cap.top_k} with generation.top_k=null would cut the top-p / "
+                f"min-p support to {cap.top_k} columns; set replay.sample_support.top_k=null (ragged rows) "
+                f"or bound the sampler with generation.top_k"
+            )
+        elif cap.top_k < g.top_k:
+            out.append(
+                f"replay.sample_support.top_k={cap.top_k} is narrower than generation.top_k={g.top_k}, so rows "
+                f"could not hold the sampled support; set replay.sample_support.top_k >= {g.top_k} or null"
+            )
+
+
+def _replay(cfg: RecipeConfig, out: list[str]) -> None:
+    from nemo_replay.strategies.registry import available_strategies
+
+    r = cfg.replay
+    if r.enabled and not r.sample_support.enabled:
+        out.append(
+            "replay.enabled=true needs recorded support, but replay.sample_support.enabled=false; set "
+            "replay.sample_support.enabled=true, or replay.enabled=false for the full-vocabulary baseline"
+        )
+    names = available_strategies()
+    if r.strategy not in names:
+        out.append(
+            f"replay.strategy={r.strategy!r} is not registered; registered strategies: {', '.join(names)}. "
+            f"Pick one, or install a plugin under the 'nemo_replay.strategies' entry-point group"
+        )
+    if r.scorer.source not in _SOURCES:
+        out.append(f"replay.scorer.source={r.scorer.source!r} must be one of {', '.join(_SOURCES)}")
+    if r.scorer.chunk_size < 1:
+        out.append(f"replay.scorer.chunk_size={r.scorer.chunk_size} must be >= 1")
+    if r.route_replay and (r.strategy != "megatron" or cfg.model.num_experts < 1):
+        out.append(
+            f"replay.route_replay=true needs the megatron strategy and an MoE model (got strategy="
+            f"{r.strategy!r}, model.num_experts={cfg.model.num_experts}); set replay.route_replay=false"
+        )
+
+
+def _parallel(cfg: RecipeConfig, world: int, out: list[str]) -> None:
+    p, m, strategy = cfg.parallel, cfg.model, cfg.replay.strategy
+    for name in ("tensor", "pipeline", "context", "expert", "sequence"):
+        if getattr(p, name) < 1:
+            out.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if p.context > 1 and not p.packing:
+        out.append(
+            f"parallel.context={p.context} needs packed sequences: context parallel splits each packed "
+            f"sequence into 2*cp chunks; set parallel.packing=true or parallel.context=1"
+        )
+    if p.sequence > 1 and strategy == "megatron":
+        out.append(
+            f"parallel.sequence={p.sequence} is Ulysses sequence parallel of the fsdp strategy; the megatron "
+            f"strategy shards sequences with context parallel: set parallel.context={p.sequence} "
+            f"(with parallel.packing=true) and parallel.sequence=1, or replay.strategy=fsdp"
+        )
+    if strategy == "megatron" and p.pipeline > 1:
+        out.append(
+            f"parallel.pipeline={p.pipeline}: the reference trainer samples with whole-model forwards, which "
+            f"pipeline stages cannot run alone (the megatron strategy's roles do support pipeline parallel in "
+            f"your own loop); set parallel.pipeline=1"
+        )
+    if strategy == "fsdp":
+        for name in ("tensor", "pipeline", "context", "expert"):
+            if getattr(p, name) > 1:
+                out.append(
+                    f"parallel.{name}={getattr(p, name)} is not available with the fsdp strategy (FSDP2 + "
+                    f"Ulysses SP); set parallel.{name}=1 or replay.strategy=megatron"
+                )
+        if p.packing:
+            out.append("parallel.packing=true is a megatron option; set parallel.packing=false with the fsdp strategy")
+    mp = model_parallel_size(cfg)
+    if mp >= 1 and world % mp:
+        sizes = (
+            f"tensor*pipeline*context = {p.tensor}*{p.pipeline}*{p.context} = {mp}"
+            if strategy == "megatron"
+            else f"sequence = {p.sequence}"
+        )
+        out.append(
+            f"parallel sizes do not divide the world: {sizes} does not divide world size {world} "
+            f"(trainer.devices * trainer.num_nodes, or WORLD_SIZE); change the sizes or the process count"
+        )
+    if strategy == "megatron" and p.expert > 1:
+        ep_block = p.tensor * p.pipeline * p.expert
+        if world % ep_block:
+            out.append(
+                f"parallel.expert={p.expert}: tensor*pipeline*expert = {ep_block} does not divide world size "
+                f"{world}; change parallel.expert or the process count"
+            )
+        if m.num_experts and m.num_experts % p.expert:
+            out.append(f"model.num_experts={m.num_experts} is not divisible by parallel.expert={p.expert}")
+    if mp >= 1 and world % mp == 0:
+        dp = world // mp
+        tr = cfg.trainer
+        if tr.prompts_per_step % dp:
+            out.append(
+                f"trainer.prompts_per_step={tr.prompts_per_step} does not split over {dp} data-parallel "
+                f"ranks; set it to a multiple of {dp}"
+            )
+        elif tr.minibatches_per_step > (tr.prompts_per_step // dp) * max(1, tr.group_size):
+            out.append(
+                f"trainer.minibatches_per_step={tr.minibatches_per_step} exceeds the "
+                f"{(tr.prompts_per_step // dp) * tr.group_size} trajectories each data-parallel rank holds; lower it"
+            )
+    for name in ("tensor", "sequence"):
+        size = getattr(p, name)
+        if size > 1 and m.num_attention_heads % size:
+            out.append(
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.{name}={size}; "
+                f"heads are split over those ranks"
+            )
+
+
+def _model(cfg: RecipeConfig, out: list[str]) -> None:
+    m, t = cfg.model, cfg.task
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_key_value_heads"):
+        if getattr(m, name) < 1:
+            out.append(f"model.{name}={getattr(m, name)} must be >= 1")
+    if m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
+        out.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}"
+        )
+    if m.num_key_value_heads >= 1 and m.num_attention_heads % m.num_key_value_heads:
+        out.append(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"model.num_key_value_heads={m.num_key_value_heads}"
+        )
+    longest = t.max_prompt_len + cfg.generation.max_new_tokens
+    if m.max_position_embeddings < longest:
+        out.append(
+            f"model.max_position_embeddings={m.max_position_embeddings} is shorter than the longest sequence "
+            f"(task.max_prompt_len + generation.max_new_tokens = {longest}); raise it"
+        )
+    if m.num_experts < 0 or (m.num_experts and not 1 <= m.moe_top_k <= m.num_experts):
+        out.append(
+            f"model.moe_top_k={m.moe_top_k} must be in [1, model.num_experts={m.num_experts}] (num_experts 0 = dense)"
+        )
+    if m.dtype not in _DTYPES:
+        out.append(f"model.dtype={m.dtype!r} must be one of {', '.join(_DTYPES)}")
+    if m.pretrained is not None and cfg.replay.strategy == "megatron":
+        out.append(
+            "model.pretrained loads Hugging Face checkpoints for the fsdp strategy; the megatron strategy builds "
+            "its GPTModel from the model.* sizes. Set model.pretrained=null or replay.strategy=fsdp"
+        )
+
+
+def _loop(cfg: RecipeConfig, out: list[str]) -> None:
+    tr, task = cfg.trainer, cfg.task
+    positive = ("steps", "prompts_per_step", "micro_batch_size", "minibatches_per_step", "devices", "num_nodes")
+    for name in positive:
+        if getattr(tr, name) < 1:
+            out.append(f"trainer.{name}={getattr(tr, name)} must be >= 1")
+    if tr.group_size < 2:
+        out.append(
+            f"trainer.group_size={tr.group_size}: GRPO advantages compare responses to the same prompt, so a "
+            f"group needs at least 2; set trainer.group_size >= 2"
+        )
+    if tr.minibatches_per_step >= 1 and tr.prompts_per_step % tr.minibatches_per_step:
+        out.append(
+            f"trainer.prompts_per_step={tr.prompts_per_step} does not split into trainer.minibatches_per_step="
+            f"{tr.minibatches_per_step} minibatches; make it a multiple"
+        )
+    if not tr.lr > 0:
+        out.append(f"trainer.lr={tr.lr} must be > 0")
+    if not tr.clip_eps > 0:
+        out.append(f"trainer.clip_eps={tr.clip_eps} must be > 0")
+    if tr.kl_coef < 0 or tr.weight_decay < 0 or tr.grad_clip < 0:
+        out.append("trainer.kl_coef, trainer.weight_decay and trainer.grad_clip must be >= 0")
+    if tr.old_logprobs not in _OLD_LOGPROBS:
+        out.append(f"trainer.old_logprobs={tr.old_logprobs!r} must be one of {', '.join(_OLD_LOGPROBS)}")
+    if tr.accelerator not in _ACCELERATORS:
+        out.append(f"trainer.accelerator={tr.accelerator!r} must be one of {', '.join(_ACCELERATORS)}")
+    if tr.num_threads is not None and tr.num_threads < 1:
+        out.append(f"trainer.num_threads={tr.num_threads} must be >= 1 or null")
+    from nemo_replay.trainer.task import TASKS
+
+    if task.name not in TASKS:
+        out.append(f"task.name={task.name!r} is not a built-in task; choose one of {', '.join(sorted(TASKS))}")
+    if task.num_symbols is not None and not 2 <= task.num_symbols <= cfg.model.vocab_size:
+        out.append(
+            f"task.num_symbols={task.num_symbols} must be in [2, model.vocab_size={cfg.model.vocab_size}]; "
+            f"or null for the whole vocabulary"
+        )
+    if not 1 <= task.min_prompt_len <= task.max_prompt_len:
+        out.append(
+            f"task.min_prompt_len={task.min_prompt_len}, task.max_prompt_len={task.max_prompt_len}: need "
+            f"1 <= min_prompt_len <= max_prompt_len"
+        )
+
+
+def collect_problems(cfg: RecipeConfig, world_size: Optional[int] = None) -> list[str]:
+    """Every violated rule of ``cfg`` for a run of ``world_size`` processes (see module doc)."""
+    out: list[str] = []
+    world = resolve_world_size(cfg, world_size)
+    _replay(cfg, out)
+    _sampling(cfg, out)
+    _parallel(cfg, world, out)
+    _model(cfg, out)
+    _loop(cfg, out)
+    return out
+
+
+def validate(cfg: RecipeConfig, world_size: Optional[int] = None) -> RecipeConfig:
+    """Raise one :class:`ConfigError` listing every problem of ``cfg``; return ``cfg`` when clean."""
+    from nemo_replay.config.loading import ConfigError
+
+    problems = collect_problems(cfg, world_size)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
