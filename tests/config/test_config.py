@@ -1,0 +1,144 @@
+"""Recipe loading: defaults inheritance, overrides, typed flags, and one error listing every problem."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from nemo_replay.config import ConfigError, RecipeConfig, flag_docs, load_config, to_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_default_recipe_is_valid_and_matches_the_schema_defaults():
+    cfg = load_config()
+    assert isinstance(cfg, RecipeConfig)
+    assert cfg.replay.enabled and cfg.replay.strategy == "fsdp" and cfg.generation.top_k == 8
+    # The embedded YAML spells out the schema defaults, except where it says otherwise.
+    assert cfg.model == RecipeConfig().model
+
+
+@pytest.mark.parametrize(
+    "name, world",
+    [("default.yaml", 1), ("megatron_moe_gpu.yaml", 8), ("fsdp_gpu.yaml", 8)],
+)
+def test_shipped_recipes_validate_and_open_with_their_command(name, world):
+    path = REPO / "configs" / name
+    cfg = load_config(path, world_size=world)
+    text = path.read_text().splitlines()
+    assert text[0].startswith("#")
+    header = "\n".join(line for line in text if line.startswith("#"))
+    assert "nemo-replay train" in header or "-m nemo_replay train" in header
+    assert "=" in header  # an override example
+    if name == "megatron_moe_gpu.yaml":
+        p = cfg.parallel
+        assert (cfg.replay.strategy, p.tensor > 1, p.context > 1, p.packing, cfg.replay.route_replay) == (
+            "megatron", True, True, True, True,
+        )
+        assert cfg.model.num_experts > 0
+    if name == "fsdp_gpu.yaml":
+        assert cfg.replay.strategy == "fsdp" and cfg.parallel.sequence > 1 and cfg.replay.scorer.source == "hidden"
+
+
+def test_defaults_chain_later_layers_win(tmp_path):
+    (tmp_path / "base.yaml").write_text("defaults: [pkg://default]\ntrainer: {steps: 7, lr: 0.5}\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "run.yaml").write_text("defaults:\n  - ../base.yaml\ntrainer: {steps: 9}\n")
+    cfg = load_config(tmp_path / "sub" / "run.yaml", ["trainer.seed=5"])
+    assert (cfg.trainer.steps, cfg.trainer.lr, cfg.trainer.seed) == (9, 0.5, 5)
+    assert cfg.generation.top_k == 8  # from the package default
+    cfg = load_config(tmp_path / "sub" / "run.yaml", ["trainer.steps=3", "generation.top_k=null", "replay.sample_support.top_k=null"])
+    assert cfg.trainer.steps == 3 and cfg.generation.top_k is None
+
+
+def test_defaults_cycle_and_missing_file_are_reported(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: [b.yaml]\n")
+    (tmp_path / "b.yaml").write_text("defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("defaults: [nowhere.yaml]\n")
+    with pytest.raises(ConfigError, match="nowhere.yaml"):
+        load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match="shipped recipes: default"):
+        load_config("pkg://no_such_recipe")
+
+
+def test_unknown_flags_and_bad_types_are_collected_with_hints():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["trainer.stpes=3", "trainer.lr=fast", "model", "replay.scorer=3"])
+    problems = info.value.problems
+    assert len(problems) == 4, problems
+    text = "\n".join(problems)
+    assert "unknown flag trainer.stpes; did you mean trainer.steps?" in text
+    assert "trainer.lr='fast'" in text
+    assert "override 'model' is not key=value" in text
+    assert "replay.scorer is a section" in text
+
+
+# Each rule of the issue, alone: (overrides, world size, text the single problem must contain).
+RULES = [
+    (["replay.sample_support.enabled=false"], 1, "replay.sample_support.enabled=true"),
+    (["generation.temperature=null"], 1, "generation.temperature is missing"),
+    (["generation.temperature=0"], 1, "generation.temperature=0.0 must be > 0"),
+    (["generation.temperature=-1.5"], 1, "generation.temperature=-1.5 must be > 0"),
+    (["generation.top_k=1"], 1, "generation.top_k=1 must be > 1"),
+    (["replay.sample_support.top_k=1"], 1, "replay.sample_support.top_k=1 must be > 1"),
+    (["replay.sample_support.top_k=4"], 1, "narrower than generation.top_k=8"),
+    (["generation.repetition_penalty=1.2"], 1, "set generation.repetition_penalty=1.0"),
+    (["replay.strategy=vllm_magic"], 1, "registered strategies: fsdp, megatron"),
+    (["replay.strategy=megatron", "parallel.context=2"], 2, "parallel.context=2 needs packed sequences"),
+    (["replay.strategy=megatron", "parallel.sequence=2"], 2, "parallel.sequence=2 is Ulysses"),
+    (["parallel.sequence=2"], 3, "sequence = 2 does not divide world size 3"),
+    (["replay.strategy=megatron", "parallel.tensor=2"], 3, "2*1*1 = 2 does not divide world size 3"),
+    (["parallel.tensor=2"], 2, "parallel.tensor=2 is not available with the fsdp strategy"),
+    (["replay.route_replay=true"], 1, "replay.route_replay=true needs the megatron strategy"),
+    (["trainer.prompts_per_step=3"], 2, "does not split over 2 data-parallel ranks"),
+]
+
+
+@pytest.mark.parametrize("overrides, world, expected", RULES, ids=[r[2][:40] for r in RULES])
+def test_each_rule_names_its_flag(overrides, world, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides, world_size=world)
+    assert len(info.value.problems) == 1, info.value.problems
+    assert expected in info.value.problems[0]
+
+
+def test_one_error_lists_every_problem():
+    overrides = [
+        "replay.strategy=megatron",
+        "replay.sample_support.enabled=false",
+        "generation.temperature=0",
+        "generation.top_k=1",
+        "generation.repetition_penalty=1.3",
+        "parallel.context=2",
+        "parallel.sequence=2",
+        "parallel.tensor=4",
+        "trainer.stepz=1",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides, world_size=6)
+    err = info.value
+    assert isinstance(err, ValueError)
+    flags = [
+        "trainer.stepz", "replay.sample_support.enabled", "generation.temperature", "generation.top_k",
+        "generation.repetition_penalty", "parallel.context=2", "parallel.sequence=2", "does not divide world size 6",
+    ]
+    message = str(err)
+    for flag in flags:
+        assert flag in message, flag
+    assert f"{len(err.problems)} problem(s)" in message
+    assert len(err.problems) >= len(flags)
+
+
+def test_every_flag_is_documented_and_yaml_round_trips(tmp_path):
+    docs = flag_docs()
+    assert len(docs) > 40
+    undocumented = [path for path, _, doc in docs if not doc]
+    assert not undocumented
+    cfg = load_config(overrides=["trainer.steps=11", "generation.top_p=0.8", "model.pretrained=/x"])
+    out = tmp_path / "dump.yaml"
+    out.write_text(to_yaml(cfg))
+    assert dataclasses.asdict(load_config(out)) == dataclasses.asdict(cfg)
