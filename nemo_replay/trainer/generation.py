@@ -1,0 +1,248 @@
+"""Rollouts with support capture: sample responses and return a canonical :class:`ReplayBatch`.
+
+The generator calls ``next_token_logits(sequences, attention_mask)`` once per new token on
+the whole left-padded buffer (no KV cache), so every sampled token is drawn from the logits
+of exactly the forward the trainer runs later (same weights, same position ids
+``cumsum(attention_mask) - 1``, same kernels); with replay on, the trainer's log-probs then
+match the recorded ones to float noise. Sampling goes through
+:func:`nemo_replay.capture.sample`, which returns each token's processed log-prob and its
+support row.
+
+Layout while generating (B = 2, prompts ``a b c`` and ``d e``, stop token ``#``)::
+
+    step 0      _ a b c | x0          _ = left pad, | = prompt end
+                _ _ d e | y0
+    step 1      _ a b c x0 | x1
+                _ _ d e y0 | #        row 1 samples the stop token: it is kept, row 1 ends
+    step 2      _ a b c x0 x1 | x2
+                _ _ d e y0 #  _       finished rows get a pad (attention_mask False)
+
+At the end each trajectory is re-left-padded into the canonical batch (its real tokens a
+suffix of its row) with ``R_i`` support rows, and the loss mask / rollout log-probs are
+right-aligned ``[B, A]`` with ``A = max R_i``.
+
+MoE routes (R3). When ``next_token_logits`` also returns the routes of every column of
+the buffer, each token keeps the routes of the forward that first processed it, as a KV-cached
+engine would record them: the prompt tokens from step 0, token ``t`` of the response from
+step ``t + 1``. The last sampled token is never fed back; it gets experts ``0..topk-1``
+(causal attention keeps its route from influencing any scored position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from nemo_replay.capture import sample
+from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
+from nemo_replay.support.ragged import RaggedSupport
+
+__all__ = ["SamplingSettings", "Rollout", "left_pad", "position_ids", "generate"]
+
+# (sequences, attention_mask) -> logits (B, V), or (logits, routes (B, S, layers, topk) int).
+NextTokenLogits = Callable[[torch.Tensor, torch.Tensor], Union[torch.Tensor, tuple]]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What the capture sampler needs (a view of ``generation.*`` and ``replay.sample_support.*``).
+
+    Attributes:
+        temperature, top_k, top_p, min_p: passed to :func:`nemo_replay.capture.sample`.
+        max_new_tokens: tokens sampled per response.
+        stop_token_id: a sampled token that ends a response (kept with its row), or None.
+        row_width: columns of fixed-width support rows (>= top_k); None: ``top_k``.
+    """
+
+    temperature: float
+    top_k: Optional[int]
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_new_tokens: int = 16
+    stop_token_id: Optional[int] = None
+    row_width: Optional[int] = None
+
+
+@dataclass
+class Rollout:
+    """One rollout batch.
+
+    Attributes:
+        batch: canonical batch with ``support`` (always captured here; drop it for replay off)
+            and ``rollout_logprobs`` (B, A) float32.
+        prompts: the B prompts, each (P_i,) int64 on the CPU.
+        responses: the B responses, each (R_i,) int64 on the CPU.
+    """
+
+    batch: ReplayBatch
+    prompts: list[torch.Tensor]
+    responses: list[torch.Tensor]
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: ``cumsum(mask) - 1``, 0 on padding.
+
+    Args:
+        attention_mask: (B, S), bool.
+    Returns:
+        (B, S), int64. Example: mask ``[0 0 1 1 1]`` -> ``[0 0 0 1 2]``.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_pad(rows: Sequence[torch.Tensor], pad_id: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D int tensors left-padded: ``(sequences (B, S) int64, attention_mask (B, S) bool)``."""
+    width = max(int(r.numel()) for r in rows)
+    seq = torch.full((len(rows), width), pad_id, dtype=torch.int64, device=device)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        n = int(r.numel())
+        seq[i, width - n :] = r.to(device=device, dtype=torch.int64)
+        mask[i, width - n :] = True
+    return seq, mask
+
+
+def _rows_as_segments(support: Union[PackedTensor, RaggedSupport]):
+    """One segment per row (so ``gather`` can reorder single rows)."""
+    n = support.num_rows
+    cu = torch.arange(n + 1, dtype=torch.int32, device=support.device)
+    if isinstance(support, PackedTensor):
+        return PackedTensor(support.values, cu)
+    return RaggedSupport(support.member_ids, support.row_offsets, cu)
+
+
+def _regroup(rows, lengths: torch.Tensor):
+    """Per-row segments -> one segment of ``lengths[i]`` rows per trajectory."""
+    cu = lengths_to_cu_seqlens(lengths.cpu()).to(rows.device)
+    if isinstance(rows, PackedTensor):
+        return PackedTensor(rows.values, cu)
+    return RaggedSupport(rows.member_ids, rows.row_offsets, cu)
+
+
+@torch.no_grad()
+def generate(
+    next_token_logits: NextTokenLogits,
+    prompts: Sequence[torch.Tensor],
+    settings: SamplingSettings,
+    *,
+    generator: Optional[torch.Generator] = None,
+    device: Union[str, torch.device] = "cpu",
+    pad_id: int = 0,
+) -> Rollout:
+    """Sample one response per prompt, capturing each token's support.
+
+    Args:
+        next_token_logits: ``(sequences (B, S) int64, attention_mask (B, S) bool) -> (B, V)``
+            float logits at the last column; it must run the trainer's own forward.
+            Called exactly ``max_new_tokens`` times (collective-safe: every rank calls it
+            equally often even when its rows stop early). It may return ``(logits, routes)``
+            with ``routes (B, S, layers, topk)`` int, the MoE routes of every column (R3).
+        prompts: B prompts, each (P_i,) int, P_i >= 1.
+        settings: sampler settings.
+        generator: a ``torch.Generator`` on ``device`` for reproducible draws.
+        device: where the buffer and the returned batch live.
+
+    Returns:
+        a :class:`Rollout`.
+    """
+    B = len(prompts)
+    T = settings.max_new_tokens
+    seq, mask = left_pad(prompts, pad_id, device)
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    resp_len = torch.zeros(B, dtype=torch.int64, device=device)
+    logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)
+    step_rows, step_owner = [], []
+    routes = None  # (B, S_final, layers, topk) token routes, filled as columns are first processed
+    for t in range(T):
+        logits = next_token_logits(seq, mask)
+        if isinstance(logits, tuple):
+            logits, step_routes = logits
+            routes = _record_routes(routes, step_routes, t, seq.shape[1], T)
+        rows = torch.nonzero(active).flatten()
+        ids = torch.full((B,), pad_id, dtype=torch.int64, device=device)
+        if rows.numel():
+            drawn, lp, support = sample(
+                logits[rows], temperature=settings.temperature, top_k=settings.top_k,
+                top_p=settings.top_p, min_p=settings.min_p, generator=generator,
+            )
+            ids[rows] = drawn
+            logprobs[rows, t] = lp
+            step_rows.append(_rows_as_segments(support))
+            step_owner.append(torch.stack([rows, torch.full_like(rows, t)], 1))
+            resp_len[rows] += 1
+        seq = torch.cat([seq, ids[:, None]], 1)
+        mask = torch.cat([mask, active[:, None]], 1)
+        if settings.stop_token_id is not None:
+            active &= ids != settings.stop_token_id
+    return _assemble(prompts, seq, mask, resp_len, logprobs, step_rows, step_owner, settings, pad_id, routes)
+
+
+def _record_routes(routes, step_routes: torch.Tensor, t: int, width: int, T: int) -> torch.Tensor:
+    """Keep the routes of the columns this step processed first: all of them at t = 0, else the last."""
+    if step_routes.shape[1] != width:
+        raise ValueError(f"routes cover {step_routes.shape[1]} columns, the buffer holds {width}")
+    if routes is None:
+        B, _, layers, topk = step_routes.shape
+        routes = torch.full((B, width + T, layers, topk), -1, dtype=torch.int64, device=step_routes.device)
+        routes[:, :width] = step_routes
+    else:
+        routes[:, width - 1] = step_routes[:, width - 1]
+    return routes
+
+
+def _token_routes(routes: torch.Tensor, mask: torch.Tensor) -> PackedTensor:
+    """Per trajectory the routes of its real tokens, ``(L_i, layers, topk)`` each, packed."""
+    out = []
+    fill = torch.arange(routes.shape[-1], dtype=torch.int64, device=routes.device)
+    for i in range(mask.shape[0]):
+        r = routes[i, : mask.shape[1]][mask[i]]
+        unknown = r[:, 0, 0] < 0  # the final sampled token: never fed back
+        r[unknown] = fill
+        out.append(r)
+    return PackedTensor.from_segments(out)
+
+
+def _assemble(prompts, seq, mask, resp_len, logprobs, step_rows, step_owner, settings, pad_id, routes=None) -> Rollout:
+    B, T = logprobs.shape
+    device = seq.device
+    responses = [seq[i, seq.shape[1] - T :][: int(resp_len[i])].cpu() for i in range(B)]
+    full = [torch.cat([p.to(device=device, dtype=torch.int64), r.to(device)]) for p, r in zip(prompts, responses)]
+    sequences, attention_mask = left_pad(full, pad_id, device)
+    A = int(resp_len.max())
+    # Right-aligned [B, A] response coordinates: token j of trajectory i sits at column A - R_i + j.
+    cols = torch.arange(A, device=device)[None, :]
+    loss_mask = cols >= (A - resp_len)[:, None]
+    rollout_lp = torch.zeros(B, A, dtype=torch.float32, device=device)
+    for i in range(B):
+        r = int(resp_len[i])
+        rollout_lp[i, A - r :] = logprobs[i, :r]
+    # Rows were collected step-major (t, then active trajectory); the batch wants them
+    # trajectory-major (i, then t). Sort the (trajectory, step) owner pairs to get the order.
+    owner = torch.cat(step_owner)
+    order = torch.argsort(owner[:, 0] * T + owner[:, 1])
+    rows = _cat(step_rows).gather(order.cpu())
+    if isinstance(rows, PackedTensor) and settings.row_width and settings.row_width > rows.values.shape[1]:
+        extra = settings.row_width - rows.values.shape[1]
+        pad = torch.full((rows.values.shape[0], extra), -1, dtype=rows.values.dtype, device=rows.values.device)
+        rows = PackedTensor(torch.cat([rows.values, pad], 1), rows.cu_seqlens)
+    support = _regroup(rows, resp_len)
+    # Real tokens in buffer order: the prompt (a suffix of the prompt block) then R_i responses;
+    # a stopped row's trailing pads carry mask False and drop out.
+    token_routes = None if routes is None else _token_routes(routes, mask)
+    batch = ReplayBatch(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        response_lengths=resp_len.clone(),
+        loss_mask=loss_mask,
+        support=support,
+        routes=token_routes,
+        rollout_logprobs=rollout_lp,
+    )
+    return Rollout(batch, [p.cpu() for p in prompts], responses)
+
+
+def _cat(items):
+    return PackedTensor.cat(items) if isinstance(items[0], PackedTensor) else RaggedSupport.cat(items)

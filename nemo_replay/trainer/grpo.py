@@ -1,0 +1,257 @@
+"""The reference GRPO trainer: rollouts with support capture, then three role passes.
+
+One step, on every rank (NeMo-RL's GRPO loop, on Lightning Fabric):
+
+1. **rollout**: this data-parallel rank's prompts, ``group_size`` responses each, sampled by
+   the capture sampler from the policy's own forward (:mod:`.generation`); each token keeps
+   its processed log-prob and its support row;
+2. **reward and advantages**: the task's verifiable reward, group-normalised
+   (:func:`~nemo_replay.objectives.group_advantages`);
+3. **recompute**: old-policy log-probs (strategy role ``recompute``, no grad) with the
+   weights that sampled: the train/inference mismatch is measured here;
+4. **reference**: reference-model log-probs (role ``reference``, frozen initial weights);
+5. **update**: per minibatch, role ``policy`` (clipped objective + KL, backward inside
+   the strategy), gradient clip, optimizer step. The first policy forward of the step runs
+   before any update: its ratio against the rollout log-probs is the first-step ratio.
+
+Every role scores over the recorded support when ``replay.enabled`` (the strategy calls the
+shared scorer), and over the full vocabulary otherwise; nothing else changes.
+
+    from nemo_replay.config import load_config
+    from nemo_replay.trainer import GRPOTrainer
+    result = GRPOTrainer(load_config(overrides=["trainer.steps=20"])).fit()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from nemo_replay.config.loading import to_yaml
+from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.objectives import group_advantages
+from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.trainer.diagnostics import StepStats, masked_abs_diff, ratio_deviation
+from nemo_replay.trainer.generation import SamplingSettings, generate
+from nemo_replay.trainer.metrics import JsonlLogger, plot_runs
+from nemo_replay.trainer.runtime import choose_output_dir, launch_fabric, make_backend, seed_all
+from nemo_replay.trainer.task import build_task
+
+__all__ = ["GRPOTrainer", "RunResult", "role_settings", "sampling_settings", "split_batch"]
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves behind.
+
+    Attributes:
+        output_dir: folder with ``metrics.jsonl``, ``config.yaml`` and ``metrics.png``.
+        history: the per-step metrics (the rows of ``metrics.jsonl``), on every rank.
+        summary: reward at the start and end of the run, worst mismatch and ratio.
+    """
+
+    output_dir: Path
+    history: list
+    summary: dict
+
+
+def role_settings(cfg: RecipeConfig) -> RoleSettings:
+    """The recipe's scoring settings for every role."""
+    return RoleSettings(
+        replay=cfg.replay.enabled,
+        temperature=float(cfg.generation.temperature),
+        source=cfg.replay.scorer.source,
+        chunk_size=cfg.replay.scorer.chunk_size,
+        compute_entropy=cfg.replay.scorer.compute_entropy,
+        reference_full_vocab=cfg.replay.reference_full_vocab,
+        clip_eps=cfg.trainer.clip_eps,
+        kl_coef=cfg.trainer.kl_coef,
+    )
+
+
+def sampling_settings(cfg: RecipeConfig) -> SamplingSettings:
+    g, cap = cfg.generation, cfg.replay.sample_support
+    return SamplingSettings(
+        temperature=float(g.temperature), top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
+        max_new_tokens=g.max_new_tokens, stop_token_id=g.stop_token_id,
+        row_width=cap.top_k if g.top_k is not None else None,
+    )
+
+
+def split_batch(batch: ReplayBatch, size: int) -> list[ReplayBatch]:
+    """Consecutive slices of at most ``size`` trajectories."""
+    return [batch.select(torch.arange(i, min(i + size, batch.batch_size))) for i in range(0, batch.batch_size, size)]
+
+
+class GRPOTrainer:
+    """GRPO with support-conditioned replay (see the module doc for one step).
+
+    Args:
+        cfg: a validated recipe (:func:`nemo_replay.config.load_config`).
+        backend: the model side; None builds the one for ``replay.strategy``
+            (:func:`~nemo_replay.trainer.runtime.make_backend`).
+        fabric: a launched Fabric; None launches one for ``cfg``.
+        output_suffix: appended to the default output folder name.
+    """
+
+    def __init__(self, cfg: RecipeConfig, *, backend=None, fabric=None, output_suffix: str = ""):
+        self.cfg = cfg
+        self.fabric = fabric or launch_fabric(cfg)
+        seed_all(cfg.trainer.seed, self.fabric)
+        self.device = self.fabric.device
+        self.backend = backend or make_backend(cfg, self.fabric)
+        self.policy, self.reference = self.backend.build_models()
+        self.strategy = self.backend.make_strategy()
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+        self.task = build_task(
+            cfg.task.name, vocab_size=cfg.task.num_symbols or cfg.model.vocab_size, min_prompt_len=cfg.task.min_prompt_len,
+            max_prompt_len=cfg.task.max_prompt_len, response_len=cfg.generation.max_new_tokens,
+        )
+        self.settings = role_settings(cfg)
+        # Support mass needs full logits: logits mode with replay on.
+        self.recompute_settings = dataclasses.replace(
+            self.settings, compute_support_mass=cfg.replay.enabled and cfg.replay.scorer.source == "logits"
+        )
+        self.sampling = sampling_settings(cfg)
+        # Prompts differ per data-parallel rank and agree within a model-parallel group
+        # (TP / CP / SP ranks must hold the same rollouts); sampling draws alike.
+        seed = cfg.trainer.seed * 1_000_003 + self.backend.dp_rank
+        self.prompt_rng = torch.Generator().manual_seed(seed)
+        self.sample_rng = torch.Generator(device=self.device).manual_seed(seed + 17)
+        self.prompts_per_rank = cfg.trainer.prompts_per_step // self.backend.dp_size
+        self.output_dir = choose_output_dir(cfg, self.fabric, output_suffix)
+        self.logger = JsonlLogger(self.output_dir)
+        if self.fabric.is_global_zero:
+            (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
+            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ one step
+    def rollout(self) -> ReplayBatch:
+        """Sample this rank's responses; returns the canonical batch with advantages and rewards."""
+        G = self.cfg.trainer.group_size
+        prompts = self.task.prompts(self.prompts_per_rank, self.prompt_rng)
+        repeated = [p for p in prompts for _ in range(G)]
+        logits_fn = partial(self.backend.next_token_logits, self.policy)
+        ro = generate(logits_fn, repeated, self.sampling, generator=self.sample_rng, device=self.device)
+        rewards = self.task.rewards(ro.prompts, ro.responses)
+        batch = ro.batch
+        batch.advantages = group_advantages(rewards, G).to(self.device)
+        if not self.cfg.replay.enabled:
+            batch.support = None  # the full-vocabulary baseline: nothing to replay
+        if not self.cfg.replay.route_replay:
+            batch.routes = None
+        self._rewards = rewards
+        return batch
+
+    def score_old_and_reference(self, micro: list[ReplayBatch], stats: StepStats) -> None:
+        """Roles ``recompute`` and ``reference``; stores old/ref log-probs on each micro-batch."""
+        old = self.strategy.run_role("recompute", self.policy, micro, self.recompute_settings)
+        ref = self.strategy.run_role("reference", self.reference, micro, self.settings)
+        for mb, o, r in zip(micro, old, ref):
+            A = mb.response_width
+            o, r = o.response(A), r.response(A)
+            mask = mb.loss_mask.bool()
+            total, peak, n = masked_abs_diff(mb.rollout_logprobs, o.logprobs, mask)
+            stats.add_mean("mismatch_mean", total, n)
+            stats.add_max("mismatch_max", peak)
+            if o.support_logmass is not None:
+                mass = torch.exp(o.support_logmass.double())[o.valid_mask & mask.to(o.valid_mask.device)]
+                stats.add_mean("support_mass", float(mass.sum()), mass.numel())
+            if o.entropy is not None:
+                ent = o.entropy.double()[mask.to(o.entropy.device)]
+                stats.add_mean("entropy", float(ent.sum()), ent.numel())
+            mb.old_logprobs = o.logprobs if self.cfg.trainer.old_logprobs == "recompute" else mb.rollout_logprobs
+            mb.ref_logprobs = r.logprobs
+
+    def update(self, minibatches: list[list[ReplayBatch]], stats: StepStats) -> None:
+        """Role ``policy`` per minibatch, then clip and step; the first forward gives the first-step ratio."""
+        for k, group in enumerate(minibatches):
+            self.optimizer.zero_grad(set_to_none=True)
+            outs = self.strategy.run_role("policy", self.policy, group, self.settings)
+            self.backend.finish_gradients(self.policy)
+            norm = self.backend.clip_gradients(self.policy, self.cfg.trainer.grad_clip)
+            self.optimizer.step()
+            stats.add_mean("grad_norm", norm, 1)
+            for mb, out in zip(group, outs):
+                n = int(mb.loss_mask.bool().sum())
+                if k == 0:
+                    total, dev, count = ratio_deviation(out.response(mb.response_width).logprobs, mb.rollout_logprobs, mb.loss_mask.bool())
+                    stats.add_mean("ratio_mean", total, count)
+                    stats.add_max("ratio_max_dev", dev)
+                stats.add_mean("loss", float(out.loss) * n, n)
+                for key, name in (("clip_fraction", "clip_fraction"), ("kl", "kl"), ("ratio_max_dev", "ratio_old_max_dev")):
+                    if key in out.metrics:
+                        stats.add_mean(name, out.metrics[key] * n, n)
+
+    def step(self) -> dict:
+        """One GRPO iteration; returns the metrics reduced over every rank."""
+        start = time.perf_counter()
+        stats = StepStats()
+        batch = self.rollout()
+        stats.add_mean("reward", float(self._rewards.sum()), self._rewards.numel())
+        stats.add_mean("response_len", float(batch.response_lengths.sum()), batch.batch_size)
+        # Minibatches (one optimizer step each) of micro-batches (one forward each).
+        index = torch.arange(batch.batch_size).tensor_split(min(self.cfg.trainer.minibatches_per_step, batch.batch_size))
+        minibatches = [split_batch(batch.select(ix), self.cfg.trainer.micro_batch_size) for ix in index]
+        self.score_old_and_reference([mb for group in minibatches for mb in group], stats)
+        self.update(minibatches, stats)
+        stats.add_max("step_time_s", time.perf_counter() - start)
+        return stats.reduce(device=self.device if self.device.type == "cuda" else None)
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> RunResult:
+        """Run ``trainer.steps`` steps; write metrics.jsonl (and metrics.png); return the result."""
+        history = []
+        bar = _progress(self.cfg, self.fabric)
+        for i in range(self.cfg.trainer.steps):
+            metrics = self.step()
+            history.append({"step": i, **metrics})
+            self.logger.log_metrics(metrics, step=i)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{metrics['reward']:.3f}", mismatch=f"{metrics['mismatch_max']:.1e}",
+                    kl=f"{metrics.get('kl', float('nan')):.1e}",
+                )
+        if bar is not None:
+            bar.close()
+        summary = summarize(history)
+        if self.fabric.is_global_zero and self.cfg.trainer.plot:
+            label = f"replay {'on' if self.cfg.replay.enabled else 'off'}"
+            plot_runs([(label, history)], self.output_dir / "metrics.png", title=f"{self.cfg.replay.strategy}, {label}")
+        self.fabric.barrier()
+        return RunResult(self.output_dir, history, summary)
+
+
+def summarize(history: list[dict]) -> dict:
+    """Reward over the first and last tenth of the run, worst mismatch and first-step ratio."""
+    n = max(1, len(history) // 10)
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    finite = lambda k: [r[k] for r in history if r.get(k) is not None and math.isfinite(r[k])]  # noqa: E731
+    return {
+        "steps": len(history),
+        "reward_first": mean(history[:n], "reward"),
+        "reward_last": mean(history[-n:], "reward"),
+        "mismatch_mean": sum(finite("mismatch_mean")) / max(1, len(finite("mismatch_mean"))),
+        "mismatch_max": max(finite("mismatch_max"), default=float("nan")),
+        "ratio_max_dev": max(finite("ratio_max_dev"), default=float("nan")),
+        "first_step_ratio_max_dev": history[0]["ratio_max_dev"] if history else float("nan"),
+    }
+
+
+def _progress(cfg: RecipeConfig, fabric) -> Optional[object]:
+    if not (cfg.trainer.progress_bar and fabric.is_global_zero):
+        return None
+    from tqdm import tqdm
+
+    mode = "on" if cfg.replay.enabled else "off"
+    return tqdm(total=cfg.trainer.steps, desc=f"GRPO {cfg.replay.strategy} replay-{mode}", unit="step", dynamic_ncols=True)

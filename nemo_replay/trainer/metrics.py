@@ -1,0 +1,132 @@
+"""Run metrics: a JSON-lines Fabric logger and PNG plots (matplotlib, Agg backend).
+
+``metrics.jsonl`` holds one JSON object per training step (``{"step": 3, "reward": 0.41,
+"mismatch_mean": 2.1e-07, ...}``); non-finite values are written as ``null`` so every line
+is strict JSON. :func:`plot_runs` draws the main diagnostics of one or more runs (the
+compare mode overlays replay on and off) on a log scale where they span decades.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from argparse import Namespace
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from lightning.fabric.loggers import Logger
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+__all__ = ["JsonlLogger", "read_jsonl", "plot_runs", "PLOTTED"]
+
+# (metric, title, log scale) in plot order.
+PLOTTED = (
+    ("reward", "reward (mean over rollouts)", False),
+    ("mismatch_mean", "|rollout - trainer| log-prob, mean", True),
+    ("mismatch_max", "|rollout - trainer| log-prob, max", True),
+    ("ratio_max_dev", "first-step max |PPO ratio - 1|", True),
+    ("kl", "KL to reference", False),
+    ("clip_fraction", "clip fraction", False),
+    ("support_mass", "support mass (kept probability)", False),
+    ("loss", "policy loss", False),
+)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):
+        return _clean(value.item())
+    return value
+
+
+class JsonlLogger(Logger):
+    """Fabric logger appending one JSON object per ``log_metrics`` call to ``<root_dir>/metrics.jsonl``.
+
+    Writes on global rank 0 only; ``log_hyperparams`` writes ``hparams.json``.
+    """
+
+    def __init__(self, root_dir: Union[str, os.PathLike], filename: str = "metrics.jsonl"):
+        super().__init__()
+        self._root = Path(root_dir)
+        self._filename = filename
+
+    @property
+    def name(self) -> Optional[str]:
+        return "jsonl"
+
+    @property
+    def version(self) -> Optional[Union[int, str]]:
+        return 0
+
+    @property
+    def root_dir(self) -> Optional[str]:
+        return str(self._root)
+
+    @property
+    def path(self) -> Path:
+        return self._root / self._filename
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        self._root.mkdir(parents=True, exist_ok=True)
+        row = {"step": step} if step is not None else {}
+        row.update({k: _clean(v) for k, v in metrics.items()})
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Union[dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:
+        self._root.mkdir(parents=True, exist_ok=True)
+        params = vars(params) if isinstance(params, Namespace) else params
+        with open(self._root / "hparams.json", "w", encoding="utf-8") as f:
+            json.dump(params, f, indent=2, default=str)
+
+
+def read_jsonl(path: Union[str, os.PathLike]) -> list[dict]:
+    """The rows of a metrics file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], out_png: Union[str, os.PathLike], title: str = "") -> Path:
+    """One panel per metric of :data:`PLOTTED` that any run logged; one line per run.
+
+    Args:
+        runs: ``(label, rows)`` pairs, rows as written by :class:`JsonlLogger`.
+        out_png: where the figure goes.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(k, t, log) for k, t, log in PLOTTED if any(r.get(k) is not None for _, rows in runs for r in rows)]
+    cols = 3
+    nrows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.0 * nrows), squeeze=False)
+    for ax, (key, label, log) in zip(axes.flat, panels):
+        for run_label, rows in runs:
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if log:
+                pts = [(s, max(v, 1e-12)) for s, v in pts]
+            if pts:
+                ax.plot(*zip(*pts), label=run_label, linewidth=1.2)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if log:
+            ax.set_yscale("log")
+        if len(runs) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,101 @@
+"""Process setup of a run: Lightning Fabric launch, the backend, the output folder.
+
+Three ways to start, one code path:
+
+- a plain ``nemo-replay train``: ``trainer.devices * trainer.num_nodes`` processes; with more
+  than one, Fabric launches the extra local processes itself;
+- ``torchrun`` (or Slurm ``srun`` + torchrun): the process count comes from ``WORLD_SIZE`` /
+  ``LOCAL_WORLD_SIZE`` and Fabric joins the rendezvous torchrun set up;
+- a caller that already initialised ``torch.distributed`` (spawned test workers): Fabric
+  reuses that process group.
+
+A process group (gloo on CPU, nccl on GPU) exists whenever the world has more than one
+rank or the strategy is megatron (megatron-core needs one even for a single rank).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+
+from nemo_replay.config.schema import RecipeConfig
+
+__all__ = ["launch_fabric", "make_backend", "choose_output_dir", "process_counts", "seed_all"]
+
+
+def process_counts(cfg: RecipeConfig) -> tuple[int, int]:
+    """(devices per node, nodes) of this run, from torchrun's variables, an existing group, or the recipe."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    world = os.environ.get("WORLD_SIZE")
+    if local and world and "TORCHELASTIC_RUN_ID" in os.environ:
+        return int(local), max(1, int(world) // int(local))
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), 1
+    return cfg.trainer.devices, cfg.trainer.num_nodes
+
+
+def _accelerator(cfg: RecipeConfig) -> str:
+    choice = cfg.trainer.accelerator
+    if choice == "gpu" and not torch.cuda.is_available():
+        raise ValueError("trainer.accelerator=gpu but CUDA is not available; set trainer.accelerator=cpu or auto")
+    return "cuda" if choice == "gpu" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def launch_fabric(cfg: RecipeConfig):
+    """A launched :class:`lightning.fabric.Fabric` for ``cfg`` (see the module doc)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    accelerator = _accelerator(cfg)
+    devices, num_nodes = process_counts(cfg)
+    needs_group = devices * num_nodes > 1 or cfg.replay.strategy == "megatron"
+    if needs_group:
+        strategy = DDPStrategy(process_group_backend="nccl" if accelerator == "cuda" else "gloo")
+    else:
+        strategy = "auto"
+    if cfg.trainer.num_threads and accelerator == "cpu":
+        torch.set_num_threads(cfg.trainer.num_threads)
+    fabric = Fabric(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision="32-true")
+    fabric.launch()
+    return fabric
+
+
+def make_backend(cfg: RecipeConfig, fabric):
+    """The model side for ``replay.strategy``: fsdp -> HFBackend, megatron -> MegatronBackend."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if cfg.replay.strategy == "fsdp":
+        from nemo_replay.trainer.hf_backend import HFBackend
+
+        return HFBackend(cfg, fabric.device, distributed)
+    if cfg.replay.strategy == "megatron":
+        from nemo_replay.trainer.megatron_backend import MegatronBackend
+
+        return MegatronBackend(cfg, fabric.device)
+    raise ValueError(
+        f"the reference trainer builds models for the fsdp and megatron strategies; replay.strategy="
+        f"{cfg.replay.strategy!r} needs its own backend: pass one to nemo_replay.trainer.train(cfg, backend=...)"
+    )
+
+
+def choose_output_dir(cfg: RecipeConfig, fabric, suffix: str = "") -> Path:
+    """``trainer.output_dir``, or ``runs/<time>-<strategy>-replay-<on|off>``; the same on every rank."""
+    if cfg.trainer.output_dir:
+        path = cfg.trainer.output_dir
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        mode = "on" if cfg.replay.enabled else "off"
+        path = os.path.join("runs", f"{stamp}-{cfg.replay.strategy}-replay-{mode}{suffix}")
+    path = fabric.broadcast(path, src=0) if fabric.world_size > 1 else path
+    out = Path(path)
+    if fabric.is_global_zero:
+        out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def seed_all(seed: int, fabric) -> None:
+    """Same weights on every rank: seed torch (and Python/NumPy) identically everywhere."""
+    fabric.seed_everything(seed, workers=False, verbose=False)
+
