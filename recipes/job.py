@@ -1,0 +1,141 @@
+"""The job both launchers submit: ``nemo-replay train`` under torchrun on every node.
+
+:class:`Job` holds the cluster shape and the workload; :func:`torchrun_command` renders the
+command each node runs. Rendezvous is torchrun's c10d store on the first node of the
+allocation (``--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT``), so every node runs the same
+line and torchrun assigns ranks.
+
+The recipe is validated here, before anything is queued, for the world size the job will
+have (``nodes * gpus_per_node``): a recipe that cannot run fails on the login node, with
+every problem listed, not after an hour in the queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
+# NGC images pin torch through PIP_CONSTRAINT, so this keeps the container's torch (and apex).
+DEFAULT_SETUP = 'pip install --quiet -e ".[all]"'
+
+__all__ = ["Job", "DEFAULT_IMAGE", "DEFAULT_SETUP", "add_job_arguments", "job_from_args", "torchrun_command", "validate_recipe"]
+
+
+@dataclass
+class Job:
+    """One training job.
+
+    Attributes:
+        config: recipe path as seen inside the container (relative to ``workdir``), or None
+            for the embedded default.
+        overrides: ``key=value`` recipe overrides.
+        nodes: nodes of the allocation.
+        gpus_per_node: processes (GPUs) per node.
+        container_image: NGC image (pyxis/enroot ``--container-image``).
+        container_mounts: ``src:dst`` mounts (``--container-mounts``).
+        workdir: working directory inside the container (the repository checkout).
+        job_name, partition, account, time: Slurm fields.
+        master_port: rendezvous port on the first node.
+        mode: ``train`` or ``compare``.
+        setup: shell command each node runs inside the container before torchrun (installs
+            the package into the NGC image); empty for an image that already has it.
+    """
+
+    config: Optional[str] = None
+    overrides: list = field(default_factory=list)
+    nodes: int = 1
+    gpus_per_node: int = 8
+    container_image: str = DEFAULT_IMAGE
+    container_mounts: list = field(default_factory=list)
+    workdir: str = "/workspace/nemo_replay"
+    job_name: str = "nemo-replay"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: str = "01:00:00"
+    master_port: int = 29500
+    mode: str = "train"
+    setup: str = DEFAULT_SETUP
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def recipe_overrides(self) -> list[str]:
+        """The process counts the recipe must agree with, then the user's overrides (which win)."""
+        counts = [f"trainer.devices={self.gpus_per_node}", f"trainer.num_nodes={self.nodes}", "trainer.accelerator=gpu"]
+        return counts + list(self.overrides)
+
+    def workload_args(self) -> list[str]:
+        """``train [CONFIG] overrides``: the arguments of ``python -m nemo_replay``."""
+        return [self.mode] + ([self.config] if self.config else []) + self.recipe_overrides()
+
+
+def torchrun_command(job: Job, *, node_rank: str = "$SLURM_NODEID", master: str = "$MASTER_ADDR:$MASTER_PORT") -> str:
+    """The command every node runs (shell variables left for the node's shell to expand)."""
+    parts = [
+        "torchrun",
+        f"--nnodes={job.nodes}",
+        f"--nproc-per-node={job.gpus_per_node}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={master}",
+        "--rdzv-id=${SLURM_JOB_ID:-nemo-replay}",
+        "-m",
+        "nemo_replay",
+    ]
+    command = " ".join(parts + [shlex.quote(a) for a in job.workload_args()])
+    return f"{job.setup} && {command}" if job.setup else command
+
+
+def validate_recipe(job: Job, repo_root: Optional[Path] = None) -> None:
+    """Load and validate the recipe for ``job.world_size`` ranks (raises ConfigError listing every problem).
+
+    ``job.config`` is resolved against ``repo_root`` (the local checkout mirrored at ``workdir``).
+    """
+    from nemo_replay.config.loading import load_config
+
+    config = job.config
+    if config and not config.startswith("pkg://") and repo_root is not None and not Path(config).is_absolute():
+        config = str(repo_root / config)
+    load_config(config, job.recipe_overrides(), world_size=job.world_size)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments both launchers share."""
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the allocation")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node")
+    parser.add_argument("--container-image", default=DEFAULT_IMAGE, help="NGC container image")
+    parser.add_argument(
+        "--container-mounts", default="", help="comma-separated src:dst mounts, e.g. /lustre/data:/data,$PWD:/workspace/nemo_replay"
+    )
+    parser.add_argument("--workdir", default="/workspace/nemo_replay", help="repository checkout inside the container")
+    parser.add_argument("--job-name", default="nemo-replay")
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--account", default=None)
+    parser.add_argument("--time", default="01:00:00", help="wall-clock limit HH:MM:SS")
+    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port on the first node")
+    parser.add_argument("--mode", choices=("train", "compare"), default="train")
+    parser.add_argument("--setup", default=DEFAULT_SETUP, help="command run in the container before torchrun ('' for none)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be submitted and exit")
+    parser.add_argument("--no-validate", action="store_true", help="skip validating the recipe before submitting")
+    parser.add_argument("workload", nargs=argparse.REMAINDER, help="[CONFIG] [key=value ...] as for nemo-replay train")
+
+
+def job_from_args(ns: argparse.Namespace) -> Job:
+    workload = [a for a in ns.workload if a != "--"]
+    config = workload[0] if workload and "=" not in workload[0] else None
+    overrides = workload[1:] if config else workload
+    if ns.nodes < 1 or ns.gpus_per_node < 1:
+        raise ValueError(f"--nodes ({ns.nodes}) and --gpus-per-node ({ns.gpus_per_node}) must be >= 1")
+    return Job(
+        config=config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
+        container_image=ns.container_image,
+        container_mounts=[m for m in ns.container_mounts.split(",") if m],
+        workdir=ns.workdir, job_name=ns.job_name, partition=ns.partition, account=ns.account, time=ns.time,
+        master_port=ns.master_port, mode=ns.mode, setup=ns.setup,
+    )
+
