@@ -177,7 +177,8 @@ class TrainerConfig:
     micro_batch_size: int = 64
     """Trajectories per forward/backward on one rank."""
     minibatches_per_step: int = 2
-    """Optimizer steps per iteration; the rollout batch is split into this many minibatches."""
+    """Optimizer steps per iteration: each rank splits its rollouts into this many nearly equal
+    minibatches (at most one per trajectory)."""
     lr: float = 1.0e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0

@@ -251,11 +251,6 @@ def _loop(cfg: RecipeConfig, out: list[str]) -> None:
             f"trainer.group_size={tr.group_size}: GRPO advantages compare responses to the same prompt, so a "
             f"group needs at least 2; set trainer.group_size >= 2"
         )
-    if tr.minibatches_per_step >= 1 and tr.prompts_per_step % tr.minibatches_per_step:
-        out.append(
-            f"trainer.prompts_per_step={tr.prompts_per_step} does not split into trainer.minibatches_per_step="
-            f"{tr.minibatches_per_step} minibatches; make it a multiple"
-        )
     if not tr.lr > 0:
         out.append(f"trainer.lr={tr.lr} must be > 0")
     if not tr.clip_eps > 0:
