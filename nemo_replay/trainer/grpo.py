@@ -135,8 +135,8 @@ class GRPOTrainer:
             (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ one step
-    def rollout(self) -> ReplayBatch:
-        """Sample this rank's responses; returns the canonical batch with advantages and rewards."""
+    def rollout(self) -> tuple[ReplayBatch, torch.Tensor]:
+        """Sample this rank's responses: the canonical batch (with advantages) and the rewards (B,)."""
         G = self.cfg.trainer.group_size
         prompts = self.task.prompts(self.prompts_per_rank, self.prompt_rng)
         repeated = [p for p in prompts for _ in range(G)]
@@ -149,8 +149,7 @@ class GRPOTrainer:
             batch.support = None  # the full-vocabulary baseline: nothing to replay
         if not self.cfg.replay.route_replay:
             batch.routes = None
-        self._rewards = rewards
-        return batch
+        return batch, rewards
 
     def score_old_and_reference(self, micro: list[ReplayBatch], stats: StepStats) -> None:
         """Roles ``recompute`` and ``reference``; stores old/ref log-probs on each micro-batch."""
@@ -188,16 +187,18 @@ class GRPOTrainer:
                     stats.add_mean("ratio_mean", total, count)
                     stats.add_max("ratio_max_dev", dev)
                 stats.add_mean("loss", float(out.loss) * n, n)
-                for key, name in (("clip_fraction", "clip_fraction"), ("kl", "kl"), ("ratio_max_dev", "ratio_old_max_dev")):
+                for key in ("clip_fraction", "kl"):
                     if key in out.metrics:
-                        stats.add_mean(name, out.metrics[key] * n, n)
+                        stats.add_mean(key, out.metrics[key] * n, n)
+                if "ratio_max_dev" in out.metrics:  # against the old log-probs the objective uses
+                    stats.add_max("ratio_old_max_dev", out.metrics["ratio_max_dev"])
 
     def step(self) -> dict:
         """One GRPO iteration; returns the metrics reduced over every rank."""
         start = time.perf_counter()
         stats = StepStats()
-        batch = self.rollout()
-        stats.add_mean("reward", float(self._rewards.sum()), self._rewards.numel())
+        batch, rewards = self.rollout()
+        stats.add_mean("reward", float(rewards.sum()), rewards.numel())
         stats.add_mean("response_len", float(batch.response_lengths.sum()), batch.batch_size)
         # Minibatches (one optimizer step each) of micro-batches (one forward each).
         index = torch.arange(batch.batch_size).tensor_split(min(self.cfg.trainer.minibatches_per_step, batch.batch_size))

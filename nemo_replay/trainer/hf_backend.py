@@ -95,7 +95,9 @@ class HFBackend:
         """(policy, reference): equal weights, the reference frozen; both sharded when distributed."""
         policy = build_hf_model(self.cfg)
         reference = copy.deepcopy(policy).requires_grad_(False).eval()
-        policy.train()
+        # Eval mode for the policy too: with dropout the scored distribution would not be the
+        # sampled one. Gradients do not depend on the mode.
+        policy.eval()
         return self._shard(policy), self._shard(reference)
 
     def _shard(self, model):

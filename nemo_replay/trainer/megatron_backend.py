@@ -148,7 +148,7 @@ class MegatronBackend:
             raise
         reference.load_state_dict(policy.state_dict())
         reference.requires_grad_(False).eval()
-        policy.train()
+        policy.eval()  # no dropout anywhere: the scored distribution must be the sampled one
         if config.bf16 or config.fp16:
             from megatron.core.transformer.module import Float16Module
 
