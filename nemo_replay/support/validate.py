@@ -88,24 +88,23 @@ def validate_support_rows(
             f"{where}: {describe_row(cu_seqlens, row)} {what}: {values[row].tolist()[:16]}"
         )
 
-    below = (values < -1).any(1)
-    if below.any():
-        fail(below, "holds an id below -1 (only -1 may pad)")
-    if vocab_size is not None:
-        above = (values >= vocab_size).any(1)
-        if above.any():
-            fail(above, f"holds an id >= vocab_size={vocab_size}")
+    # Whole-buffer checks first (no per-row temporaries); per-row masks only to name a failure.
+    lowest, highest = torch.aminmax(values)
+    if int(lowest) < -1:
+        fail((values < -1).any(1), "holds an id below -1 (only -1 may pad)")
+    if vocab_size is not None and int(highest) >= vocab_size:
+        fail((values >= vocab_size).any(1), f"holds an id >= vocab_size={vocab_size}")
     pad = values < 0
-    # Padding must be trailing: once a row pads, it pads to the end.
+    # Padding must be trailing: once a row pads, it pads to the end (no pad followed by a member).
     if values.shape[1] > 1:
-        late_member = (pad[:, :-1] & ~pad[:, 1:]).any(1)
+        late_member = pad[:, :-1] > pad[:, 1:]
         if late_member.any():
-            fail(late_member, "has a member after -1 padding (padding must be trailing)")
+            fail(late_member.any(1), "has a member after -1 padding (padding must be trailing)")
         # Duplicate members: sort each row, compare neighbours, ignore padding.
         ordered, _ = torch.sort(values, dim=1)
-        dup = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
+        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
         if dup.any():
-            fail(dup, "holds a duplicate id")
+            fail(dup.any(1), "holds a duplicate id")
     if sampled_ids is not None:
         if sampled_ids.shape != values.shape[:1]:
             raise ValueError(
