@@ -224,11 +224,10 @@ def _sums(z, m, zs, compute_entropy):
     ``z`` (m, w) holds ``lowest`` where an entry is absent, so ``exp`` gives exactly 0 there.
     """
     shifted = z - m[:, None]
+    if not compute_entropy:
+        return [shifted.exp_().sum(1), zs]  # in place: the shifted scores are not needed again
     e = torch.exp(shifted)
-    parts = [e.sum(1), zs]
-    if compute_entropy:
-        parts.append((e * shifted).sum(1))
-    return parts
+    return [e.sum(1), zs, (e * shifted).sum(1)]
 
 
 def _finish(m, s, zs, t):
@@ -344,10 +343,13 @@ def score_aligned_support(
     eos = torch.nonzero(fallback).flatten()
 
     # Member ids of each scored position: [n, w], -1 where absent.
+    rows_sel = rows[sel]
     if isinstance(support, PackedTensor):
-        ids = values[rows[sel]]
+        # Every row once, in order (positions that follow their rows): read the rows in place.
+        in_order = rows_sel.numel() == values.shape[0] and bool((rows_sel == torch.arange(rows_sel.numel(), device=device)).all())
+        ids = values if in_order else values[rows_sel]
     else:
-        ids = support.padded_rows(rows[sel]).to(device)
+        ids = support.padded_rows(rows_sel).to(device)
     sampled_sel = sampled[sel]
     is_sampled = ids == sampled_sel[:, None].to(ids.dtype)
     col = is_sampled.view(torch.uint8).argmax(1)  # the sampled member's column (0 if absent)
@@ -360,18 +362,14 @@ def score_aligned_support(
             f"member of its support row {ids[i][:16].tolist()} (row {int(rows[p])}); token and support coordinates "
             f"are misaligned (support rows sit at logit positions: row j of a response predicts token P + j)"
         )
-    if tp == 1:
-        local = ids >= 0
-        lid = ids.clamp(min=0).to(torch.int64)
-    else:
-        local = (ids >= v_start) & (ids < v_end)
-        lid = torch.where(local, ids - v_start, torch.zeros_like(ids)).to(torch.int64)
+    local = ids >= 0 if tp == 1 else (ids >= v_start) & (ids < v_end)
     # Absent members score ``lowest`` (not -inf): exp gives 0 and no 0 * inf reaches a gradient.
     lowest = torch.tensor(torch.finfo(cd).min, dtype=cd, device=device)
 
     # ---- local scores z/T for both groups ---------------------------------------------
     if hidden_mode:
         h = copy_to_shards(src, tp_group)
+        lid = (ids.clamp(min=0) if tp == 1 else torch.where(local, ids - v_start, torch.zeros_like(ids))).to(torch.int64)
         # Support pairs and the few full-vocabulary rows in one function: one weight-sized gradient.
         z_sup, z_eos = project_support(h, lm_head_weight, sel, lid, local, eos, chunk_size=chunk_size, compute_dtype=cd)
         if temperature != 1.0:
@@ -381,7 +379,7 @@ def score_aligned_support(
     else:
         # One gather, temperature and fill in place, one [N, V] gradient for pairs and EOS rows.
         z_sup, z_eos = select_scores(
-            src, sel, lid, local, eos, temperature=temperature, fill=float(lowest), compute_dtype=cd
+            src, sel, ids, local, eos, vocab_start=v_start, temperature=temperature, fill=float(lowest), compute_dtype=cd
         )
     if compute_entropy:
         z_sup = z_sup.clamp_min(lowest)  # -inf source logits on members

@@ -3,7 +3,7 @@
 Legend: N positions, V vocabulary entries held by this rank, n positions scored over a
 support, w support width, e positions scored over the whole (local) vocabulary.
 
-    z[i, j]  = src[pos[i], ids[i, j]] / T     for present[i, j], else ``fill``
+    z[i, j]  = src[pos[i], ids[i, j] - vocab_start] / T     for present[i, j], else ``fill``
     ze[i, :] = src[eos[i], :] / T
 
 Naive equivalent: ``torch.where(present, src[pos[:, None], ids], fill) / T`` and
@@ -24,50 +24,53 @@ import torch
 __all__ = ["select_scores"]
 
 
-def _flat_index(pos: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
-    """Offsets of ``src[pos[i], ids[i, j]]`` in the flattened (N * V) buffer.
+def _flat_index(pos: torch.Tensor, ids: torch.Tensor, vocab_start: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Offsets of ``src[pos[i], ids[i, j] - vocab_start]`` in the flattened (N * V) buffer, int64.
 
-    Example: V = 5, pos = [0, 2], ids = [[4, 1], [0, 3]] -> [[4, 1], [10, 13]].
+    Entries that are not present (-1 padding, ids of another rank's shard) land somewhere
+    in range and are masked by the caller. Example: N = 3, V = 5, vocab_start = 10,
+    pos = [0, 2], ids = [[14, 11], [10, -1]] -> [[4, 1], [10, 0]]: -1 - 10 + 10 = -1,
+    clamped to 0.
     """
-    return ids + (pos * width)[:, None]
+    N, V = shape
+    return (ids + (pos * V - vocab_start)[:, None]).clamp_(0, max(N * V - 1, 0))
 
 
 class _SelectScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, src, pos, ids, present, eos, temperature, fill, compute_dtype):
+    def forward(ctx, src, pos, ids, present, eos, vocab_start, temperature, fill, compute_dtype):
         N, V = src.shape
+        flat = _flat_index(pos, ids, vocab_start, (N, V))
         if src.is_contiguous():
-            flat = _flat_index(pos, ids, V)
             z = src.reshape(-1).index_select(0, flat.reshape(-1)).view(ids.shape)
         else:
-            flat = None
-            z = src[pos[:, None], ids]
+            z = src[torch.div(flat, V, rounding_mode="floor"), flat % V]
         z = z.to(compute_dtype)
         ze = src[eos].to(compute_dtype)
         if temperature != 1.0:
             z.div_(temperature)
             ze.div_(temperature)
         z.masked_fill_(~present, fill)
-        ctx.save_for_backward(pos, ids, present, eos)
+        ctx.save_for_backward(flat, present, eos)
         ctx.shape, ctx.dtype, ctx.temperature = (N, V), src.dtype, temperature
         return z, ze
 
     @staticmethod
     def backward(ctx, grad_z, grad_ze):
-        pos, ids, present, eos = ctx.saved_tensors
+        flat, present, eos = ctx.saved_tensors
         N, V = ctx.shape
-        grad = torch.zeros(N * V, dtype=ctx.dtype, device=pos.device)
+        grad = torch.zeros(N * V, dtype=ctx.dtype, device=flat.device)
         g = grad_z.masked_fill(~present, 0)
         ge = grad_ze
         if ctx.temperature != 1.0:
             g = g / ctx.temperature
             ge = ge / ctx.temperature
         # index_add (not index_copy): repeated ids in a row (validate=False) still add up.
-        grad.index_add_(0, _flat_index(pos, ids, V).reshape(-1), g.reshape(-1).to(ctx.dtype))
+        grad.index_add_(0, flat.reshape(-1), g.reshape(-1).to(ctx.dtype))
         grad = grad.view(N, V)
         if eos.numel():
             grad.index_add_(0, eos, ge.to(ctx.dtype))
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def select_scores(
@@ -77,6 +80,7 @@ def select_scores(
     present: torch.Tensor,
     eos: torch.Tensor,
     *,
+    vocab_start: int,
     temperature: float,
     fill: float,
     compute_dtype: torch.dtype,
@@ -86,9 +90,11 @@ def select_scores(
     Args:
         src: (N, V), float logits of this rank's vocabulary shard. Not modified.
         pos: (n,), int64 rows scored over a support.
-        ids: (n, w), int64 local vocabulary ids (any valid id where not present).
+        ids: (n, w), int (int32 support rows as they come) global vocabulary ids; anything
+            where not present (-1 padding, another shard's ids).
         present: (n, w), bool.
         eos: (e,), int64 rows scored over the whole local vocabulary (disjoint from ``pos``).
+        vocab_start: first global id of this rank's shard.
         temperature: divides every score.
         fill: score where not present (the compute dtype's lowest value: ``exp`` gives 0).
         compute_dtype: float32 or float64.
@@ -97,4 +103,4 @@ def select_scores(
         z: (n, w), compute_dtype.
         ze: (e, V), compute_dtype.
     """
-    return _SelectScores.apply(src, pos, ids, present, eos, float(temperature), float(fill), compute_dtype)
+    return _SelectScores.apply(src, pos, ids, present, eos, int(vocab_start), float(temperature), float(fill), compute_dtype)
