@@ -160,7 +160,7 @@ def generate(
         logits = next_token_logits(seq, mask)
         if isinstance(logits, tuple):
             logits, step_routes = logits
-            routes = _record_routes(routes, step_routes, t, seq.shape[1], T)
+            routes = _record_routes(routes, step_routes, seq.shape[1], T)
         rows = torch.nonzero(active).flatten()
         ids = torch.full((B,), pad_id, dtype=torch.int64, device=device)
         if rows.numel():
@@ -180,7 +180,7 @@ def generate(
     return _assemble(prompts, seq, mask, resp_len, logprobs, step_rows, step_owner, settings, pad_id, routes)
 
 
-def _record_routes(routes, step_routes: torch.Tensor, t: int, width: int, T: int) -> torch.Tensor:
+def _record_routes(routes, step_routes: torch.Tensor, width: int, T: int) -> torch.Tensor:
     """Keep the routes of the columns this step processed first: all of them at t = 0, else the last."""
     if step_routes.shape[1] != width:
         raise ValueError(f"routes cover {step_routes.shape[1]} columns, the buffer holds {width}")

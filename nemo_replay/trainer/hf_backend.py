@@ -146,7 +146,3 @@ class HFBackend:
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)
-
-    def describe(self) -> str:
-        return f"fsdp: dp={self.dp_size} sp={self.cfg.parallel.sequence}"
-

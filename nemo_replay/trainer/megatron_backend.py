@@ -113,6 +113,17 @@ class MegatronBackend:
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
         experts = self.cfg.model.num_experts or None
+        if experts:
+            from megatron.core.transformer.moe import moe_utils
+
+            if not hasattr(moe_utils, "te_general_gemm"):
+                # megatron-core binds this name only when Transformer Engine imports, yet every
+                # MoE router forward reads it (moe_utils.RouterGatingLinearFunction).
+                raise ValueError(
+                    "this megatron-core build cannot run MoE routers without Transformer Engine "
+                    "(megatron.core.transformer.moe.moe_utils.te_general_gemm is unbound); run in an NGC container "
+                    "with Transformer Engine, or set model.num_experts=0"
+                )
         if _has_te():
             spec = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=bool(experts))
         else:
@@ -260,7 +271,3 @@ class MegatronBackend:
             for g in grads:
                 g.mul_(scale)
         return norm
-
-    def describe(self) -> str:
-        p = self.cfg.parallel
-        return f"megatron: dp={self.dp_size} tp={p.tensor} cp={p.context} ep={p.expert}"
