@@ -100,11 +100,16 @@ def validate_support_rows(
         late_member = pad[:, :-1] > pad[:, 1:]
         if late_member.any():
             fail(late_member.any(1), "has a member after -1 padding (padding must be trailing)")
-        # Duplicate members: sort each row, compare neighbours, ignore padding.
-        ordered, _ = torch.sort(values, dim=1)
-        dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        if dup.any():
-            fail(dup.any(1), "holds a duplicate id")
+        # Duplicate members: sort each row, compare neighbours, ignore padding. Blocks of
+        # rows keep the sort's temporaries (values and int64 indices) cache-sized.
+        block = max(1, (1 << 15) // values.shape[1])
+        for start in range(0, values.shape[0], block):
+            ordered, _ = torch.sort(values[start : start + block], dim=1)
+            dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+            if dup.any():
+                rows = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+                rows[start : start + block] = dup.any(1)
+                fail(rows, "holds a duplicate id")
     if sampled_ids is not None:
         if sampled_ids.shape != values.shape[:1]:
             raise ValueError(
