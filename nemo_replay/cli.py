@@ -14,6 +14,7 @@ OmegaConf dotlist syntax (``trainer.steps=50``, ``generation.top_k=null``). Unde
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -115,6 +116,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return COMMANDS[ns.command](argv[1:])
     except ConfigError as exc:
         print(f"nemo-replay {ns.command}: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # user-facing: names what was expected and the fix
+        if os.environ.get("NEMO_REPLAY_DEBUG"):
+            raise
+        print(f"nemo-replay {ns.command}: {exc}\n(set NEMO_REPLAY_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
 
 

@@ -57,6 +57,14 @@ class MegatronBackend:
     def __init__(self, cfg: RecipeConfig, device: torch.device):
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("the megatron backend needs an initialised torch.distributed process group")
+        if device.type == "cpu":
+            try:  # megatron-core asks CUDA for its current device in layers and schedules
+                torch.cuda.current_device()
+            except (AssertionError, RuntimeError) as exc:
+                raise ValueError(
+                    "the megatron strategy runs megatron-core, which needs CUDA; run it on GPUs "
+                    "(trainer.accelerator=gpu) or use replay.strategy=fsdp on the CPU"
+                ) from exc
         from megatron.core import parallel_state as ps
 
         p = cfg.parallel
@@ -143,20 +151,12 @@ class MegatronBackend:
     def build_models(self):
         """(policy, reference): equal weights (the reference loads the policy's), reference frozen."""
         config = self.transformer_config()
-        try:
-            if self.device.type == "cuda":
-                from megatron.core import tensor_parallel
+        if self.device.type == "cuda":
+            from megatron.core import tensor_parallel
 
-                tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.trainer.seed)
-            policy = self._gpt_model(config).to(self.device)
-            reference = self._gpt_model(config).to(self.device)
-        except (AssertionError, RuntimeError) as exc:
-            if "cuda" in str(exc).lower() and self.device.type == "cpu":
-                raise ValueError(
-                    "megatron-core needs CUDA to build a GPTModel; run the megatron strategy on GPUs "
-                    "(trainer.accelerator=gpu) or use replay.strategy=fsdp on the CPU"
-                ) from exc
-            raise
+            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.trainer.seed)
+        policy = self._gpt_model(config).to(self.device)
+        reference = self._gpt_model(config).to(self.device)
         reference.load_state_dict(policy.state_dict())
         reference.requires_grad_(False).eval()
         policy.eval()  # no dropout anywhere: the scored distribution must be the sampled one
