@@ -352,8 +352,12 @@ def score_aligned_support(
         ids = support.padded_rows(rows_sel).to(device)
     sampled_sel = sampled[sel]
     is_sampled = ids == sampled_sel[:, None].to(ids.dtype)
-    col = is_sampled.view(torch.uint8).argmax(1)  # the sampled member's column (0 if absent)
-    guard = ~is_sampled.gather(1, col[:, None]).squeeze(1)
+    # The sampled member's column, and whether there is one (max over 0/1 bytes; col 0 if absent).
+    found, col = is_sampled.view(torch.uint8).max(1) if is_sampled.shape[1] else (
+        torch.zeros(is_sampled.shape[0], dtype=torch.uint8, device=device),
+        torch.zeros(is_sampled.shape[0], dtype=torch.int64, device=device),
+    )
+    guard = found == 0
     if guard.any():
         i = int(torch.nonzero(guard)[0])
         p = int(sel[i])
@@ -379,7 +383,8 @@ def score_aligned_support(
     else:
         # One gather, temperature and fill in place, one [N, V] gradient for pairs and EOS rows.
         z_sup, z_eos = select_scores(
-            src, sel, ids, local, eos, vocab_start=v_start, temperature=temperature, fill=float(lowest), compute_dtype=cd
+            src, sel, ids, None if bool(local.all()) else local, eos,
+            vocab_start=v_start, temperature=temperature, fill=float(lowest), compute_dtype=cd,
         )
     if compute_entropy:
         z_sup = z_sup.clamp_min(lowest)  # -inf source logits on members

@@ -57,7 +57,8 @@ class _SelectScores(torch.autograd.Function):
         if temperature != 1.0:
             z.div_(temperature)
             ze.div_(temperature)
-        z.masked_fill_(~present, fill)
+        if present is not None:
+            z.masked_fill_(~present, fill)
         ctx.save_for_backward(flat, present, eos)
         ctx.shape, ctx.dtype, ctx.temperature = (N, V), src.dtype, temperature
         return z, ze
@@ -67,7 +68,7 @@ class _SelectScores(torch.autograd.Function):
         flat, present, eos = ctx.saved_tensors
         N, V = ctx.shape
         grad = torch.zeros(N * V, dtype=ctx.dtype, device=flat.device)
-        g = grad_z.masked_fill(~present, 0)
+        g = grad_z if present is None else grad_z.masked_fill(~present, 0)
         ge = grad_ze
         if ctx.temperature != 1.0:
             g = g / ctx.temperature
@@ -99,7 +100,7 @@ def select_scores(
         pos: (n,), int64 rows scored over a support.
         ids: (n, w), int (int32 support rows as they come) global vocabulary ids; anything
             where not present (-1 padding, another shard's ids).
-        present: (n, w), bool.
+        present: (n, w), bool, or None when every entry is present.
         eos: (e,), int64 rows scored over the whole local vocabulary (disjoint from ``pos``).
         vocab_start: first global id of this rank's shard.
         temperature: divides every score.
