@@ -1,0 +1,109 @@
+"""The measured variants: full-vocabulary baselines, the two-projection design, and the scorer.
+
+Each builder returns ``fn(backward: bool)``: one forward (autograd recording, as in
+training) and, with ``backward=True``, the gradient of ``sum(c * logp)`` with respect to
+the differentiable inputs (logits, or hidden states and LM-head weight). Gradients are
+fresh tensors every call, as with ``zero_grad(set_to_none=True)``.
+
+Logits mode, source (N, V):
+    full        ``log_softmax(logits.float(), -1).gather(1, x)``, float32 math
+    chunked     the same over position chunks of ``chunk`` rows (each chunk's
+                ``[chunk, V]`` float32 scores are freed before the next)
+    replay-off  ``nemo_replay`` ``score_full_vocabulary`` (the package's full-vocabulary path)
+    support     ``score_aligned_support`` (validation on, as by default)
+Hidden mode, hidden (N, H), weight (V, H):
+    full        ``log_softmax((hidden @ weight.T).float(), -1).gather(1, x)``
+    chunked     per position chunk under ``torch.utils.checkpoint``: the ``[chunk, V]``
+                logits are recomputed in backward instead of kept
+    two-proj    two separate projections: the support pairs through
+                ``weight[ids]`` (a kept ``[pairs, H]`` activation) and the sampled token
+                through ``weight[x]``, each with its own dense weight gradient
+    support     ``score_aligned_support(hidden, ..., lm_head_weight=weight)``
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from benchmarks.workloads import Channels
+from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
+
+__all__ = ["LOGITS_VARIANTS", "HIDDEN_VARIANTS", "logits_variant", "hidden_variant"]
+
+LOGITS_VARIANTS = ("full", "chunked", "replay-off", "support")
+HIDDEN_VARIANTS = ("full", "chunked", "two-proj", "support")
+
+
+def _log_softmax_pick(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(z.float(), dim=-1).gather(1, x[:, None]).squeeze(1)
+
+
+def _grad_fn(inputs: tuple[torch.Tensor, ...], forward: Callable[[], torch.Tensor], coeff: torch.Tensor):
+    def run(backward: bool):
+        logp = forward()
+        if backward:
+            return torch.autograd.grad((logp * coeff).sum(), inputs)
+        return logp
+
+    return run
+
+
+def logits_variant(name: str, logits: torch.Tensor, ch: Channels, *, chunk: int = 512):
+    """``fn(backward)`` for a logits-mode variant; ``logits`` (N, V) requires grad."""
+    x = ch.sampled
+    coeff = torch.linspace(-1.0, 1.0, x.numel())
+    if name == "full":
+        forward = lambda: _log_softmax_pick(logits, x)  # noqa: E731
+    elif name == "chunked":
+        forward = lambda: torch.cat(  # noqa: E731
+            [_log_softmax_pick(logits[i : i + chunk], x[i : i + chunk]) for i in range(0, x.numel(), chunk)]
+        )
+    elif name == "replay-off":
+        forward = lambda: score_full_vocabulary(logits, x).logprobs  # noqa: E731
+    elif name == "support":
+        forward = lambda: score_aligned_support(logits, x, ch.row_ids, ch.loss_mask, ch.support).logprobs  # noqa: E731
+    else:
+        raise ValueError(f"logits variant must be one of {LOGITS_VARIANTS}, got {name!r}")
+    return _grad_fn((logits,), forward, coeff)
+
+
+def _two_projections(hidden: torch.Tensor, weight: torch.Tensor, ch: Channels) -> torch.Tensor:
+    rows = ch.rows
+    present = rows >= 0
+    ids = rows.clamp(min=0).long()
+    h = hidden.float()
+    z = torch.einsum("nh,nwh->nw", h, weight[ids].float())  # projection 1: [pairs, H] kept for backward
+    z = z.masked_fill(~present, float("-inf"))
+    zs = (h * weight[ch.sampled].float()).sum(-1)  # projection 2: the sampled token
+    return zs - torch.logsumexp(z, dim=1)
+
+
+def hidden_variant(name: str, hidden: torch.Tensor, weight: torch.Tensor, ch: Channels, *, chunk: int = 128):
+    """``fn(backward)`` for a hidden-mode variant; ``hidden`` (N, H) and ``weight`` (V, H) require grad."""
+    x = ch.sampled
+    coeff = torch.linspace(-1.0, 1.0, x.numel())
+
+    def chunk_scores(h, w, xs):
+        return _log_softmax_pick(h @ w.t(), xs)
+
+    if name == "full":
+        forward = lambda: chunk_scores(hidden, weight, x)  # noqa: E731
+    elif name == "chunked":
+        forward = lambda: torch.cat(  # noqa: E731
+            [
+                checkpoint(chunk_scores, hidden[i : i + chunk], weight, x[i : i + chunk], use_reentrant=False)
+                for i in range(0, x.numel(), chunk)
+            ]
+        )
+    elif name == "two-proj":
+        forward = lambda: _two_projections(hidden, weight, ch)  # noqa: E731
+    elif name == "support":
+        forward = lambda: score_aligned_support(  # noqa: E731
+            hidden, x, ch.row_ids, ch.loss_mask, ch.support, lm_head_weight=weight
+        ).logprobs
+    else:
+        raise ValueError(f"hidden variant must be one of {HIDDEN_VARIANTS}, got {name!r}")
+    return _grad_fn((hidden, weight), forward, coeff)
