@@ -23,8 +23,10 @@ Backward, recomputing from ``hidden`` and ``weight`` (nothing ``[pairs, H]`` is 
         id), so every gradient row is summed completely in the compute dtype before it is
         written: a bf16 weight gradient is rounded once;
     plus ``ge.T @ hidden[eos]`` for the full-vocabulary rows,
-    all written vocabulary chunk by vocabulary chunk into ONE weight-sized gradient in the
-    weight's dtype (no float32 copy of a bf16 weight).
+    all written into ONE weight-sized gradient in the weight's dtype (no float32 copy of a
+    bf16 weight): without full-vocabulary rows and with a weight in the compute dtype, one
+    ``embedding_bag`` with a bag per vocabulary row writes every row exactly once (zeros
+    included); otherwise vocabulary chunk by vocabulary chunk.
 
 No collectives (the caller all-reduces the hidden gradient under tensor parallelism).
 Inputs are not modified.
@@ -146,12 +148,15 @@ def _weight_grad(hidden, weight, pos, ids, present, g, h_eos, ge, chunk_size, cd
         sorted by id:  ids [1, 2, 4, 4]  rows [0, 1, 0, 1]  g [b, d, a, c]
         bags (distinct ids) [1, 2, 4] with offsets [0, 1, 2]
         grad[1] = b h0,  grad[2] = d h1,  grad[4] = a h0 + c h1,  other rows 0
-    Vocabulary chunk [v0, v1) holds the bags whose id falls in it, a contiguous run of
+    Without full-vocabulary rows and with the weight in the compute dtype, one
+    ``embedding_bag`` with a bag per vocabulary row (empty bags give zero rows) writes every
+    gradient row exactly once. Otherwise, vocabulary chunk [v0, v1) starts as the EOS rows'
+    ``ge.T @ h_eos`` (or zeros) and adds the bags whose id falls in it, a contiguous run of
     the sorted pairs found by ``searchsorted``.
     """
     V, H = weight.shape
     device = weight.device
-    grad_w = torch.empty(V, H, dtype=weight.dtype, device=device)
+    direct = weight.dtype == cd
     keep = torch.nonzero(present.reshape(-1)).flatten()
     w = ids.shape[1]
     flat_ids = ids.reshape(-1)[keep]
@@ -162,11 +167,16 @@ def _weight_grad(hidden, weight, pos, ids, present, g, h_eos, ge, chunk_size, cd
     uniq, counts = torch.unique_consecutive(ids_s, return_counts=True)
     starts = torch.cumsum(counts, 0) - counts  # first sorted pair of each bag
     h_sel = hidden[pos].to(cd) if uniq.numel() else None
+    if direct and ge.shape[0] == 0:
+        if h_sel is None:
+            return torch.zeros(V, H, dtype=weight.dtype, device=device)
+        per_row = torch.bincount(ids_s, minlength=V)
+        return F.embedding_bag(rows_s, h_sel, torch.cumsum(per_row, 0) - per_row, mode="sum", per_sample_weights=g_s)
+    grad_w = torch.empty(V, H, dtype=weight.dtype, device=device)
     vchunk = max(chunk_size, 1)
     edges = torch.arange(0, V + vchunk, vchunk, device=device).clamp_(max=V)
     bag_edges = torch.searchsorted(uniq, edges).tolist()
-    pair_edges = torch.cat([starts, counts.sum().reshape(1)]).tolist() if uniq.numel() else [0]
-    direct = weight.dtype == cd
+    pair_edges = torch.cat([starts, counts.sum().reshape(1)])  # sorted-pair bounds of the bags
     scratch = None if direct else torch.empty(min(vchunk, V), H, dtype=cd, device=device)
     for c in range(len(bag_edges) - 1):
         v0, v1 = int(edges[c]), int(edges[c + 1])
@@ -179,7 +189,7 @@ def _weight_grad(hidden, weight, pos, ids, present, g, h_eos, ge, chunk_size, cd
             dst.zero_()
         b0, b1 = bag_edges[c], bag_edges[c + 1]
         if b1 > b0:
-            p0, p1 = pair_edges[b0], pair_edges[b1]
+            p0, p1 = int(pair_edges[b0]), int(pair_edges[b1])
             sums = F.embedding_bag(
                 rows_s[p0:p1], h_sel, starts[b0:b1] - p0, mode="sum", per_sample_weights=g_s[p0:p1]
             )  # (b1 - b0, H): complete per-id sums
