@@ -101,8 +101,9 @@ def validate_support_rows(
         if late_member.any():
             fail(late_member.any(1), "has a member after -1 padding (padding must be trailing)")
         # Duplicate members: sort each row, compare neighbours, ignore padding. Blocks of
-        # rows keep the sort's temporaries (values and int64 indices) cache-sized.
-        block = max(1, (1 << 15) // values.shape[1])
+        # 2**17 entries bound the sort's temporaries (values and int64 indices) at 1 MiB
+        # while leaving each sort enough rows to run on every thread.
+        block = max(1, (1 << 17) // values.shape[1])
         for start in range(0, values.shape[0], block):
             ordered, _ = torch.sort(values[start : start + block], dim=1)
             dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
