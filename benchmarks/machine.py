@@ -11,8 +11,8 @@ same page mode as the inputs:
                         buffer: each lands on its own 64-byte cache line (and, with 4 KiB
                         pages, usually its own page: a TLB miss as well)
     gemm       flop/s   float32 (2048 x 2048) @ (2048 x 8192)
-    fresh_zero s        ``torch.zeros`` of 1 GiB in fresh memory (page faults included):
-                        what any backward that returns a new dense 1 GiB gradient pays
+    fresh_zero s/GiB    ``torch.zeros`` in fresh memory (page faults included), per GiB:
+                        what any backward that returns a new dense gradient pays
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Rates:
     copy_bw: float
     gather: float
     gemm: float
-    fresh_zero_s: float
+    fresh_zero_s_per_gib: float
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -110,7 +110,7 @@ def measure_rates(flush: Flusher, *, size_bytes: int = GiB, repeats: int = 5) ->
         copy_bw=2 * size_bytes / (copy * 1e-3),
         gather=num / (gather * 1e-3),
         gemm=2 * 2048 * 2048 * 8192 / (gemm * 1e-3),
-        fresh_zero_s=fresh * 1e-3,
+        fresh_zero_s_per_gib=fresh * 1e-3 * GiB / size_bytes,
     )
 
 

@@ -11,6 +11,7 @@ Logits mode, source (N, V):
                 ``[chunk, V]`` float32 scores are freed before the next)
     replay-off  ``nemo_replay`` ``score_full_vocabulary`` (the package's full-vocabulary path)
     support     ``score_aligned_support`` (validation on, as by default)
+    support-nv  the same with ``validate=False`` (rows already validated where they entered)
 Hidden mode, hidden (N, H), weight (V, H):
     full        ``log_softmax((hidden @ weight.T).float(), -1).gather(1, x)``
     chunked     per position chunk under ``torch.utils.checkpoint``: the ``[chunk, V]``
@@ -33,7 +34,7 @@ from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabul
 
 __all__ = ["LOGITS_VARIANTS", "HIDDEN_VARIANTS", "logits_variant", "hidden_variant"]
 
-LOGITS_VARIANTS = ("full", "chunked", "replay-off", "support")
+LOGITS_VARIANTS = ("full", "chunked", "replay-off", "support", "support-nv")
 HIDDEN_VARIANTS = ("full", "chunked", "two-proj", "support")
 
 
@@ -63,8 +64,11 @@ def logits_variant(name: str, logits: torch.Tensor, ch: Channels, *, chunk: int 
         )
     elif name == "replay-off":
         forward = lambda: score_full_vocabulary(logits, x).logprobs  # noqa: E731
-    elif name == "support":
-        forward = lambda: score_aligned_support(logits, x, ch.row_ids, ch.loss_mask, ch.support).logprobs  # noqa: E731
+    elif name in ("support", "support-nv"):
+        validate = name == "support"
+        forward = lambda: score_aligned_support(  # noqa: E731
+            logits, x, ch.row_ids, ch.loss_mask, ch.support, validate=validate
+        ).logprobs
     else:
         raise ValueError(f"logits variant must be one of {LOGITS_VARIANTS}, got {name!r}")
     return _grad_fn((logits,), forward, coeff)
