@@ -18,7 +18,7 @@ import time
 import torch
 
 from benchmarks import limits
-from benchmarks.machine import Flusher, Rates, median_ms
+from benchmarks.machine import Flusher, Rates, loadavg, median_ms
 from benchmarks.memory import measure_in_subprocess
 from benchmarks.report import Table, fmt_mib, fmt_ms, fmt_rate, fmt_ratio
 from benchmarks.variants import HIDDEN_VARIANTS, LOGITS_VARIANTS, hidden_variant, logits_variant
@@ -47,6 +47,7 @@ class Suite:
         self.sweep_hidden_T: list[dict] = []
         self.sweep_hidden_V: list[dict] = []
         self.sweep_logits_T: list[dict] = []
+        self.load: dict[str, float] = {}  # 1-minute load average when each section started
 
     # ------------------------------------------------------------------ measuring
 
@@ -69,9 +70,10 @@ class Suite:
     # ------------------------------------------------------------------ sections
 
     def run_all(self) -> None:
-        self.run_logits()
-        self.run_hidden()
-        self.run_hidden_sweeps()
+        for name, section in (("logits", self.run_logits), ("hidden", self.run_hidden), ("sweeps", self.run_hidden_sweeps)):
+            self.load[name] = loadavg()[0]
+            section()
+        self.load["end"] = loadavg()[0]
 
     def run_logits(self) -> None:
         cfg = self.cfg["logits"]
@@ -256,6 +258,8 @@ class Suite:
               + f"; kernel THP mode `{info['thp_kernel']}`")
         m.add("load average (1, 5, 15 min) at start", ", ".join(f"{x:.2f}" for x in info["load_start"]))
         m.add("load average at end", ", ".join(f"{x:.2f}" for x in info["load_end"]))
+        m.add("1-minute load when each section started",
+              ", ".join(f"{k} {v:.2f}" for k, v in self.load.items()) + " (the run itself adds up to its thread count; more means another process competed for the 2 cores)")
         parts.append(m.markdown())
         rt = Table("Measured rates", ["rate", "this run", "4 KiB pages (separate process)"])
         sm = small if small and "error" not in small else {}
