@@ -112,6 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = parser.parse_args(argv[:1] or ["--help"])
     from nemo_replay.config.loading import ConfigError
 
+    had_group = _group_initialized()
     try:
         return COMMANDS[ns.command](argv[1:])
     except ConfigError as exc:
@@ -122,6 +123,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         print(f"nemo-replay {ns.command}: {exc}\n(set NEMO_REPLAY_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
+    finally:
+        # A process group this command created (torchrun, trainer.devices > 1) is torn down
+        # here: left to interpreter exit, gloo's threads can abort the process.
+        if not had_group and _group_initialized():
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _group_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 if __name__ == "__main__":
