@@ -55,7 +55,7 @@ PROFILES = {
         "logits_T": (32, 64),
         "repeats": 2,
         "rates_bytes": 1 << 24,
-        "memory_scope": (("hidden", "support"), ("hidden", "two-proj")),
+        "memory_scope": (("hidden", "support"),),
         "sweep_memory": False,
         "uniform_row": False,
     },
