@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -139,3 +140,16 @@ def job_from_args(ns: argparse.Namespace) -> Job:
         master_port=ns.master_port, mode=ns.mode, setup=ns.setup,
     )
 
+
+
+def checked_job(ns: argparse.Namespace, repo_root: Optional[Path] = None) -> Optional[Job]:
+    """The job the arguments describe, with its recipe validated for the target world size
+    (unless ``--no-validate``); None after printing why it would not be submitted."""
+    job = job_from_args(ns)
+    if not ns.no_validate:
+        try:
+            validate_recipe(job, repo_root)
+        except ValueError as exc:
+            print(f"not submitted: {exc}", file=sys.stderr)
+            return None
+    return job

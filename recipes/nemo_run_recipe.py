@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 if __package__ in (None, ""):  # run as a script: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipes.job import Job, add_job_arguments, job_from_args, torchrun_command, validate_recipe
+from recipes.job import Job, add_job_arguments, checked_job, torchrun_command
 
 __all__ = ["plan", "build", "main"]
 
@@ -96,13 +96,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--detach", action="store_true", help="return after submitting")
     add_job_arguments(parser)
     ns = parser.parse_args(argv)
-    job = job_from_args(ns)
-    if not ns.no_validate:
-        try:
-            validate_recipe(job, REPO_ROOT)
-        except ValueError as exc:
-            print(f"not submitted: {exc}", file=sys.stderr)
-            return 2
+    job = checked_job(ns, REPO_ROOT)
+    if job is None:
+        return 2
     p = plan(job, ns.executor, ssh_host=ns.ssh_host, ssh_user=ns.ssh_user, job_dir=ns.job_dir)
     if ns.dry_run:
         print("# dry run: NeMo-Run would submit")

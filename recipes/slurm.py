@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 if __package__ in (None, ""):  # run as a script: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipes.job import Job, add_job_arguments, job_from_args, torchrun_command, validate_recipe
+from recipes.job import Job, add_job_arguments, checked_job, torchrun_command
 
 __all__ = ["render_sbatch", "main"]
 
@@ -76,13 +76,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_job_arguments(parser)
     parser.add_argument("--script-dir", default="logs", help="where the batch script is written before sbatch")
     ns = parser.parse_args(argv)
-    job = job_from_args(ns)
-    if not ns.no_validate:
-        try:
-            validate_recipe(job, REPO_ROOT)
-        except ValueError as exc:
-            print(f"not submitted: {exc}", file=sys.stderr)
-            return 2
+    job = checked_job(ns, REPO_ROOT)
+    if job is None:
+        return 2
     script = render_sbatch(job)
     path = Path(ns.script_dir) / f"{job.job_name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     if ns.dry_run:
