@@ -23,7 +23,7 @@ import torch
 
 from nemo_replay.support.validate import check_cu_seqlens
 
-__all__ = ["PackedTensor", "lengths_to_cu_seqlens", "segment_row_index"]
+__all__ = ["PackedTensor", "Segmented", "lengths_to_cu_seqlens", "segment_row_index"]
 
 
 def lengths_to_cu_seqlens(lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -62,7 +62,26 @@ def segment_row_index(cu_seqlens: torch.Tensor, segments: torch.Tensor) -> tuple
     return starts[seg_of_row] + within, lengths
 
 
-class PackedTensor:
+class Segmented:
+    """Views shared by batches whose trajectories are addressed by ``cu_seqlens`` (B + 1,)."""
+
+    __slots__ = ()
+
+    @property
+    def batch_size(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(batch_size,), int64 rows per trajectory."""
+        cu = self.cu_seqlens.to(torch.int64)
+        return cu[1:] - cu[:-1]
+
+
+class PackedTensor(Segmented):
     """Ragged per-trajectory rows in one buffer.
 
     Args:
@@ -120,21 +139,8 @@ class PackedTensor:
 
     # ------------------------------------------------------------------ views
     @property
-    def batch_size(self) -> int:
-        return self.cu_seqlens.numel() - 1
-
-    def __len__(self) -> int:
-        return self.batch_size
-
-    @property
     def num_rows(self) -> int:
         return self.values.shape[0]
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """(batch_size,), int64 rows per segment."""
-        cu = self.cu_seqlens.to(torch.int64)
-        return cu[1:] - cu[:-1]
 
     @property
     def device(self) -> torch.device:

@@ -23,13 +23,13 @@ from typing import Sequence
 
 import torch
 
-from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens, segment_row_index
+from nemo_replay.support.packed import PackedTensor, Segmented, lengths_to_cu_seqlens, segment_row_index
 from nemo_replay.support.validate import check_cu_seqlens, describe_row
 
 __all__ = ["RaggedSupport"]
 
 
-class RaggedSupport:
+class RaggedSupport(Segmented):
     """Per-token support sets of varying size, batched by trajectory.
 
     Args:
@@ -73,13 +73,6 @@ class RaggedSupport:
 
     # ------------------------------------------------------------------ views
     @property
-    def batch_size(self) -> int:
-        return self.cu_seqlens.numel() - 1
-
-    def __len__(self) -> int:
-        return self.batch_size
-
-    @property
     def num_rows(self) -> int:
         return self.row_offsets.numel() - 1
 
@@ -91,12 +84,6 @@ class RaggedSupport:
     def row_lengths(self) -> torch.Tensor:
         """(num_rows,), int64 members per row."""
         return self.row_offsets[1:] - self.row_offsets[:-1]
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """(batch_size,), int64 rows per trajectory."""
-        cu = self.cu_seqlens.to(torch.int64)
-        return cu[1:] - cu[:-1]
 
     def row(self, r: int) -> torch.Tensor:
         return self.member_ids[int(self.row_offsets[r]) : int(self.row_offsets[r + 1])]
