@@ -22,7 +22,7 @@ from benchmarks.machine import Flusher, Rates, loadavg, median_ms
 from benchmarks.memory import measure_in_subprocess
 from benchmarks.report import Table, fmt_mib, fmt_ms, fmt_rate, fmt_ratio
 from benchmarks.variants import HIDDEN_VARIANTS, LOGITS_VARIANTS, hidden_variant, logits_variant
-from benchmarks.workloads import channels, distinct_fraction, hidden_inputs, logits_input, support_rows
+from benchmarks.workloads import channels, hidden_inputs, logits_input, support_rows
 
 __all__ = ["Suite"]
 
