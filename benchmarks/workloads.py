@@ -23,7 +23,7 @@ import torch
 
 from nemo_replay.support.packed import PackedTensor
 
-__all__ = ["Channels", "support_rows", "channels", "logits_input", "hidden_inputs", "distinct_fraction"]
+__all__ = ["Channels", "support_rows", "channels", "logits_input", "hidden_inputs"]
 
 ZIPF_EXPONENT = 1.1
 
@@ -111,8 +111,3 @@ def hidden_inputs(T: int, V: int, H: int, dtype: torch.dtype, *, seed: int = 3) 
         weight[i : i + step] = torch.randn(min(step, V - i), H, generator=g).mul_(H**-0.5)
     return hidden, weight
 
-
-def distinct_fraction(rows: torch.Tensor) -> float:
-    """Distinct ids / present pairs over all rows (1.0: no overlap)."""
-    present = rows[rows >= 0]
-    return torch.unique(present).numel() / max(present.numel(), 1)
