@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -76,7 +77,7 @@ def make_backend(cfg: RecipeConfig, fabric):
         return MegatronBackend(cfg, fabric.device)
     raise ValueError(
         f"the reference trainer builds models for the fsdp and megatron strategies; replay.strategy="
-        f"{cfg.replay.strategy!r} needs its own backend: pass one to nemo_replay.trainer.train(cfg, backend=...)"
+        f"{cfg.replay.strategy!r} needs its own backend: pass one as GRPOTrainer(cfg, backend=...) (nemo_replay.trainer.grpo)"
     )
 
 
