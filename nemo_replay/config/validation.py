@@ -23,7 +23,7 @@ from typing import Optional
 
 from nemo_replay.config.schema import RecipeConfig
 
-__all__ = ["collect_problems", "validate", "resolve_world_size", "data_parallel_size", "model_parallel_size"]
+__all__ = ["collect_problems", "validate", "resolve_world_size", "model_parallel_size"]
 
 _SOURCES = ("logits", "hidden")
 _OLD_LOGPROBS = ("recompute", "rollout")
@@ -47,14 +47,6 @@ def model_parallel_size(cfg: RecipeConfig) -> int:
     if cfg.replay.strategy == "megatron":
         return max(1, p.tensor) * max(1, p.pipeline) * max(1, p.context)
     return max(1, p.sequence)
-
-
-def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
-    return max(1, world_size // model_parallel_size(cfg))
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _sampling(cfg: RecipeConfig, out: list[str]) -> None:
@@ -165,17 +157,6 @@ def _parallel(cfg: RecipeConfig, world: int, out: list[str]) -> None:
                 )
         if p.packing:
             out.append("parallel.packing=true is a megatron option; set parallel.packing=false with the fsdp strategy")
-    mp = model_parallel_size(cfg)
-    if mp >= 1 and world % mp:
-        sizes = (
-            f"tensor*pipeline*context = {p.tensor}*{p.pipeline}*{p.context} = {mp}"
-            if strategy == "megatron"
-            else f"sequence = {p.sequence}"
-        )
-        out.append(
-            f"parallel sizes do not divide the world: {sizes} does not divide world size {world} "
-            f"(trainer.devices * trainer.num_nodes, or WORLD_SIZE); change the sizes or the process count"
-        )
     if strategy == "megatron" and p.expert > 1:
         ep_block = p.tensor * p.pipeline * p.expert
         if world % ep_block:
@@ -185,7 +166,18 @@ def _parallel(cfg: RecipeConfig, world: int, out: list[str]) -> None:
             )
         if m.num_experts and m.num_experts % p.expert:
             out.append(f"model.num_experts={m.num_experts} is not divisible by parallel.expert={p.expert}")
-    if mp >= 1 and world % mp == 0:
+    mp = model_parallel_size(cfg)  # >= 1: each size counts as at least 1 there
+    if world % mp:
+        sizes = (
+            f"tensor*pipeline*context = {p.tensor}*{p.pipeline}*{p.context} = {mp}"
+            if strategy == "megatron"
+            else f"sequence = {p.sequence}"
+        )
+        out.append(
+            f"parallel sizes do not divide the world: {sizes} does not divide world size {world} "
+            f"(trainer.devices * trainer.num_nodes, or WORLD_SIZE); change the sizes or the process count"
+        )
+    else:
         dp = world // mp
         tr = cfg.trainer
         if tr.prompts_per_step % dp:
@@ -255,8 +247,9 @@ def _loop(cfg: RecipeConfig, out: list[str]) -> None:
         out.append(f"trainer.lr={tr.lr} must be > 0")
     if not tr.clip_eps > 0:
         out.append(f"trainer.clip_eps={tr.clip_eps} must be > 0")
-    if tr.kl_coef < 0 or tr.weight_decay < 0 or tr.grad_clip < 0:
-        out.append("trainer.kl_coef, trainer.weight_decay and trainer.grad_clip must be >= 0")
+    for name, zero in (("kl_coef", "keeps KL as a diagnostic only"), ("weight_decay", "disables it"), ("grad_clip", "disables clipping")):
+        if getattr(tr, name) < 0:
+            out.append(f"trainer.{name}={getattr(tr, name)} must be >= 0 (0 {zero})")
     if tr.old_logprobs not in _OLD_LOGPROBS:
         out.append(f"trainer.old_logprobs={tr.old_logprobs!r} must be one of {', '.join(_OLD_LOGPROBS)}")
     if tr.accelerator not in _ACCELERATORS:

@@ -95,6 +95,7 @@ RULES = [
     (["parallel.tensor=2"], 2, "parallel.tensor=2 is not available with the fsdp strategy"),
     (["replay.route_replay=true"], 1, "replay.route_replay=true needs the megatron strategy"),
     (["trainer.prompts_per_step=3"], 2, "does not split over 2 data-parallel ranks"),
+    (["trainer.grad_clip=-1"], 1, "trainer.grad_clip=-1.0 must be >= 0"),
 ]
 
 
