@@ -41,17 +41,25 @@ def _segment(item: SegmentLike, i: int) -> Support:
     if isinstance(item, SupportTrace):
         return item.support()
     if isinstance(item, (PackedTensor, RaggedSupport)):
-        if item.batch_size != 1:
-            raise ValueError(f"collation: trajectory {i} holds {item.batch_size} segments, expected one")
-        return item
-    if isinstance(item, torch.Tensor):
+        seg = item
+    elif isinstance(item, torch.Tensor):
         if item.dim() != 2:
             raise ValueError(f"collation: trajectory {i} rows have shape {tuple(item.shape)}, expected [R_i, k]")
-        return PackedTensor(item, [0, item.shape[0]])
-    raise ValueError(
-        f"collation: trajectory {i} is a {type(item).__name__}; expected an int [R_i, k] tensor, a one-segment "
-        f"PackedTensor or RaggedSupport, or a SupportTrace"
-    )
+        seg = PackedTensor(item, [0, item.shape[0]])
+    else:
+        raise ValueError(
+            f"collation: trajectory {i} is a {type(item).__name__}; expected an int [R_i, k] tensor, a one-segment "
+            f"PackedTensor or RaggedSupport, or a SupportTrace"
+        )
+    if seg.batch_size != 1:
+        raise ValueError(f"collation: trajectory {i} holds {seg.batch_size} segments, expected one")
+    if isinstance(seg, PackedTensor) and (seg.dtype.is_floating_point or seg.dtype == torch.bool):
+        # Checked before the batch is cast to int32, which would truncate 3.7 to a valid-looking 3.
+        raise ValueError(
+            f"collation: trajectory {i} rows have dtype {seg.dtype}, expected integer token ids; pass the "
+            f"sampler's int32 rows unchanged"
+        )
+    return seg
 
 
 def _batch_index(index, num_trajectories: int) -> torch.Tensor:

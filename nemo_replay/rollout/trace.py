@@ -149,6 +149,12 @@ class SupportTrace:
                     f"{where}: rows have shape {tuple(values.shape)}, expected ({n}, {self.top_k}): one row of "
                     f"width top_k per sampled token"
                 )
+            if values.dtype.is_floating_point or values.dtype == torch.bool:
+                # Checked before the cast to int32, which would truncate 3.7 to a valid-looking 3.
+                raise ValueError(
+                    f"{where}: rows have dtype {values.dtype}, expected integer token ids; pass the sampler's "
+                    f"int32 rows unchanged"
+                )
             return values.to(torch.int32).cpu()
         if isinstance(rows, RaggedSupport):
             ragged = rows

@@ -105,6 +105,8 @@ def test_collation_errors_name_where():
         collate_support(sup, response_lengths=[2], index=[3])
     with pytest.raises(ValueError, match=r"expected \(3,\) in batch order"):
         collate_support(sup, response_lengths=[2, 3])
+    with pytest.raises(ValueError, match="trajectory 1 rows have dtype torch.float32, expected integer token ids"):
+        collate_support([sup[0], sup[1].values.float() + 0.5], response_lengths=[2, 3])
 
 
 def test_routes_collate_and_check_sequence_lengths():

@@ -114,6 +114,8 @@ def test_support_trace_errors():
     shifted = t1.support.values.roll(1, 0)
     with pytest.raises(ValueError, match="turn 0: row 0: sampled token"):
         trace.add_turn(t1.ids, shifted)
+    with pytest.raises(ValueError, match="turn 0: rows have dtype torch.float64, expected integer token ids"):
+        trace.add_turn(t1.ids, t1.support.values.double() + 0.5)
     trace.add_turn(t1.ids, t1.support)
     with pytest.raises(ValueError, match="response has 2 tokens but the trace holds 3"):
         trace.check_response(t1.ids[:2])
