@@ -40,20 +40,29 @@ class Unpadding:
         indices: (nnz,), torch.int64. Flat positions ``b * S + s`` of the real tokens,
             ascending (trajectory-major, left to right).
         cu_seqlens: (batch_size + 1,), torch.int32. Packed offsets of each trajectory.
-        max_seqlen: longest trajectory, in tokens.
         batch_size: B.
         seq_len: S.
     """
 
     indices: torch.Tensor
     cu_seqlens: torch.Tensor
-    max_seqlen: int
     batch_size: int
     seq_len: int
 
     @property
     def nnz(self) -> int:
         return self.indices.numel()
+
+    @property
+    def max_seqlen(self) -> int:
+        """Longest trajectory, in tokens (what a varlen attention kernel asks for).
+
+        Derived from ``cu_seqlens`` when asked: one host sync for callers that need it,
+        none for those that do not.
+        """
+        if self.batch_size == 0:
+            return 0
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
 
 
 def unpad_indices(attention_mask: torch.Tensor) -> Unpadding:
@@ -71,7 +80,7 @@ def unpad_indices(attention_mask: torch.Tensor) -> Unpadding:
     indices = torch.nonzero(real.reshape(-1), as_tuple=False).flatten()
     cu = torch.zeros(B + 1, dtype=torch.int32, device=real.device)
     cu[1:] = torch.cumsum(lengths, 0).to(torch.int32)
-    return Unpadding(indices, cu, int(lengths.max()) if B else 0, B, S)
+    return Unpadding(indices, cu, B, S)
 
 
 def unpad(x: torch.Tensor, plan: Unpadding) -> torch.Tensor:

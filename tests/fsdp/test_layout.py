@@ -33,6 +33,7 @@ def test_unpad_pad_round_trip_with_features_and_gradient():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
     x = torch.randn(3, 5, 2, generator=g, dtype=torch.float64, requires_grad=True)
     plan = unpad_indices(mask)
+    assert plan.max_seqlen == 5 and plan.cu_seqlens.tolist() == [0, 3, 8, 9]
     packed = unpad(x, plan)
     assert packed.shape == (9, 2)
     back = pad(packed, plan, 0.0)
