@@ -195,30 +195,28 @@ def _record_routes(routes, step_routes: torch.Tensor, width: int, T: int) -> tor
 
 def _token_routes(routes: torch.Tensor, mask: torch.Tensor) -> PackedTensor:
     """Per trajectory the routes of its real tokens, ``(L_i, layers, topk)`` each, packed."""
-    out = []
-    fill = torch.arange(routes.shape[-1], dtype=torch.int64, device=routes.device)
-    for i in range(mask.shape[0]):
-        r = routes[i, : mask.shape[1]][mask[i]]
-        unknown = r[:, 0, 0] < 0  # the final sampled token: never fed back
-        r[unknown] = fill
-        out.append(r)
-    return PackedTensor.from_segments(out)
+    real = routes[:, : mask.shape[1]][mask]  # (sum L_i, layers, topk), trajectory-major
+    unknown = real[:, 0, 0] < 0  # the final sampled token of each row: never fed back
+    real[unknown] = torch.arange(routes.shape[-1], dtype=torch.int64, device=routes.device)
+    return PackedTensor(real, lengths_to_cu_seqlens(mask.sum(1).cpu()).to(routes.device))
 
 
 def _assemble(prompts, seq, mask, resp_len, logprobs, step_rows, step_owner, settings, pad_id, routes=None) -> Rollout:
     B, T = logprobs.shape
     device = seq.device
-    responses = [seq[i, seq.shape[1] - T :][: int(resp_len[i])].cpu() for i in range(B)]
+    lengths = resp_len.tolist()  # one host copy; the per-trajectory slices below take Python ints
+    sampled = seq[:, seq.shape[1] - T :].cpu()
+    responses = [sampled[i, :n] for i, n in enumerate(lengths)]
     full = [torch.cat([p.to(device=device, dtype=torch.int64), r.to(device)]) for p, r in zip(prompts, responses)]
     sequences, attention_mask = left_pad(full, pad_id, device)
-    A = int(resp_len.max())
-    # Right-aligned [B, A] response coordinates: token j of trajectory i sits at column A - R_i + j.
+    A = max(lengths)
+    # Right-aligned [B, A] response coordinates: token j of trajectory i sits at column A - R_i + j,
+    # so column c reads sampling step c - (A - R_i). Example A = 3, R = [3, 1]: row 0 reads
+    # steps [0 1 2], row 1 reads [- - 0] (- = left of the response: masked, 0).
     cols = torch.arange(A, device=device)[None, :]
-    loss_mask = cols >= (A - resp_len)[:, None]
-    rollout_lp = torch.zeros(B, A, dtype=torch.float32, device=device)
-    for i in range(B):
-        r = int(resp_len[i])
-        rollout_lp[i, A - r :] = logprobs[i, :r]
+    step = cols - (A - resp_len)[:, None]
+    loss_mask = step >= 0
+    rollout_lp = torch.where(loss_mask, logprobs.gather(1, step.clamp(min=0)), 0.0)
     # Rows were collected step-major (t, then active trajectory); the batch wants them
     # trajectory-major (i, then t). Sort the (trajectory, step) owner pairs to get the order.
     owner = torch.cat(step_owner)
