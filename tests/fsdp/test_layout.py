@@ -132,3 +132,6 @@ def test_padded_and_unpadded_layouts_agree_in_canonical_coordinates():
     assert torch.equal(b.to_canonical(b.loss_mask), b.canonical.loss_mask)
     assert torch.equal(a.to_canonical(a.row_ids, fill=-1), a.canonical.row_ids)
     assert torch.equal(b.to_canonical(b.trajectory_ids), b.canonical.trajectory_ids)
+    # Positions restart at every trajectory, in both layouts.
+    assert torch.equal(a.position_ids[0], packed_position_ids(a.unpadding.cu_seqlens))
+    assert torch.equal(unpad(b.position_ids, a.unpadding), a.position_ids[0])

@@ -49,7 +49,7 @@ import torch
 
 from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels
 from nemo_replay.layout.ulysses import gather_sequence, pad_and_slice, padded_length, sp_size_rank
-from nemo_replay.layout.unpad import Unpadding, pad, packed_position_ids, shift_left, unpad, unpad_indices
+from nemo_replay.layout.unpad import Unpadding, pad, shift_left, unpad, unpad_indices
 from nemo_replay.strategies.fsdp.attention import UlyssesPlan
 
 __all__ = ["FSDPLayout", "token_channels", "build_layout"]
@@ -145,15 +145,15 @@ def build_layout(batch: ReplayBatch, *, remove_padding: bool = True, sp_group=No
     device = tokens.device
     real = batch.attention_mask.to(device) != 0
     chan = token_channels(channels, real)
+    # Left padding: the first real token of every row is position 0 (mask [0 1 1 1] ->
+    # positions [0 0 1 2]); unpadded, the same values restart at every trajectory.
+    positions = (torch.cumsum(real.to(torch.int64), 1) - 1).clamp(min=0)
     unpadding = None
     if remove_padding:
         unpadding = unpad_indices(real)
         tokens = unpad(tokens, unpadding)[None]
+        positions = unpad(positions, unpadding)[None]
         chan = {name: unpad(t, unpadding)[None] for name, t in chan.items()}
-        positions = packed_position_ids(unpadding.cu_seqlens)[None]
-    else:
-        # Left padding: the first real token of every row is position 0.
-        positions = (torch.cumsum(real.to(torch.int64), 1) - 1).clamp(min=0)
 
     # The roll: targets and the loss mask move; row ids and trajectory ids stay.
     sampled = shift_left(tokens, 0, dim=1)
