@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from aiohttp import web
@@ -32,15 +32,13 @@ __all__ = ["GenerateServer"]
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "max_new_tokens"}
 
 
-def _join_supports(parts: list) -> object:
+def _join_supports(parts: list) -> Union[PackedTensor, RaggedSupport]:
     """Per-step one-row supports -> one segment of n rows."""
-    if isinstance(parts[0], PackedTensor):
-        return PackedTensor(torch.cat([p.values for p in parts], 0), [0, len(parts)])
-    members = torch.cat([p.member_ids for p in parts])
-    lengths = torch.cat([p.row_lengths for p in parts])
-    offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return RaggedSupport(members, offsets, torch.tensor([0, len(parts)], dtype=torch.int32))
+    steps = type(parts[0]).cat(parts)  # n segments of one row each
+    one_segment = torch.tensor([0, steps.num_rows], dtype=torch.int32)
+    if isinstance(steps, PackedTensor):
+        return PackedTensor(steps.values, one_segment)
+    return RaggedSupport(steps.member_ids, steps.row_offsets, one_segment)
 
 
 class GenerateServer:

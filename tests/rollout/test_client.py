@@ -100,6 +100,26 @@ def test_reformatted_response_parses():
     assert torch.equal(result.output_ids, ids) and torch.equal(result.support.values, rows)
 
 
+def test_ragged_support_travels_as_one_segment():
+    params = {"temperature": 0.9, "top_p": 0.8, "max_new_tokens": 6}  # no top_k: CSR rows
+
+    async def go():
+        async with GenerateServer(logits_fn, eos_id=EOS) as server:
+            async with GenerateClient(server.url, vocab_size=V) as client:
+                return await client.generate([5, 6, 7], sampling_params=params, seed=4)
+
+    result = asyncio.run(go())
+    gen, tokens, rows = torch.Generator().manual_seed(4), torch.tensor([5, 6, 7]), []
+    for tok in result.output_ids.tolist():
+        r = capture.sample(logits_fn(tokens)[None], generator=gen, temperature=0.9, top_p=0.8)
+        assert int(r.ids[0]) == tok
+        rows.append(r.support.row(0).tolist())
+        tokens = torch.cat([tokens, r.ids])
+    n = len(rows)
+    assert result.support.cu_seqlens.tolist() == [0, n]
+    assert [result.support.row(j).tolist() for j in range(n)] == rows and len({len(r) for r in rows}) > 1
+
+
 def test_client_gives_up_after_max_attempts():
     exc, client, server = asyncio.run(one_request("truncate", 10, max_attempts=3))
     assert isinstance(exc, GenerateRequestError) and "all 3 attempts failed" in str(exc)
