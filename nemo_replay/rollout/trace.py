@@ -399,8 +399,11 @@ class RouteTrace:
             )
         if isinstance(num_generated, bool) or not isinstance(num_generated, int) or num_generated < 0:
             raise ValueError(f"{where}: num_generated={num_generated!r}, expected an int >= 0")
+        if not isinstance(routes, torch.Tensor) or routes.dim() == 0:
+            got = f"a {routes.dim()}-D tensor" if isinstance(routes, torch.Tensor) else type(routes).__name__
+            raise ValueError(f"{where}: routes must be an int (m, layers, topk) tensor, got {got}")
         total = self._num_tokens + num_generated
-        m = routes.shape[0] if isinstance(routes, torch.Tensor) else -1
+        m = routes.shape[0]
         allowed = {total - start} if num_generated == 0 else {total - start - 1, total - start}
         if m not in allowed:
             raise ValueError(

@@ -187,5 +187,7 @@ def test_route_trace_errors():
         trace.add_request(torch.zeros(6, 2, 2, dtype=torch.int32), start=1, num_generated=3)
     with pytest.raises(ValueError, match="got 4 route rows"):
         trace.add_request(torch.zeros(4, 2, 2, dtype=torch.int32), start=0, num_generated=3)
+    with pytest.raises(ValueError, match=r"routes must be an int \(m, layers, topk\) tensor, got list"):
+        trace.add_request([[[0, 1]]] * 6, start=0, num_generated=3)
     with pytest.raises(ValueError, match=r"expected \(n, 2, 2\)"):
         trace.add_request(torch.zeros(6, 2, 3, dtype=torch.int32), start=0, num_generated=3)
