@@ -289,6 +289,17 @@ def _phase_moe(out, batches):
     out["moe_replay_maps"] = {k: list(v) for k, v in maps.items()}
     out["moe_layer_numbers"] = [r.layer_number for r in routers]
     out["moe_after_clear"] = [r.router_replay.router_replay_action for r in routers]
+    # run_role checks the recorded routes before any forward: trajectory 1's token 0 was never routed.
+    b = routed[1]
+    unrouted = b.routes.values.clone()
+    unrouted[int(b.routes.cu_seqlens[1])] = -1
+    b = ReplayBatch(b.sequences, b.attention_mask, b.response_lengths, b.loss_mask, support=b.support,
+                    routes=PackedTensor(unrouted, b.routes.cu_seqlens))
+    try:
+        replaying.run_role("recompute", model, [routed[0], b], settings)
+        out["moe_unrouted_error"] = None
+    except ValueError as exc:
+        out["moe_unrouted_error"] = str(exc)
     try:
         replaying.run_role("recompute", [model, model], routed, settings)
         out["moe_vpp_error"] = None
@@ -452,6 +463,7 @@ def test_moe_route_replay_reproduces_the_recording_forward(ranks):
         assert all(o["metrics"]["ratio_max_dev"] < 1e-5 for o in r["moe_policy"])
         assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in r["moe_gate_grads"])
         assert "virtual pipeline" in r["moe_vpp_error"]
+        assert r["moe_unrouted_error"].startswith("micro-batch 1, trajectory 1, token position 0, MoE layer 0: ")
 
 
 # ---------------------------------------------------------------------------- single process
@@ -486,6 +498,31 @@ def test_missing_support_and_policy_inputs_are_refused():
     many = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
     with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active positions without a support row"):
         prepare_micro_batch(0, many, role="recompute", settings=RoleSettings(), **common)
+
+
+def test_recorded_routes_are_checked_where_they_were_recorded():
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_replay.strategies.megatron.routing import check_recorded_routes
+
+    config = TransformerConfig(
+        num_layers=3, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+        moe_layer_freq=[1, 0, 1], use_cpu_initialization=True,
+    )
+    # Two MoE layers (1 and 3), top-2 of 4 experts; trajectories of 3 and 4 real tokens.
+    segs = [torch.arange(3 * 4).view(3, 2, 2) % 4, (torch.arange(4 * 4).view(4, 2, 2) + 1) % 4]
+    check_recorded_routes(PackedTensor.from_segments(segs), config, micro_batch=0)
+    # Packed row 5 = trajectory 1, token 2; its second MoE layer names expert 4 of 4.
+    segs[1][2, 1, 0] = 4
+    with pytest.raises(ValueError, match=r"micro-batch 3, trajectory 1, token position 2, MoE layer 1: .*\[4, .*num_moe_experts=4"):
+        check_recorded_routes(PackedTensor.from_segments(segs), config, micro_batch=3)
+    # A real token without a recorded route (-1) is an error, not a padding slot.
+    segs[1][2, 1, 0] = 1
+    segs[0][0] = -1
+    with pytest.raises(ValueError, match=r"trajectory 0, token position 0, MoE layer 0: recorded experts \[-1, -1\]"):
+        check_recorded_routes(PackedTensor.from_segments(segs), config, micro_batch=0)
+    with pytest.raises(ValueError, match=r"routes must be \(tokens, layers=2, topk=2\).*got \(7, 3, 2\)"):
+        check_recorded_routes(PackedTensor.from_segments([torch.zeros(3, 3, 2, dtype=torch.int64), torch.zeros(4, 3, 2, dtype=torch.int64)]), config, micro_batch=0)
 
 
 def test_registry_builds_the_strategy_without_importing_megatron_at_import_time():

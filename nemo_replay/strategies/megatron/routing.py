@@ -21,7 +21,9 @@ Layers. ``routes[..., i, :]`` is the i-th MoE layer of the whole model, counted 
 global layer numbers marked MoE by ``config.moe_layer_freq``; each router finds its
 column from its own global ``layer_number``, so pipeline stages pick their own layers.
 Padding tokens (``-1`` rows) get experts ``0..topk-1``: causal attention keeps them from
-influencing real tokens.
+influencing real tokens. A real token's recorded route must name experts in
+``[0, num_experts)``: :func:`check_recorded_routes` checks that in canonical coordinates,
+where it can name the trajectory and token, before anything is laid out.
 """
 
 from __future__ import annotations
@@ -30,7 +32,16 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["moe_routers", "moe_layer_columns", "check_route_replay", "install_routes", "clear_routes"]
+from nemo_replay.support.packed import PackedTensor
+
+__all__ = [
+    "moe_routers",
+    "moe_layer_columns",
+    "check_route_replay",
+    "check_recorded_routes",
+    "install_routes",
+    "clear_routes",
+]
 
 
 def moe_routers(model_chunks: Sequence[torch.nn.Module]) -> list:
@@ -88,6 +99,43 @@ def check_route_replay(model_chunks: Sequence[torch.nn.Module], config, *, vpp_s
     return routers
 
 
+def check_recorded_routes(routes: PackedTensor, config, *, micro_batch: int) -> None:
+    """Check one micro-batch's recorded routes against the model, in canonical coordinates.
+
+    Args:
+        routes: values ``(sum(L_b), layers, topk)`` int, one row per real token of each
+            trajectory (prompt and response), ``cu_seqlens (B + 1,)`` int32.
+        config: the model's TransformerConfig (``moe_layer_freq``, ``moe_router_topk``,
+            ``num_moe_experts``).
+        micro_batch: index of the micro-batch in the role's list (for messages).
+
+    Raises:
+        ValueError: a layer / top-k shape that does not match the model; an expert id outside
+            ``[0, num_experts)`` (``-1`` included: every real token was routed), naming the
+            trajectory, token position and MoE layer.
+    """
+    layers, topk, experts = len(moe_layer_columns(config)), config.moe_router_topk, config.num_moe_experts
+    values = routes.values
+    if values.dim() != 3 or tuple(values.shape[1:]) != (layers, topk):
+        raise ValueError(
+            f"micro-batch {micro_batch}: routes must be (tokens, layers={layers}, topk={topk}) for this model's MoE "
+            f"layers, got {tuple(values.shape)}; record them with the same num_layers, moe_layer_freq and "
+            f"moe_router_topk"
+        )
+    bad = torch.nonzero((values < 0) | (values >= experts))
+    if bad.numel():
+        row, layer, _ = (int(v) for v in bad[0])
+        # Row -> (trajectory, token): with cu_seqlens [0, 5, 8], row 6 is token 1 of trajectory 1.
+        b = int(torch.searchsorted(routes.cu_seqlens.to(torch.int64).cpu(), row, right=True)) - 1
+        q = row - int(routes.cu_seqlens[b])
+        raise ValueError(
+            f"micro-batch {micro_batch}, trajectory {b}, token position {q}, MoE layer {layer}: recorded experts "
+            f"{values[row, layer].tolist()} lie outside [0, num_moe_experts={experts}); every real token needs the "
+            f"experts it was routed to at rollout. Record routes for every prompt and response token with the same "
+            f"num_moe_experts, or build the strategy with route_replay=False"
+        )
+
+
 def _router_tokens(routes: torch.Tensor, *, sequence_parallel: bool, tp_size: int, tp_rank: int) -> torch.Tensor:
     """``(b, s, layers, topk)`` -> ``(tokens, layers, topk)`` in the router's ``s * B + b`` order."""
     sbf = routes.transpose(0, 1)  # (s, b, layers, topk)
@@ -105,23 +153,21 @@ def install_routes(routers: list, routes: torch.Tensor, config, *, tp_size: int 
 
     Args:
         routers: from :func:`check_route_replay`.
-        routes: ``(*local_shape, layers, topk)`` int64, ``-1`` rows on padding.
+        routes: ``(*local_shape, layers, topk)`` int64, ``-1`` rows on padding; real tokens
+            already checked by :func:`check_recorded_routes`.
         config: the model's TransformerConfig (``moe_layer_freq``, ``moe_router_topk``,
             ``num_moe_experts``, ``sequence_parallel``).
     """
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     columns = moe_layer_columns(config)
-    topk, experts = config.moe_router_topk, config.num_moe_experts
+    topk = config.moe_router_topk
     if routes.dim() != 4 or routes.shape[2] != len(columns) or routes.shape[3] != topk:
         raise ValueError(
             f"routes must be (*local_shape, layers={len(columns)}, topk={topk}) for this model's MoE layers, got "
             f"{tuple(routes.shape)}"
         )
     real = routes[..., 0, 0] >= 0
-    bad = real[..., None, None] & ((routes < 0) | (routes >= experts))
-    if bad.any():
-        raise ValueError(f"recorded routes hold expert ids outside [0, {experts}) on real tokens")
     fill = torch.arange(topk, dtype=torch.int64, device=routes.device)
     routes = torch.where(real[..., None, None], routes, fill)
     tokens = _router_tokens(routes, sequence_parallel=bool(config.sequence_parallel), tp_size=tp_size, tp_rank=tp_rank)

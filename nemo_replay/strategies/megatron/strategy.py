@@ -27,7 +27,7 @@ from nemo_replay.layout.megatron_layout import TokenMetadataLayout
 from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings, check_role
 from nemo_replay.strategies.megatron.batch import prepare_micro_batch
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
-from nemo_replay.strategies.megatron.routing import check_route_replay, clear_routes
+from nemo_replay.strategies.megatron.routing import check_recorded_routes, check_route_replay, clear_routes
 from nemo_replay.strategies.megatron.steps import RoleForwardStep
 
 __all__ = ["MegatronReplayStrategy"]
@@ -84,6 +84,10 @@ class MegatronReplayStrategy(ReplayStrategy):
                 f"strategy with packed=True (attention then runs Transformer Engine's THD kernels)"
             )
         routers = check_route_replay(chunks, config, vpp_size=parallel.vpp_size, role=role) if self.route_replay else None
+        if routers is not None:
+            for i, b in enumerate(batches):
+                if b.routes is not None:  # a batch without routes is refused when it is prepared
+                    check_recorded_routes(b.routes, config, micro_batch=i)
         device = next(chunks[0].parameters()).device
         seq_length, micro_batch_size, min_length = self._shapes(batches, parallel, fp8)
         prepared = [
