@@ -323,10 +323,10 @@ def support_from_wire(
             support = RaggedSupport(members, offsets.to(torch.int64), torch.tensor([0, offsets.numel() - 1], dtype=torch.int32))
         else:
             raise WireError(f"{where}: expected keys 'rows' or 'member_ids' and 'row_offsets', got {sorted(obj)}")
-        n = support.values.shape[0] if isinstance(support, PackedTensor) else support.num_rows
-        if sampled_ids is not None and torch.as_tensor(sampled_ids).shape != (n,):
+        if sampled_ids is not None and torch.as_tensor(sampled_ids).shape != (support.num_rows,):
             raise WireError(
-                f"{where}: {n} support rows for {torch.as_tensor(sampled_ids).numel()} sampled tokens; expected one each"
+                f"{where}: {support.num_rows} support rows for {torch.as_tensor(sampled_ids).numel()} sampled "
+                f"tokens; expected one each"
             )
         validate_support(support, sampled_ids=sampled_ids, vocab_size=vocab_size, where=where)
     except WireError:
