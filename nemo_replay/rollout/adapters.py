@@ -115,8 +115,8 @@ def capture_settings_from_engine(params: Mapping[str, Any], *, engine: str) -> d
     settings = dict(
         temperature=params.get("temperature"),
         top_k=top_k,
-        top_p=params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0,
-        min_p=params.get("min_p", 0.0) if params.get("min_p") is not None else 0.0,
+        top_p=1.0 if params.get("top_p") is None else params["top_p"],
+        min_p=0.0 if params.get("min_p") is None else params["min_p"],
         repetition_penalty=params.get("repetition_penalty"),
         presence_penalty=params.get("presence_penalty"),
         frequency_penalty=params.get("frequency_penalty"),
