@@ -235,7 +235,7 @@ def sample(
     if top_k is not None:
         values = torch.full((N, top_k), -1, dtype=torch.int32, device=logits.device)
         C = cand_ids.shape[1]
-        values[:, :C] = torch.where(keep, cand_ids, torch.full_like(cand_ids, -1)).to(torch.int32)
+        values[:, :C] = cand_ids.masked_fill(~keep, -1)
         support: Union[PackedTensor, RaggedSupport] = PackedTensor(values, [0, N])
     else:
         members = cand_ids[keep].to(torch.int32)  # row-major: rank order inside each row
