@@ -138,7 +138,10 @@ def gather_sequence(
         x = _GatherSequence.apply(x, group, dim, float(grad_scale))
     if seq_len is not None:
         if seq_len > x.shape[dim]:
-            raise ValueError(f"seq_len {seq_len} is longer than the gathered sequence {x.shape[dim]}")
+            raise ValueError(
+                f"seq_len {seq_len} is longer than the gathered sequence ({x.shape[dim]} positions along "
+                f"dimension {dim}, SP size {sp}); pass the length S that pad_and_slice was given"
+            )
         x = x.narrow(dim, 0, seq_len)
     return x
 
@@ -182,7 +185,7 @@ def all_to_all(x: torch.Tensor, group, *, scatter_dim: int, gather_dim: int) -> 
     if x.shape[scatter_dim] % sp:
         raise ValueError(
             f"all_to_all splits dimension {scatter_dim} of size {x.shape[scatter_dim]} over {sp} ranks; "
-            f"it must be a multiple of the SP size"
+            f"it must be a multiple of the SP size; pad it with pad_and_slice first or choose an SP size that divides it"
         )
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 

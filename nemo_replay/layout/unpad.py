@@ -73,7 +73,10 @@ def unpad_indices(attention_mask: torch.Tensor) -> Unpadding:
             works; the packed order is row-major.
     """
     if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must be [B, S] (one row per trajectory), got shape {tuple(attention_mask.shape)}; "
+            f"pass the batch's 2-D mask, not a per-layer or [B, 1, S, S] attention mask"
+        )
     real = attention_mask != 0
     B, S = real.shape
     lengths = real.sum(1)
@@ -100,7 +103,11 @@ def pad(x: torch.Tensor, plan: Unpadding, fill=0) -> torch.Tensor:
     gradient of a pad position is dropped). ``x`` is not modified.
     """
     if x.shape[0] != plan.nnz:
-        raise ValueError(f"pad expects {plan.nnz} packed positions (nnz), got a tensor of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"pad expects {plan.nnz} packed positions (nnz) along dimension 0, got a tensor of shape "
+            f"{tuple(x.shape)}; pass a packed [nnz, ...] tensor produced with the same Unpadding "
+            f"(drop the leading [1, nnz] row dimension first)"
+        )
     out = x.new_full((plan.batch_size * plan.seq_len, *x.shape[1:]), fill)
     out = out.index_copy(0, plan.indices, x)
     return out.view(plan.batch_size, plan.seq_len, *x.shape[1:])

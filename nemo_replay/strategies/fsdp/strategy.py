@@ -81,7 +81,10 @@ def lm_head_weight(model):
 
     head = model.get_output_embeddings()
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise ValueError(f"{type(model).__name__} has no output embedding (LM head) weight; hidden mode needs one")
+        raise ValueError(
+            f"{type(model).__name__} has no output embedding (LM head) weight; hidden mode needs one, "
+            f"use source='logits'"
+        )
     if getattr(head, "bias", None) is not None:
         raise ValueError("hidden mode projects hidden states with the LM-head weight only; this LM head has a bias. Use source='logits'")
     if getattr(model.config, "final_logit_softcapping", None):
@@ -125,7 +128,10 @@ class FSDPStrategy(ReplayStrategy):
     def run_role(self, role, model, batches: Sequence[ReplayBatch], settings: RoleSettings) -> list[RoleOutput]:
         check_role(role)
         if not isinstance(settings, RoleSettings):
-            raise ValueError(f"settings must be a RoleSettings, got {type(settings).__name__}")
+            raise ValueError(
+                f"settings must be a RoleSettings, got {type(settings).__name__}; build one with "
+                f"nemo_replay.strategies.base.RoleSettings(...)"
+            )
         if self.sp_size > 1:
             use_ulysses_attention(model)
         outputs = []
