@@ -172,7 +172,7 @@ def test_fsdp_strategy_sp1_sp2_padded_unpadded_match_reference():
 
     for rank, res in enumerate(results):
         c = res["collectives"]
-        assert c["slice"] == [[10, 11, 12]] if rank == 0 else [[13, 14, -1]]
+        assert c["slice"] == ([[10, 11, 12]] if rank == 0 else [[13, 14, -1]])
         assert c["gathered"] == [[10, 11, 12, 13, 14]]
         assert max(c["seq_to_heads_err"], c["seq_to_heads_grad_err"], c["round_trip_err"]) == 0.0
         assert c["gather_values"] == [[0.0, 1.0, 2.0, 10.0, 11.0]]
