@@ -12,7 +12,9 @@ positions that count (loss-active response tokens).
   on it is 1 to float noise.
 - support mass: ``exp(support_logmass)``, the probability the truncation kept.
 
-Each function returns sums / counts / maxima so ranks and micro-batches combine exactly
+:func:`record_mismatch` and :func:`record_policy` add one micro-batch's values to a
+:class:`StepStats`; the reference trainer and :class:`~nemo_replay.trainer.roles.ReplayRoles`
+both go through them. Each function returns sums / counts / maxima so ranks and micro-batches combine exactly
 (:class:`StepStats`), then :meth:`StepStats.reduce` all-reduces them once.
 """
 
@@ -24,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepStats", "masked_abs_diff", "ratio_deviation"]
+__all__ = ["StepStats", "masked_abs_diff", "ratio_deviation", "record_mismatch", "record_policy"]
 
 
 def masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, int]:
@@ -41,6 +43,41 @@ def ratio_deviation(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch
     if r.numel() == 0:
         return 0.0, 0.0, 0
     return float(r.sum()), float((r - 1).abs().max()), int(r.numel())
+
+
+def record_mismatch(stats: "StepStats", rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """``mismatch_mean`` / ``mismatch_max`` of one micro-batch; all (B, A), mask bool."""
+    total, peak, n = masked_abs_diff(rollout_logprobs, logprobs, mask)
+    stats.add_mean("mismatch_mean", total, n)
+    stats.add_max("mismatch_max", peak)
+
+
+def record_policy(stats: "StepStats", batch, out, *, first_forward: bool = True) -> None:
+    """The diagnostics of one policy-role output.
+
+    Args:
+        batch: the :class:`~nemo_replay.layout.canonical.ReplayBatch` it scored.
+        out: its :class:`~nemo_replay.strategies.base.RoleOutput` (canonical coordinates).
+        first_forward: the forward ran before any update of this step; only then is its
+            ratio against ``batch.rollout_logprobs`` the first-step ratio (``ratio_mean``,
+            ``ratio_max_dev``).
+
+    Adds ``loss``, ``clip_fraction`` and ``kl`` weighted by loss-active tokens, and
+    ``ratio_old_max_dev`` (the ratio against the old log-probs the objective used).
+    """
+    mask = batch.loss_mask.bool()
+    n = int(mask.sum())
+    if first_forward and batch.rollout_logprobs is not None:
+        total, dev, count = ratio_deviation(out.response(batch.response_width).logprobs, batch.rollout_logprobs, mask)
+        stats.add_mean("ratio_mean", total, count)
+        stats.add_max("ratio_max_dev", dev)
+    if out.loss is not None:
+        stats.add_mean("loss", float(out.loss) * n, n)
+    for key in ("clip_fraction", "kl"):
+        if key in out.metrics:
+            stats.add_mean(key, out.metrics[key] * n, n)
+    if "ratio_max_dev" in out.metrics:
+        stats.add_max("ratio_old_max_dev", out.metrics["ratio_max_dev"])
 
 
 @dataclass

@@ -39,7 +39,7 @@ from nemo_replay.config.schema import RecipeConfig
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.objectives import group_advantages
 from nemo_replay.strategies.base import RoleSettings
-from nemo_replay.trainer.diagnostics import StepStats, masked_abs_diff, ratio_deviation
+from nemo_replay.trainer.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.trainer.metrics import JsonlLogger, plot_runs
 from nemo_replay.trainer.runtime import choose_output_dir, launch_fabric, make_backend, seed_all
@@ -159,9 +159,7 @@ class GRPOTrainer:
             A = mb.response_width
             o, r = o.response(A), r.response(A)
             mask = mb.loss_mask.bool()
-            total, peak, n = masked_abs_diff(mb.rollout_logprobs, o.logprobs, mask)
-            stats.add_mean("mismatch_mean", total, n)
-            stats.add_max("mismatch_max", peak)
+            record_mismatch(stats, mb.rollout_logprobs, o.logprobs, mask)
             if o.support_logmass is not None:
                 mass = torch.exp(o.support_logmass.double())[o.valid_mask & mask.to(o.valid_mask.device)]
                 stats.add_mean("support_mass", float(mass.sum()), mass.numel())
@@ -181,17 +179,7 @@ class GRPOTrainer:
             self.optimizer.step()
             stats.add_mean("grad_norm", norm, 1)
             for mb, out in zip(group, outs):
-                n = int(mb.loss_mask.bool().sum())
-                if k == 0:
-                    total, dev, count = ratio_deviation(out.response(mb.response_width).logprobs, mb.rollout_logprobs, mb.loss_mask.bool())
-                    stats.add_mean("ratio_mean", total, count)
-                    stats.add_max("ratio_max_dev", dev)
-                stats.add_mean("loss", float(out.loss) * n, n)
-                for key in ("clip_fraction", "kl"):
-                    if key in out.metrics:
-                        stats.add_mean(key, out.metrics[key] * n, n)
-                if "ratio_max_dev" in out.metrics:  # against the old log-probs the objective uses
-                    stats.add_max("ratio_old_max_dev", out.metrics["ratio_max_dev"])
+                record_policy(stats, mb, out, first_forward=k == 0)
 
     def step(self) -> dict:
         """One GRPO iteration; returns the metrics reduced over every rank."""

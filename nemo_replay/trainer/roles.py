@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings
-from nemo_replay.trainer.diagnostics import StepStats, masked_abs_diff, ratio_deviation
+from nemo_replay.trainer.diagnostics import StepStats, record_mismatch, record_policy
 
 __all__ = ["ReplayRoles"]
 
@@ -36,7 +36,8 @@ class ReplayRoles:
 
     Attributes:
         last_metrics: diagnostics of the latest calls on this rank (``mismatch_mean``,
-            ``mismatch_max``, ``ratio_mean``, ``ratio_max_dev``, ``clip_fraction``, ``kl``).
+            ``mismatch_max``, ``ratio_mean``, ``ratio_max_dev``, ``clip_fraction``, ``kl``, ``loss``,
+            ``ratio_old_max_dev``; see :func:`~nemo_replay.trainer.diagnostics.record_policy`).
     """
 
     def __init__(self, strategy: Union[str, ReplayStrategy] = "fsdp", *, settings: Optional[RoleSettings] = None, **strategy_options):
@@ -59,9 +60,7 @@ class ReplayRoles:
         for batch, out in zip(batches, outs):
             batch.old_logprobs = out.response(batch.response_width).logprobs
             if batch.rollout_logprobs is not None:
-                total, peak, n = masked_abs_diff(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask.bool())
-                stats.add_mean("mismatch_mean", total, n)
-                stats.add_max("mismatch_max", peak)
+                record_mismatch(stats, batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask.bool())
         self.last_metrics.update(stats.reduce(across_ranks=False))
         return outs
 
@@ -77,16 +76,6 @@ class ReplayRoles:
         outs = self.strategy.run_role("policy", model, batches, self.settings)
         stats = StepStats()
         for batch, out in zip(batches, outs):
-            n = int(batch.loss_mask.bool().sum())
-            if batch.rollout_logprobs is not None:
-                lp = out.response(batch.response_width).logprobs
-                total, dev, count = ratio_deviation(lp, batch.rollout_logprobs, batch.loss_mask.bool())
-                stats.add_mean("ratio_mean", total, count)
-                stats.add_max("ratio_max_dev", dev)
-            for key in ("clip_fraction", "kl"):
-                if key in out.metrics:
-                    stats.add_mean(key, out.metrics[key] * n, n)
-            if out.loss is not None:
-                stats.add_mean("loss", float(out.loss) * n, n)
+            record_policy(stats, batch, out)
         self.last_metrics.update(stats.reduce(across_ranks=False))
         return outs
