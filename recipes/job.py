@@ -23,7 +23,7 @@ DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
 # NGC images pin torch through PIP_CONSTRAINT, so this keeps the container's torch (and apex).
 DEFAULT_SETUP = 'pip install --quiet -e ".[all]"'
 
-__all__ = ["Job", "DEFAULT_IMAGE", "DEFAULT_SETUP", "add_job_arguments", "job_from_args", "torchrun_command", "validate_recipe"]
+__all__ = ["Job", "DEFAULT_IMAGE", "DEFAULT_SETUP", "add_job_arguments", "job_from_args", "checked_job", "torchrun_command", "validate_recipe"]
 
 
 @dataclass
@@ -139,7 +139,6 @@ def job_from_args(ns: argparse.Namespace) -> Job:
         workdir=ns.workdir, job_name=ns.job_name, partition=ns.partition, account=ns.account, time=ns.time,
         master_port=ns.master_port, mode=ns.mode, setup=ns.setup,
     )
-
 
 
 def checked_job(ns: argparse.Namespace, repo_root: Optional[Path] = None) -> Optional[Job]:
