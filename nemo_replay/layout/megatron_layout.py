@@ -226,7 +226,7 @@ class TokenMetadataLayout:
     def for_cp_rank(self, cp_rank: int) -> "TokenMetadataLayout":
         """The same micro-batch laid out for another CP rank."""
         if not 0 <= cp_rank < self.cp_size:
-            raise ValueError(f"cp_rank must be in [0, {self.cp_size}), got {cp_rank}")
+            raise ValueError(f"cp_rank must be an int in [0, cp_size={self.cp_size}), got {cp_rank!r}")
         cup = self.cu_seqlens_padded.to(torch.int64)
         glob = _global_slots(self.padded_lengths, cup, self.packed, self.cp_size, cp_rank)
         traj, pos = _slot_owner(glob, self.lengths, cup, self.packed, int(self.padded_lengths[0]))
@@ -360,8 +360,12 @@ class TokenMetadataLayout:
         self._check_local(local)
         if self.cp_size == 1:
             return self.from_cp_parts([local], fill)
-        if cp_group is None or dist.get_world_size(cp_group) != self.cp_size:
-            raise ValueError(f"to_canonical with cp_size={self.cp_size} needs the context-parallel group of that size")
+        got = None if cp_group is None else dist.get_world_size(cp_group)
+        if got != self.cp_size:
+            raise ValueError(
+                f"to_canonical with cp_size={self.cp_size} needs the context-parallel group of that size, got "
+                f"{'no group' if got is None else f'a group of {got} ranks'}; pass cp_group=MegatronParallel.cp_group"
+            )
         dtype = local.dtype
         # Masks travel as uint8: not every backend reduces or gathers bool tensors.
         wire = local.detach().to(torch.uint8 if dtype == torch.bool else dtype).contiguous()
@@ -390,7 +394,10 @@ class TokenMetadataLayout:
 
     def _check_local(self, local: torch.Tensor) -> None:
         if tuple(local.shape[:2]) != self.local_shape:
-            raise ValueError(f"local outputs must be {self.local_shape} + extra dims, got {tuple(local.shape)}")
+            raise ValueError(
+                f"local outputs must be {self.local_shape} + extra dims (this layout's local_shape), got "
+                f"{tuple(local.shape)}; pass outputs of the micro-batch and CP rank this layout was built for"
+            )
 
     # ------------------------------------------------------------------ model inputs
     def input_ids(self, sequences: torch.Tensor, pad_id: int = 0) -> torch.Tensor:

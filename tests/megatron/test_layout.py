@@ -244,3 +244,13 @@ def test_errors_name_the_problem_and_the_fix():
         lay.align_logits(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="cu_seqlens"):
         lay.packed_row_ids([0, 1], [0, 0], shift=True)
+    with pytest.raises(ValueError, match=r"local outputs must be \(2, 3\) \+ extra dims .*got \(2, 4\)"):
+        lay.to_canonical(torch.zeros(2, 4))
+    cp = TokenMetadataLayout.build(am, cp_size=2, packed=True)
+    local = torch.zeros(cp.local_shape)
+    with pytest.raises(ValueError, match=r"cp_size=2 needs the context-parallel group .*got no group; pass cp_group="):
+        cp.to_canonical(local)
+    with pytest.raises(ValueError, match=r"one local tensor per CP rank \(2\), got 1"):
+        cp.from_cp_parts([local])
+    with pytest.raises(ValueError, match=r"cp_rank must be an int in \[0, cp_size=2\), got 2"):
+        cp.for_cp_rank(2)
