@@ -389,7 +389,9 @@ class TokenMetadataLayout:
         for r, part in enumerate(parts):
             lay = self if r == self.cp_rank else self.for_cp_rank(r)
             valid, b, col = lay._canonical_index(logit=True)
-            out[(b * W + col)[valid].to(device)] = part.reshape(self.num_local, *extra)[valid.to(device)]
+            # Integer indices built on the host: a boolean mask on the device would sync to count it.
+            slots = torch.nonzero(valid).flatten()
+            out[(b * W + col)[slots].to(device)] = part.reshape(self.num_local, *extra)[slots.to(device)]
         return out.view(B, W, *extra)
 
     def _check_local(self, local: torch.Tensor) -> None:
