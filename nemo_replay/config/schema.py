@@ -38,7 +38,8 @@ class SampleSupportConfig:
     """Support capture at sampling time (DESIGN.md §2, §7)."""
 
     enabled: bool = True
-    """Record the support row of every sampled token. Replay needs it."""
+    """Keep the support row of every sampled token with the rollout batch. Replay needs it;
+    with ``replay.enabled: false`` the rows are dropped either way."""
     top_k: Optional[int] = None
     """Width of the fixed-width support rows; null follows ``generation.top_k``. Must be
     >= ``generation.top_k`` (extra columns are -1 padding). With ``generation.top_k: null``

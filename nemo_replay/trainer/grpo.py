@@ -145,8 +145,10 @@ class GRPOTrainer:
         rewards = self.task.rewards(ro.prompts, ro.responses)
         batch = ro.batch
         batch.advantages = group_advantages(rewards, G).to(self.device)
-        if not self.cfg.replay.enabled:
-            batch.support = None  # the full-vocabulary baseline: nothing to replay
+        if not (self.cfg.replay.enabled and self.cfg.replay.sample_support.enabled):
+            # Capture off, or the full-vocabulary baseline: no rows are kept or replayed
+            # (validation refuses replay on with capture off).
+            batch.support = None
         if not self.cfg.replay.route_replay:
             batch.routes = None
         return batch, rewards
