@@ -30,7 +30,7 @@ import torch
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["ReplayBatch", "CanonicalChannels", "canonical_channels", "response_columns", "Support"]
+__all__ = ["ReplayBatch", "CanonicalChannels", "canonical_channels", "response_columns", "position_ids", "Support"]
 
 Support = Union[PackedTensor, RaggedSupport]
 
@@ -189,6 +189,17 @@ def response_columns(response_lengths: torch.Tensor, num_columns: int) -> tuple[
     starts = torch.cumsum(R, 0) - R
     j = torch.arange(int(R.sum()), device=R.device) - starts[b]
     return b, num_columns - R[b] + j
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: ``cumsum(mask) - 1``, 0 on padding.
+
+    Args:
+        attention_mask: (B, S), bool or int.
+    Returns:
+        (B, S), int64. Example: mask ``[0 0 1 1 1]`` -> ``[0 0 0 1 2]``.
+    """
+    return (attention_mask.to(torch.int64).cumsum(-1) - 1).clamp(min=0)
 
 
 def canonical_channels(batch: ReplayBatch) -> CanonicalChannels:

@@ -3,7 +3,7 @@
 The generator calls ``next_token_logits(sequences, attention_mask)`` once per new token on
 the whole left-padded buffer (no KV cache), so every sampled token is drawn from the logits
 of exactly the forward the trainer runs later (same weights, same position ids
-``cumsum(attention_mask) - 1``, same kernels); with replay on, the trainer's log-probs then
+``nemo_replay.layout.canonical.position_ids``, same kernels); with replay on, the trainer's log-probs then
 match the recorded ones to float noise. Sampling goes through
 :func:`nemo_replay.capture.sample`, which returns each token's processed log-prob and its
 support row.
@@ -40,7 +40,7 @@ from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["SamplingSettings", "Rollout", "left_pad", "position_ids", "generate"]
+__all__ = ["SamplingSettings", "Rollout", "left_pad", "generate"]
 
 # (sequences, attention_mask) -> logits (B, V), or (logits, routes (B, S, layers, topk) int).
 NextTokenLogits = Callable[[torch.Tensor, torch.Tensor], Union[torch.Tensor, tuple]]
@@ -80,17 +80,6 @@ class Rollout:
     batch: ReplayBatch
     prompts: list[torch.Tensor]
     responses: list[torch.Tensor]
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: ``cumsum(mask) - 1``, 0 on padding.
-
-    Args:
-        attention_mask: (B, S), bool.
-    Returns:
-        (B, S), int64. Example: mask ``[0 0 1 1 1]`` -> ``[0 0 0 1 2]``.
-    """
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def left_pad(rows: Sequence[torch.Tensor], pad_id: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.config.schema import RecipeConfig
-from nemo_replay.trainer.generation import position_ids
+from nemo_replay.layout.canonical import position_ids
 
 __all__ = ["HFBackend", "build_hf_model"]
 

@@ -9,7 +9,8 @@ from nemo_replay import score_aligned_support
 from nemo_replay.layout.canonical import canonical_channels
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
-from nemo_replay.trainer.generation import SamplingSettings, generate, left_pad, position_ids
+from nemo_replay.layout.canonical import position_ids
+from nemo_replay.trainer.generation import SamplingSettings, generate, left_pad
 from nemo_replay.trainer.task import SuccessorTask
 
 V = 40

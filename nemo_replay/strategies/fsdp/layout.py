@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels
+from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels, position_ids
 from nemo_replay.layout.ulysses import gather_sequence, pad_and_slice, padded_length, sp_size_rank
 from nemo_replay.layout.unpad import Unpadding, pad, shift_left, unpad, unpad_indices
 from nemo_replay.strategies.fsdp.attention import UlyssesPlan
@@ -147,7 +147,7 @@ def build_layout(batch: ReplayBatch, *, remove_padding: bool = True, sp_group=No
     chan = token_channels(channels, real)
     # Left padding: the first real token of every row is position 0 (mask [0 1 1 1] ->
     # positions [0 0 1 2]); unpadded, the same values restart at every trajectory.
-    positions = (torch.cumsum(real.to(torch.int64), 1) - 1).clamp(min=0)
+    positions = position_ids(real)
     unpadding = None
     if remove_padding:
         unpadding = unpad_indices(real)
