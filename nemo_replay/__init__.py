@@ -2,9 +2,15 @@
 
 Importing the package is cheap: it never imports megatron-core or transformers. Strategies
 load on first lookup (:func:`get_strategy`).
+
+``nemo_replay.capture`` is the rollout sampler, :mod:`nemo_replay.rollout.capture` (one module
+under two names, so ``nemo_replay.capture.sample`` and ``from nemo_replay.capture import sample``
+both work).
 """
 
-from nemo_replay import capture
+import sys
+
+from nemo_replay.rollout import capture
 from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.strategies.registry import (
     StrategySpec,
@@ -14,6 +20,8 @@ from nemo_replay.strategies.registry import (
 )
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
+
+sys.modules[f"{__name__}.capture"] = capture
 
 __version__ = "0.1.0"
 

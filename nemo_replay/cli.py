@@ -110,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("command", choices=sorted(COMMANDS), help="what to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="[CONFIG] [key=value ...]")
     ns = parser.parse_args(argv[:1] or ["--help"])
-    from nemo_replay.config.loading import ConfigError
+    from nemo_replay.config.errors import ConfigError
 
     had_group = _group_initialized()
     try:

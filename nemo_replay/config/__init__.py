@@ -4,7 +4,8 @@
     cfg = load_config("configs/fsdp_gpu.yaml", ["trainer.steps=20"])
 """
 
-from nemo_replay.config.loading import ConfigError, load_config, read_recipe, to_yaml
+from nemo_replay.config.errors import ConfigError
+from nemo_replay.config.loading import load_config, read_recipe, to_yaml
 from nemo_replay.config.schema import RecipeConfig, flag_docs
 from nemo_replay.config.validation import collect_problems, validate
 

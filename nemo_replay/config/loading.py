@@ -29,24 +29,13 @@ from typing import Any, Iterable, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_replay.config.errors import ConfigError
 from nemo_replay.config.schema import RecipeConfig, flag_docs
+from nemo_replay.config.validation import collect_problems
 
 __all__ = ["ConfigError", "PACKAGE_PREFIX", "packaged_config", "read_recipe", "load_config", "to_yaml"]
 
 PACKAGE_PREFIX = "pkg://"
-
-
-class ConfigError(ValueError):
-    """Every problem of a recipe at once.
-
-    Attributes:
-        problems: one line per problem, each naming the flag and the fix.
-    """
-
-    def __init__(self, problems: Sequence[str], source: str = "recipe"):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{source}: {len(self.problems)} problem(s) in the configuration:\n{lines}")
 
 
 def packaged_config(name: str) -> Path:
@@ -173,7 +162,6 @@ def load_config(
     Raises:
         ConfigError (a ValueError) listing every problem found.
     """
-    from nemo_replay.config.validation import collect_problems
 
     source = str(path) if path is not None else f"{PACKAGE_PREFIX}default"
     raw_node = read_recipe(source)

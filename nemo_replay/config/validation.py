@@ -2,7 +2,7 @@
 
 :func:`collect_problems` returns every violated rule as one line naming the flag, the
 value it holds and the fix; :func:`validate` raises them together as one
-:class:`~nemo_replay.config.loading.ConfigError`. The rules:
+:class:`~nemo_replay.config.errors.ConfigError`. The rules:
 
 - replay on without support capture;
 - sampling that cannot be captured: temperature missing or <= 0, ``top_k <= 1`` for
@@ -21,6 +21,7 @@ import math
 import os
 from typing import Optional
 
+from nemo_replay.config.errors import ConfigError
 from nemo_replay.config.schema import RecipeConfig
 
 __all__ = ["collect_problems", "validate", "resolve_world_size", "model_parallel_size"]
@@ -286,8 +287,6 @@ def collect_problems(cfg: RecipeConfig, world_size: Optional[int] = None) -> lis
 
 def validate(cfg: RecipeConfig, world_size: Optional[int] = None) -> RecipeConfig:
     """Raise one :class:`ConfigError` listing every problem of ``cfg``; return ``cfg`` when clean."""
-    from nemo_replay.config.loading import ConfigError
-
     problems = collect_problems(cfg, world_size)
     if problems:
         raise ConfigError(problems)

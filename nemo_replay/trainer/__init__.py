@@ -1,28 +1,32 @@
-"""The reference GRPO trainer and the glue for existing trainers (DESIGN.md §6).
+"""The reference GRPO trainer: the main job, the demo and the test bed (DESIGN.md §6).
 
 - :class:`GRPOTrainer` (:mod:`.grpo`): the main job's loop on Lightning Fabric;
-- :func:`run_compare` (:mod:`.compare`): replay on vs off from the same seed;
-- :class:`ReplayRoles` (:mod:`.roles`): the three role callbacks for a hand-written loop;
-- :class:`ReplayCallback` (:mod:`.lightning_hook`): switches replay on for a LightningModule.
+- :func:`run_compare` (:mod:`.compare`): replay on vs off from the same seed.
 
+The glue for trainers that own their loop is not here: :class:`nemo_replay.roles.ReplayRoles`
+for a hand-written loop, :mod:`nemo_replay.integrations` for other frameworks.
 Names load on first use, so importing this package stays cheap.
 """
 
 import importlib
 
-__all__ = ["GRPOTrainer", "RunResult", "run_compare", "ReplayRoles", "ReplayCallback", "SuccessorTask"]
+__all__ = ["GRPOTrainer", "RunResult", "run_compare", "SuccessorTask"]
 
 _WHERE = {
     "GRPOTrainer": "nemo_replay.trainer.grpo",
     "RunResult": "nemo_replay.trainer.grpo",
     "run_compare": "nemo_replay.trainer.compare",
-    "ReplayRoles": "nemo_replay.trainer.roles",
-    "ReplayCallback": "nemo_replay.trainer.lightning_hook",
     "SuccessorTask": "nemo_replay.trainer.task",
+}
+_MOVED = {
+    "ReplayRoles": "nemo_replay.roles",
+    "ReplayCallback": "nemo_replay.integrations.lightning",
 }
 
 
 def __getattr__(name):
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)
+    if name in _MOVED:
+        raise AttributeError(f"nemo_replay.trainer.{name} moved: use `from {_MOVED[name]} import {name}`")
     raise AttributeError(f"module 'nemo_replay.trainer' has no attribute {name!r}")

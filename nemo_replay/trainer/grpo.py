@@ -39,7 +39,7 @@ from nemo_replay.config.schema import RecipeConfig
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.objectives import group_advantages
 from nemo_replay.strategies.base import RoleSettings
-from nemo_replay.trainer.diagnostics import StepStats, record_mismatch, record_policy
+from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.trainer.metrics import JsonlLogger, plot_runs
 from nemo_replay.trainer.runtime import choose_output_dir, launch_fabric, make_backend, seed_all

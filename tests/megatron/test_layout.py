@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemo_replay.layout.canonical import ReplayBatch, canonical_channels
-from nemo_replay.layout.megatron_layout import TokenMetadataLayout, layout_alignment
+from nemo_replay.strategies.megatron.layout import TokenMetadataLayout, layout_alignment
 from nemo_replay.support.packed import PackedTensor
 
 SIZES = st.sampled_from([1, 2, 4])

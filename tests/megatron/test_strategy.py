@@ -160,7 +160,7 @@ def _phase_tp2(out, rank, batches, policy_batches):
 
     from tests.megatron import harness as H
     from nemo_replay import get_strategy
-    from nemo_replay.layout.megatron_layout import TokenMetadataLayout
+    from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
     from nemo_replay.strategies.megatron import MegatronParallel
     from megatron.core import parallel_state as ps
 
@@ -432,7 +432,7 @@ def test_pipeline_parallel_2_matches_tp1(ranks):
 
 def _real_routes(batch, layout_maps, routes, layer_index):
     """Per canonical real token: the experts chosen by the router, from its [s*B+b, E] map."""
-    from nemo_replay.layout.megatron_layout import TokenMetadataLayout
+    from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 
     lay = TokenMetadataLayout.build(batch.attention_mask)
     B, S_out = lay.local_shape

@@ -2,7 +2,7 @@
 
 Every channel starts from :func:`~nemo_replay.layout.canonical.canonical_channels` (logit
 coordinates ``[B, S - 1]``) and moves through the micro-batch's
-:class:`~nemo_replay.layout.megatron_layout.TokenMetadataLayout`; the support row ids are
+:class:`~nemo_replay.strategies.megatron.layout.TokenMetadataLayout`; the support row ids are
 taken from the canonical channels too, so the layout never re-derives where a row sits.
 """
 
@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels
-from nemo_replay.layout.megatron_layout import TokenMetadataLayout
+from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.scoring.scorer import check_synthetic_eos, has_support_row
 from nemo_replay.strategies.base import RoleSettings
 

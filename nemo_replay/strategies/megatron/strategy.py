@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.layout.canonical import ReplayBatch
-from nemo_replay.layout.megatron_layout import TokenMetadataLayout
+from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings, check_role
 from nemo_replay.strategies.megatron.batch import prepare_micro_batch
 from nemo_replay.strategies.megatron.parallel import MegatronParallel

@@ -13,7 +13,7 @@ positions that count (loss-active response tokens).
 - support mass: ``exp(support_logmass)``, the probability the truncation kept.
 
 :func:`record_mismatch` and :func:`record_policy` add one micro-batch's values to a
-:class:`StepStats`; the reference trainer and :class:`~nemo_replay.trainer.roles.ReplayRoles`
+:class:`StepStats`; the reference trainer and :class:`~nemo_replay.roles.ReplayRoles`
 both go through them. Each function returns sums / counts / maxima so ranks and micro-batches combine exactly
 (:class:`StepStats`), then :meth:`StepStats.reduce` all-reduces them once.
 """

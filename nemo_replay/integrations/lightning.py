@@ -1,0 +1,107 @@
+"""Switch replay on for a LightningModule-based trainer (DESIGN.md §6).
+
+Add the callback; the module finds the role callbacks at ``self.replay``
+(:class:`~nemo_replay.roles.ReplayRoles`) and calls them from its training step::
+
+    class MyRL(lightning.LightningModule):
+        def __init__(self, policy, reference):
+            super().__init__()
+            self.automatic_optimization = False      # the policy role runs backward itself
+            self.policy, self.reference = policy, reference
+
+        def training_step(self, micro_batches, batch_idx):   # a list of ReplayBatch
+            self.replay.recompute(self.policy, micro_batches)
+            self.replay.reference(self.reference, micro_batches)
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.replay.policy(self.policy, micro_batches)
+            opt.step()
+
+    trainer = lightning.Trainer(callbacks=[ReplayCallback("fsdp", settings=RoleSettings(temperature=0.7))])
+
+What the callback does:
+
+- ``setup``: builds the strategy and attaches ``pl_module.replay``; refuses automatic
+  optimization (Lightning would run a second backward on the returned loss);
+- ``on_train_batch_start``: with replay on, every :class:`ReplayBatch` of the batch must
+  carry its support rows: a ValueError names the micro-batch otherwise;
+- ``on_train_batch_end``: logs the diagnostics of the step (``replay/mismatch_max``,
+  ``replay/ratio_max_dev``, ``replay/kl``, ``replay/clip_fraction``) with ``pl_module.log_dict``.
+
+``ReplayCallback(enabled=False)`` keeps the same calls on the full-vocabulary path, so one
+flag switches a trainer between replay and the previous behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+from lightning.pytorch.callbacks import Callback
+
+from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.strategies.base import ReplayStrategy, RoleSettings
+from nemo_replay.roles import ReplayRoles
+
+__all__ = ["ReplayCallback"]
+
+
+def _replay_batches(batch) -> list[ReplayBatch]:
+    if isinstance(batch, ReplayBatch):
+        return [batch]
+    if isinstance(batch, (list, tuple)):
+        return [b for b in batch if isinstance(b, ReplayBatch)]
+    return []
+
+
+class ReplayCallback(Callback):
+    """Attach :class:`ReplayRoles` to a LightningModule as ``pl_module.replay``.
+
+    Args:
+        strategy: registered strategy name (``fsdp``, ``megatron``, a plugin) or a built strategy.
+        settings: role settings; ``replay`` is overridden by ``enabled``.
+        enabled: score over the recorded support (True) or the full vocabulary (False).
+        attribute: the module attribute that receives the role callbacks.
+        **strategy_options: forwarded to the strategy's factory.
+    """
+
+    def __init__(
+        self,
+        strategy: Union[str, ReplayStrategy] = "fsdp",
+        *,
+        settings: Optional[RoleSettings] = None,
+        enabled: bool = True,
+        attribute: str = "replay",
+        **strategy_options,
+    ):
+        super().__init__()
+        self.settings = dataclasses.replace(settings or RoleSettings(), replay=bool(enabled))
+        self.strategy = strategy
+        self.strategy_options = strategy_options
+        self.attribute = attribute
+        self.roles: Optional[ReplayRoles] = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and pl_module.automatic_optimization:
+            raise ValueError(
+                f"{type(pl_module).__name__} uses automatic optimization, but the replay policy role runs backward "
+                f"itself; set self.automatic_optimization = False in __init__ and step the optimizer in training_step"
+            )
+        self.roles = ReplayRoles(self.strategy, settings=self.settings, **self.strategy_options)
+        setattr(pl_module, self.attribute, self.roles)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if not self.settings.replay:
+            return
+        for i, b in enumerate(_replay_batches(batch)):
+            if b.support is None:
+                raise ValueError(
+                    f"training batch {batch_idx}, micro-batch {i}: replay is on but the ReplayBatch carries no support "
+                    f"rows; capture them at rollout (nemo_replay.capture.sample) or use ReplayCallback(enabled=False)"
+                )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.roles is None or not self.roles.last_metrics:
+            return
+        logged = {f"replay/{k}": float(v) for k, v in self.roles.last_metrics.items()}
+        pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=max(1, len(_replay_batches(batch))))
