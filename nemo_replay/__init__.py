@@ -12,6 +12,7 @@ import sys
 
 from nemo_replay.rollout import capture
 from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.strategies.registry import (
     StrategySpec,
     available_strategies,
@@ -30,6 +31,7 @@ __all__ = [
     "PackedTensor",
     "RaggedSupport",
     "SupportScores",
+    "VocabShard",
     "score_aligned_support",
     "score_full_vocabulary",
     "StrategySpec",

@@ -1,4 +1,4 @@
-"""Per-step diagnostics of the train/inference mismatch (DESIGN.md §1).
+"""Per-step diagnostics of the train/inference mismatch (docs/design.md §1).
 
 All inputs are response-aligned ``(B, A)`` tensors (right-aligned, see
 :class:`~nemo_replay.layout.canonical.ReplayBatch`) with a ``(B, A)`` bool mask of the

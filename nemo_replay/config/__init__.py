@@ -1,4 +1,4 @@
-"""Recipe flags: typed schema, YAML loading with ``defaults:`` inheritance, validation (DESIGN.md §8).
+"""Recipe flags: typed schema, YAML loading with ``defaults:`` inheritance, validation (docs/design.md §8).
 
     from nemo_replay.config import load_config
     cfg = load_config("configs/fsdp_gpu.yaml", ["trainer.steps=20"])

@@ -1,4 +1,4 @@
-"""The one error a recipe raises: every problem at once (DESIGN.md §8)."""
+"""The one error a recipe raises: every problem at once (docs/design.md §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The recipe flags: typed OmegaConf structured dataclasses (DESIGN.md §8).
+"""The recipe flags: typed OmegaConf structured dataclasses (docs/design.md §8).
 
 A recipe YAML maps onto :class:`RecipeConfig`; every leaf is a flag addressed by its dotted
 path (``replay.sample_support.top_k``, ``parallel.context``). Each field carries a docstring
@@ -35,7 +35,7 @@ __all__ = [
 
 @dataclass
 class SampleSupportConfig:
-    """Support capture at sampling time (DESIGN.md §2, §7)."""
+    """Support capture at sampling time (docs/design.md §2, §7)."""
 
     enabled: bool = True
     """Keep the support row of every sampled token with the rollout batch. Replay needs it;
@@ -48,7 +48,7 @@ class SampleSupportConfig:
 
 @dataclass
 class ScorerConfig:
-    """How the shared scorer gets its input (DESIGN.md §4)."""
+    """How the shared scorer gets its input (docs/design.md §4)."""
 
     source: str = "logits"
     """``logits``: score the model's (vocab-parallel) logits. ``hidden``: score hidden states
@@ -61,7 +61,7 @@ class ScorerConfig:
 
 @dataclass
 class ReplayConfig:
-    """Support-conditioned log-prob replay (DESIGN.md §1, §6)."""
+    """Support-conditioned log-prob replay (docs/design.md §1, §6)."""
 
     enabled: bool = True
     """Score every trainer pass (policy, old-policy recompute, reference) over the recorded

@@ -1,4 +1,4 @@
-"""Cross-flag rules of a recipe, checked before any model is built (DESIGN.md §8).
+"""Cross-flag rules of a recipe, checked before any model is built (docs/design.md §8).
 
 :func:`collect_problems` returns every violated rule as one line naming the flag, the
 value it holds and the fix; :func:`validate` raises them together as one

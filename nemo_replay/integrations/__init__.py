@@ -1,4 +1,4 @@
-"""Replay inside trainers that own their loop (DESIGN.md §6).
+"""Replay inside trainers that own their loop (docs/design.md §6).
 
 One module per framework; each imports its framework inside itself, so importing this
 package imports none of them:

@@ -1,4 +1,4 @@
-"""Switch replay on for a LightningModule-based trainer (DESIGN.md §6).
+"""Switch replay on for a LightningModule-based trainer (docs/design.md §6).
 
 Add the callback; the module finds the role callbacks at ``self.replay``
 (:class:`~nemo_replay.roles.ReplayRoles`) and calls them from its training step::

@@ -1,4 +1,4 @@
-"""The canonical micro-batch and its token-aligned channels (DESIGN.md §3).
+"""The canonical micro-batch and its token-aligned channels (docs/design.md §3).
 
 Coordinates. ``sequences [B, S]`` is left-padded: trajectory i's ``L_i`` real tokens sit in
 columns ``[S - L_i, S)``; its last ``R_i`` tokens are the response. The logit at column c

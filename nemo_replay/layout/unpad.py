@@ -1,4 +1,4 @@
-"""Padding removal and the way back, flash-attention varlen style (DESIGN.md §3, §5 fsdp).
+"""Padding removal and the way back, flash-attention varlen style (docs/design.md §3, §5 fsdp).
 
 A left-padded ``[B, S]`` batch becomes one packed row of its ``nnz`` real tokens, the
 trajectories back to back; ``cu_seqlens`` marks where each starts. Every token-aligned

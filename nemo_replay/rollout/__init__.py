@@ -1,4 +1,4 @@
-"""nemo_replay.rollout: the rollout side of support-conditioned replay (DESIGN.md §7).
+"""nemo_replay.rollout: the rollout side of support-conditioned replay (docs/design.md §7).
 
 One concept per module:
 

@@ -1,4 +1,4 @@
-"""Engine outputs -> support rows for one response (DESIGN.md §2, §7).
+"""Engine outputs -> support rows for one response (docs/design.md §2, §7).
 
 Three sources, each turned into the package's support forms and checked at the boundary
 (:func:`~nemo_replay.rollout.boundary.validate_support`):

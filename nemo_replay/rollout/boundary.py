@@ -1,4 +1,4 @@
-"""Support checks where rollout data enters the package (DESIGN.md §2).
+"""Support checks where rollout data enters the package (docs/design.md §2).
 
 Capture adapters, wire decode and collation all call :func:`validate_support`, which
 applies the §2 invariants to either support form:
@@ -64,7 +64,7 @@ def validate_support(
     vocab_size: Optional[int] = None,
     where: str,
 ) -> None:
-    """Check a support batch against DESIGN.md §2.
+    """Check a support batch against docs/design.md §2.
 
     Args:
         support: fixed-width rows ``[rows, k]`` (bare or packed) or CSR rows.

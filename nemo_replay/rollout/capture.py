@@ -1,4 +1,4 @@
-"""Capture the sampler's support at sampling time (DESIGN.md §1, §2, §7).
+"""Capture the sampler's support at sampling time (docs/design.md §1, §2, §7).
 
 :func:`sample` is a torch sampler that returns, next to each sampled token, its processed
 log-prob and the support it was drawn from. Any generation loop (the package's own

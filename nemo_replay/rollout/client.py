@@ -1,4 +1,4 @@
-"""Async client for a generate endpoint that returns captured support and routes (DESIGN.md §7).
+"""Async client for a generate endpoint that returns captured support and routes (docs/design.md §7).
 
 Request body (JSON)::
 

@@ -1,4 +1,4 @@
-"""Per-trajectory support and routes -> trainer batches (DESIGN.md §2, §3).
+"""Per-trajectory support and routes -> trainer batches (docs/design.md §2, §3).
 
 Rollouts produce one support segment (``R_i`` rows) and optionally one routes segment
 (``L_i`` rows) per trajectory. The trainer's batch lists trajectories in its own order,
@@ -6,7 +6,7 @@ possibly with repeats (GRPO groups sampled once and repeated, or a batch re-orde
 packing). :func:`collate_support` and :func:`collate_routes` build the packed batch in
 that order with one gather, after checking the data once per source trajectory:
 
-- every row against DESIGN.md §2, with the sampled ids: each non-empty row must contain
+- every row against docs/design.md §2, with the sampled ids: each non-empty row must contain
   the response token it scores;
 - row counts against the trainer's response lengths (support) or sequence lengths
   (routes), batch position by batch position.

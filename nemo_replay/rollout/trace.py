@@ -1,4 +1,4 @@
-"""Token-aligned traces of multi-turn rollouts (DESIGN.md §2, §3, §7).
+"""Token-aligned traces of multi-turn rollouts (docs/design.md §2, §3, §7).
 
 A multi-turn rollout alternates engine turns and environment observations. Instead of
 re-gathering supports and routes for the whole conversation after every turn, the traces

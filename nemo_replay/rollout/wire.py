@@ -1,4 +1,4 @@
-"""Wire codec for large token-aligned arrays inside JSON bodies (DESIGN.md §7).
+"""Wire codec for large token-aligned arrays inside JSON bodies (docs/design.md §7).
 
 An array travels as an envelope object ``{"data": <base64>, "shape": [...], "dtype": <name>}``:
 the raw little-endian bytes of the C-contiguous array, base64-encoded (RFC 4648, with
@@ -296,7 +296,7 @@ def support_from_wire(
     vocab_size: Optional[int] = None,
     where: str = "wire decode: support",
 ) -> Union[PackedTensor, RaggedSupport]:
-    """Read :func:`support_to_wire`'s object back and check it (DESIGN.md §2 boundary).
+    """Read :func:`support_to_wire`'s object back and check it (docs/design.md §2 boundary).
 
     Args:
         obj: the decoded object (envelopes already tensors, as :func:`loads` returns).

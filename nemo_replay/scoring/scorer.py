@@ -1,4 +1,4 @@
-"""The one shared scorer (DESIGN.md §4).
+"""The one shared scorer (docs/design.md §4).
 
 Every trainer pass (policy, old-policy recompute, reference) of every strategy calls
 :func:`score_aligned_support` on channels that a strategy already aligned:
@@ -9,7 +9,7 @@ Legend: N flattened positions, V local vocabulary rows, H hidden size, n positio
 over a support row, e positions scored over the full vocabulary (synthetic EOS), w support
 width.
 
-Tensor parallel (vocabulary sharded over ``tp_group``): each rank scores the members in
+Tensor parallel (vocabulary sharded over ``shard.group``): each rank scores the members in
 its shard. Forward: one MAX all-reduce (stabilisers, plus this rank's vocab end so every
 rank learns the global vocabulary size) and one SUM all-reduce carrying denominators,
 sampled scores, entropy terms and the support-mass denominators together. Backward: none
@@ -30,6 +30,7 @@ import torch
 from nemo_replay.scoring.collectives import all_reduce_max, copy_to_shards, group_size, reduce_sum_from_shards
 from nemo_replay.scoring.projection import project_support
 from nemo_replay.scoring.selection import select_scores
+from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import validate_support_rows
@@ -102,20 +103,21 @@ def _check_inputs(source, sampled_ids, row_ids, loss_mask, trajectory_ids, lm_he
         raise ValueError(f"temperature must be a finite number > 0 (the policy's sampling temperature), got {temperature!r}")
 
 
-def _vocab_range(vocab_range, v_local: int) -> tuple[int, int]:
-    if vocab_range is None:
-        return 0, v_local
-    if not isinstance(vocab_range, (tuple, list)) or len(vocab_range) != 2:
+def _shard(shard: Optional[VocabShard], v_local: int) -> VocabShard:
+    if shard is None:
+        return VocabShard.whole(v_local)
+    if not isinstance(shard, VocabShard):
         raise ValueError(
-            f"vocab_range must be a pair (start, end) of this rank's vocabulary shard, got {vocab_range!r}"
+            f"shard must be a nemo_replay.VocabShard(start, end, group) describing this rank's vocabulary slice, "
+            f"got {type(shard).__name__}"
         )
-    start, end = (int(v) for v in vocab_range)
-    if start < 0 or end - start != v_local:
+    if shard.size != v_local:
         raise ValueError(
-            f"vocab_range={tuple(vocab_range)} must be (start, end) with start >= 0 and end - start equal to the "
-            f"local vocabulary size {v_local}"
+            f"shard=VocabShard(start={shard.start}, end={shard.end}) holds {shard.size} vocabulary rows but the local "
+            f"vocabulary size is {v_local} (source.shape[-1], or lm_head_weight.shape[0] in hidden mode); build the "
+            f"shard from this rank's real slice (VocabShard.from_group(group, {v_local}))"
         )
-    return start, end
+    return shard
 
 
 def _normalise_support(support: SupportArg) -> Union[PackedTensor, RaggedSupport]:
@@ -155,7 +157,7 @@ def has_support_row(support: Union[PackedTensor, RaggedSupport], row_ids: torch.
 
 
 def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
-    """The synthetic-EOS rule (DESIGN §3): at most one loss-active position without a support
+    """The synthetic-EOS rule (docs/design.md §3): at most one loss-active position without a support
     row per trajectory, and it is that trajectory's last loss-active position.
 
     Args:
@@ -247,8 +249,7 @@ def score_aligned_support(
     loss_mask: torch.Tensor,
     support: SupportArg,
     *,
-    vocab_range: Optional[tuple[int, int]] = None,
-    tp_group=None,
+    shard: Optional[VocabShard] = None,
     lm_head_weight: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     trajectory_ids: Optional[torch.Tensor] = None,
@@ -266,8 +267,9 @@ def score_aligned_support(
             that is all -1 (fixed width) or empty (CSR) also means none.
         loss_mask: (*,), bool or float (nonzero = loss-active).
         support: PackedTensor with int values (rows, k), a (rows, k) int tensor, or RaggedSupport.
-        vocab_range: (start, end) of this rank's vocabulary shard; default (0, V_local).
-        tp_group: process group the vocabulary is sharded over, or None.
+        shard: this rank's vocabulary slice and the group it is sharded over
+            (:class:`~nemo_replay.scoring.shard.VocabShard`); default the whole vocabulary
+            ``[0, V_local)`` with no group.
         lm_head_weight: (V_local, H), this rank's LM-head rows (hidden mode).
         temperature: divides every score (pass 1.0 for logits already scaled).
         trajectory_ids: (*,), int, -1 on padding. Default: index along dim 0 when the
@@ -276,7 +278,7 @@ def score_aligned_support(
         compute_support_mass: also return log of the kept mass (logits mode only).
         chunk_size: (position, id) pairs per chunk in hidden mode (default 8192); in logits
             mode, positions per chunk of the support-mass pass.
-        validate: check the support invariants (DESIGN §2). The alignment guard and the
+        validate: check the support invariants (docs/design.md §2). The alignment guard and the
             synthetic-EOS rule always run.
 
     Scored positions: loss-active with a row (``valid_mask``), plus at most one loss-active
@@ -296,7 +298,8 @@ def score_aligned_support(
         )
     pos_shape = source.shape[:-1]
     v_local = lm_head_weight.shape[0] if hidden_mode else source.shape[-1]
-    v_start, v_end = _vocab_range(vocab_range, v_local)
+    shard = _shard(shard, v_local)
+    v_start, v_end, tp_group = shard.start, shard.end, shard.group
     tp = group_size(tp_group)
     support = _normalise_support(support)
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size)
@@ -467,8 +470,7 @@ def score_full_vocabulary(
     sampled_ids: torch.Tensor,
     *,
     loss_mask: Optional[torch.Tensor] = None,
-    vocab_range: Optional[tuple[int, int]] = None,
-    tp_group=None,
+    shard: Optional[VocabShard] = None,
     lm_head_weight: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     compute_entropy: bool = False,
@@ -483,7 +485,8 @@ def score_full_vocabulary(
     pos_shape = source.shape[:-1]
     hidden_mode = lm_head_weight is not None
     v_local = lm_head_weight.shape[0] if hidden_mode else source.shape[-1]
-    v_start, _ = _vocab_range(vocab_range, v_local)
+    shard = _shard(shard, v_local)
+    v_start, tp_group = shard.start, shard.group
     device = source.device
     cd = torch.float64 if source.dtype == torch.float64 else torch.float32
     src = source.reshape(-1, source.shape[-1])

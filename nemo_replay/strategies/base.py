@@ -1,4 +1,4 @@
-"""What every strategy provides to a trainer (DESIGN.md §5, §6).
+"""What every strategy provides to a trainer (docs/design.md §5, §6).
 
 A strategy turns canonical micro-batches (:class:`~nemo_replay.layout.canonical.ReplayBatch`)
 into backend-aligned channels, calls the one shared scorer, and returns results in

@@ -1,4 +1,4 @@
-"""The strategy registry: plain data, looked up by name (DESIGN.md §5).
+"""The strategy registry: plain data, looked up by name (docs/design.md §5).
 
 A strategy is a frozen :class:`StrategySpec` holding a factory. Built-ins (``megatron``,
 ``fsdp``) are named here and imported only when looked up, so ``import nemo_replay`` never

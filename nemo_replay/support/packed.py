@@ -1,4 +1,4 @@
-"""PackedTensor: ragged token-aligned rows of a batch held as one buffer (DESIGN.md §2).
+"""PackedTensor: ragged token-aligned rows of a batch held as one buffer (docs/design.md §2).
 
     values      (total_rows, *row_shape)   any dtype
     cu_seqlens  (batch_size + 1,) int32    segment i = values[cu_seqlens[i]:cu_seqlens[i+1]]

@@ -1,4 +1,4 @@
-"""RaggedSupport: support sets of unbounded width in CSR form (DESIGN.md §2).
+"""RaggedSupport: support sets of unbounded width in CSR form (docs/design.md §2).
 
 When only top-p / min-p bound the candidates, rows have different lengths. This is the
 form vLLM's and SGLang's sampling masks return:

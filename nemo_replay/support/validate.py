@@ -1,4 +1,4 @@
-"""Invariant checks for support rows and segment offsets (DESIGN.md §2).
+"""Invariant checks for support rows and segment offsets (docs/design.md §2).
 
 Every boundary where support data enters the package (capture, wire decode, collation,
 the scorer) calls these. They are vectorised: one pass over the buffer, no Python loop
@@ -60,7 +60,7 @@ def validate_support_rows(
     sampled_ids: torch.Tensor | None = None,
     where: str = "support",
 ) -> None:
-    """Check fixed-width support rows against DESIGN.md §2.
+    """Check fixed-width support rows against docs/design.md §2.
 
     Args:
         values: (num_rows, k), integer. Members first, then trailing -1 padding.

@@ -1,4 +1,4 @@
-"""The reference GRPO trainer: the main job, the demo and the test bed (DESIGN.md §6).
+"""The reference GRPO trainer: the main job, the demo and the test bed (docs/design.md §6).
 
 - :class:`GRPOTrainer` (:mod:`.grpo`): the main job's loop on Lightning Fabric;
 - :func:`run_compare` (:mod:`.compare`): replay on vs off from the same seed.

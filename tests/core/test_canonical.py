@@ -1,4 +1,4 @@
-"""Canonical batch coordinates (DESIGN.md §3): row ids at logit positions, the loss-mask shift."""
+"""Canonical batch coordinates (docs/design.md §3): row ids at logit positions, the loss-mask shift."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support, score_full_vocabulary
+from nemo_replay import PackedTensor, RaggedSupport, VocabShard, score_aligned_support, score_full_vocabulary
 from tests.core.batches import make_case
 
 
@@ -75,19 +75,25 @@ def test_bad_lm_head_weight(case):
 
 
 @pytest.mark.parametrize(
-    "vocab_range, match",
+    "make_shard, match",
     [
-        ((0, 60), r"vocab_range=\(0, 60\).*local vocabulary size 61"),
-        ((-1, 60), r"vocab_range=\(-1, 60\).*start >= 0"),
-        ((10, 10), r"vocab_range=\(10, 10\).*local vocabulary size 61"),
-        ((0,), r"vocab_range must be a pair \(start, end\).*got \(0,\)"),
-        ((0, 61, 122), r"vocab_range must be a pair \(start, end\).*got \(0, 61, 122\)"),
-        (61, r"vocab_range must be a pair \(start, end\).*got 61"),
+        (lambda: VocabShard(0, 60), r"VocabShard\(start=0, end=60\) holds 60 vocabulary rows but the local vocabulary size is 61"),
+        (lambda: VocabShard(10, 72), r"holds 62 vocabulary rows but the local vocabulary size is 61"),
+        (lambda: VocabShard(-1, 60), r"must satisfy 0 <= start < end"),
+        (lambda: VocabShard(10, 10), r"must satisfy 0 <= start < end"),
+        (lambda: VocabShard(0, 61.0), r"VocabShard.end must be an int, got 61.0"),
+        (lambda: VocabShard(True, 61), r"VocabShard.start must be an int, got True"),
+        (lambda: (0, 61), r"shard must be a nemo_replay.VocabShard.*got tuple"),
     ],
 )
-def test_bad_vocab_range(case, vocab_range, match):
+def test_bad_shard(case, make_shard, match):
     with pytest.raises(ValueError, match=match):
-        _score(case, vocab_range=vocab_range)
+        _score(case, shard=make_shard())
+
+
+def test_even_shard_needs_a_divisible_vocabulary():
+    assert VocabShard.even(61, None) == VocabShard(0, 61)
+    assert VocabShard.whole(61).world_size == 1
 
 
 @pytest.mark.parametrize("temperature", [0, 0.0, -1.0, float("nan"), float("inf"), "1.0", None])

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay import RaggedSupport, score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.shard import VocabShard
 from tests.core.batches import make_case
 from tests.spawn import run_workers
 
@@ -36,19 +37,19 @@ def _loss(out, shape):
 
 
 def _scenarios(case):
-    """name -> (hidden mode?, scorer call taking (source, weight, vocab_range, group))."""
+    """name -> (hidden mode?, scorer call taking (source, weight, shard))."""
     ragged = RaggedSupport.from_padded(case.support)
     ch = (case.sampled_ids, case.row_ids, case.loss_mask)
 
     def aligned(support, **kw):
-        def call(src, w, vr, group):
-            return score_aligned_support(src, *ch, support, lm_head_weight=w, vocab_range=vr, tp_group=group,
+        def call(src, w, shard):
+            return score_aligned_support(src, *ch, support, lm_head_weight=w, shard=shard,
                                          temperature=TEMPERATURE, compute_entropy=True, **kw)
         return call
 
-    def full(src, w, vr, group):
+    def full(src, w, shard):
         return score_full_vocabulary(src, case.sampled_ids, loss_mask=case.loss_mask, lm_head_weight=w,
-                                     vocab_range=vr, tp_group=group, temperature=TEMPERATURE, compute_entropy=True)
+                                     shard=shard, temperature=TEMPERATURE, compute_entropy=True)
 
     return {
         "logits_packed": (False, aligned(case.support, compute_support_mass=True)),
@@ -60,16 +61,17 @@ def _scenarios(case):
     }
 
 
-def _run(case, hidden, call, lo, hi, group):
-    """Forward + backward on the vocab shard [lo, hi); returns outputs and gradients."""
+def _run(case, hidden, call, shard):
+    """Forward + backward on the vocab shard; returns outputs and gradients."""
+    lo, hi = shard.start, shard.end
     if hidden:
         h = case.hidden.clone().requires_grad_()
         w = case.weight[lo:hi].clone().requires_grad_()
-        out = call(h, w, (lo, hi), group)
+        out = call(h, w, shard)
         leaves = (h, w)
     else:
         z = case.logits[..., lo:hi].clone().requires_grad_()
-        out = call(z, None, (lo, hi), group)
+        out = call(z, None, shard)
         leaves = (z,)
     return out, leaves
 
@@ -78,6 +80,9 @@ def _tp_worker(rank, world_size):
     case = _case()
     lo, hi = SPLIT[rank], SPLIT[rank + 1]
     group = dist.new_group(ranks=list(range(world_size)))
+    # The uneven split is learnt from the local sizes alone (one all-gather).
+    shard = VocabShard.from_group(group, hi - lo)
+    assert (shard.start, shard.end, shard.group) == (lo, hi, group)
     real_all_reduce = dist.all_reduce
     calls = []
 
@@ -91,7 +96,7 @@ def _tp_worker(rank, world_size):
     try:
         for name, (hidden, call) in _scenarios(case).items():
             calls.clear()
-            out, leaves = _run(case, hidden, call, lo, hi, group)
+            out, leaves = _run(case, hidden, call, shard)
             forward = list(calls)
             calls.clear()
             grads = torch.autograd.grad(_loss(out, case.loss_mask.shape), leaves)
@@ -116,7 +121,7 @@ def test_tp2_uneven_split_equals_tp1_and_counts_collectives():
     ranks = run_workers(_tp_worker, 2)
     case = _case()
     for name, (hidden, call) in _scenarios(case).items():
-        out, leaves = _run(case, hidden, call, 0, V, None)
+        out, leaves = _run(case, hidden, call, VocabShard.whole(V))
         grads = torch.autograd.grad(_loss(out, case.loss_mask.shape), leaves)
         assert out.fallback_mask.any() and (name.startswith("full") or int(out.fallback_mask.sum()) == 3)
         for rank, res in enumerate(ranks):

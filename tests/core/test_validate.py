@@ -1,4 +1,4 @@
-"""Support-row invariants (DESIGN.md §2): every violation is a ValueError naming trajectory and row."""
+"""Support-row invariants (docs/design.md §2): every violation is a ValueError naming trajectory and row."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The ``fsdp`` replay strategy: Hugging Face causal LMs under FSDP2, padding removal and
-Ulysses sequence parallelism (DESIGN.md §5).
+Ulysses sequence parallelism (docs/design.md §5).
 
     from nemo_replay import get_strategy
     strategy = get_strategy("fsdp").factory(sp_group=sp_group, remove_padding=True)

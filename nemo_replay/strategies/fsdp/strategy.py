@@ -2,7 +2,7 @@
 
 Each role runs the model forward on the layout of :mod:`nemo_replay.strategies.fsdp.layout`,
 calls the shared scorer on this rank's positions with explicit trajectory ids, and brings
-the results back to canonical ``[B, S-1]`` columns (DESIGN.md §5, §6).
+the results back to canonical ``[B, S-1]`` columns (docs/design.md §5, §6).
 
 Sources (``RoleSettings.source``):
 

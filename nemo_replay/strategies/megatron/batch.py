@@ -75,7 +75,7 @@ class PreparedMicroBatch:
 
 
 def check_rowless_positions(channels: CanonicalChannels, support) -> None:
-    """The synthetic-EOS rule (DESIGN.md §3) checked in canonical coordinates, before any
+    """The synthetic-EOS rule (docs/design.md §3) checked in canonical coordinates, before any
     CP slicing: under context parallelism no single rank sees a whole trajectory."""
     rowless = channels.loss_mask & ~has_support_row(support, channels.row_ids)
     check_synthetic_eos(

@@ -1,4 +1,4 @@
-"""Where each canonical token sits in a Megatron-Core micro-batch (DESIGN.md §3, §5).
+"""Where each canonical token sits in a Megatron-Core micro-batch (docs/design.md §3, §5).
 
 A :class:`TokenMetadataLayout` is built once per micro-batch from the canonical attention
 mask and explicit parallel sizes. It is a pure function of those inputs: no process

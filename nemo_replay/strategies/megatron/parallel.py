@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from nemo_replay.scoring.shard import VocabShard
+
 __all__ = ["MegatronParallel"]
 
 
@@ -58,6 +60,10 @@ class MegatronParallel:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    def vocab_shard(self, local_size: int) -> VocabShard:
+        """This rank's slice of Megatron's vocab-parallel output layer (an even split of ``local_size`` rows each)."""
+        return VocabShard(self.tp_rank * local_size, (self.tp_rank + 1) * local_size, self.tp_group)
 
     @classmethod
     def from_parallel_state(cls) -> "MegatronParallel":

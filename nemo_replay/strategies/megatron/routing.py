@@ -1,4 +1,4 @@
-"""MoE router replay (R3) through megatron-core's own ``RouterReplay`` (DESIGN.md §7).
+"""MoE router replay (R3) through megatron-core's own ``RouterReplay`` (docs/design.md §7).
 
 A model built with ``TransformerConfig(moe_enable_routing_replay=True)`` gives every
 ``TopKRouter`` a ``router_replay`` object. In the ``REPLAY_FORWARD`` action the router

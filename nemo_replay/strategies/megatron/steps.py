@@ -1,4 +1,4 @@
-"""Forward-step functions and loss closures in megatron-core's convention (DESIGN.md §6).
+"""Forward-step functions and loss closures in megatron-core's convention (docs/design.md §6).
 
 ``get_forward_backward_func()`` calls ``forward_step_func(data_iterator, model)``, which
 returns the model output and a closure ``loss_func(output) -> (loss, reduced)``; on the
@@ -112,7 +112,7 @@ class RoleForwardStep:
 
     # ------------------------------------------------------------------ loss closure
     def _source(self, output: torch.Tensor, inner, hidden: bool):
-        """(source ``[*local_shape, V_local or H]``, lm_head_weight or None, vocab_range, tp_group)."""
+        """(source ``[*local_shape, V_local or H]``, lm_head_weight or None, this rank's VocabShard)."""
         p = self.parallel
         weight = output_weight(inner)
         v_local = weight.shape[0]
@@ -122,33 +122,33 @@ class RoleForwardStep:
 
                 # Backward only splits: the scorer already all-reduces the hidden grad over TP.
                 output = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False, group=p.tp_group)
-            return output.transpose(0, 1), weight, (p.tp_rank * v_local, (p.tp_rank + 1) * v_local), p.tp_group
+            return output.transpose(0, 1), weight, p.vocab_shard(v_local)
         if output.shape[-1] == v_local:
-            return output, None, (p.tp_rank * v_local, (p.tp_rank + 1) * v_local), p.tp_group
+            return output, None, p.vocab_shard(v_local)
         if output.shape[-1] == v_local * p.tp_size:
-            return output, None, None, None  # parallel_output=False: every rank holds all V
+            return output, None, None  # parallel_output=False: every rank holds all V
         raise ValueError(
             f"model output has last dimension {output.shape[-1]}; expected the vocab shard {v_local} "
             f"(or the gathered vocabulary {v_local * p.tp_size})"
         )
 
-    def _score(self, mb: PreparedMicroBatch, source, weight, vocab_range, tp_group):
+    def _score(self, mb: PreparedMicroBatch, source, weight, shard):
         s = self.settings
         if mb.replay:
             return score_aligned_support(
                 source, mb.sampled_ids, mb.row_ids, mb.loss_mask, mb.support,
-                vocab_range=vocab_range, tp_group=tp_group, lm_head_weight=weight, temperature=s.temperature,
+                shard=shard, lm_head_weight=weight, temperature=s.temperature,
                 trajectory_ids=mb.trajectory_ids, compute_entropy=s.compute_entropy,
                 compute_support_mass=s.compute_support_mass, chunk_size=s.chunk_size,
             )
         return score_full_vocabulary(
-            source, mb.sampled_ids, loss_mask=mb.layout.logit_valid(source.device), vocab_range=vocab_range,
-            tp_group=tp_group, lm_head_weight=weight, temperature=s.temperature, compute_entropy=s.compute_entropy,
+            source, mb.sampled_ids, loss_mask=mb.layout.logit_valid(source.device), shard=shard,
+            lm_head_weight=weight, temperature=s.temperature, compute_entropy=s.compute_entropy,
         )
 
     def _loss(self, mb: PreparedMicroBatch, inner, hidden: bool, output: torch.Tensor):
-        source, weight, vocab_range, tp_group = self._source(output, inner, hidden)
-        scores = self._score(mb, source, weight, vocab_range, tp_group)
+        source, weight, shard = self._source(output, inner, hidden)
+        scores = self._score(mb, source, weight, shard)
         p, lay = self.parallel, mb.layout
         canon = lambda t, fill: None if t is None else lay.to_canonical(t.detach(), fill, cp_group=p.cp_group)  # noqa: E731
         result = {

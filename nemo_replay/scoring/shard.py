@@ -1,0 +1,105 @@
+"""Where this rank's vocabulary shard sits: one options object for every call that scores.
+
+Under tensor parallelism the LM head (and so the logits) is split along the vocabulary:
+rank r holds global ids ``[start, end)`` and the scorer reduces over ``group``. The three
+travel together everywhere a shard goes (the scorer, the strategies, the integrations).
+
+Worked example, V = 423 split unevenly over two ranks as 200 / 223:
+
+    rank 0: VocabShard(0, 200, group)      logits[..., j] is global id j
+    rank 1: VocabShard(200, 423, group)    logits[..., j] is global id 200 + j
+
+``VocabShard.from_group(group, local_size)`` learns that split with one all-gather of the
+local sizes (call it once per model, not per step); ``VocabShard.even(vocab_size, group)``
+is Megatron's split (the padded vocabulary divides by the TP size) and needs no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["VocabShard"]
+
+
+def _size_rank(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice ``[start, end)`` of the vocabulary and the group it is sharded over.
+
+    Attributes:
+        start: first global id held by this rank (>= 0).
+        end: one past the last global id held by this rank (> start).
+        group: the tensor-parallel process group, or None when the vocabulary is whole.
+    """
+
+    start: int
+    end: int
+    group: Optional[object] = None
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"VocabShard.{name} must be an int, got {value!r} ({type(value).__name__})")
+        if self.start < 0 or self.end <= self.start:
+            raise ValueError(
+                f"VocabShard(start={self.start}, end={self.end}) must satisfy 0 <= start < end: it is this rank's "
+                f"slice [start, end) of the global vocabulary"
+            )
+
+    @property
+    def size(self) -> int:
+        """Number of vocabulary rows this rank holds."""
+        return self.end - self.start
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the vocabulary is sharded over (1 without a group)."""
+        return _size_rank(self.group)[0]
+
+    @classmethod
+    def whole(cls, vocab_size: int) -> "VocabShard":
+        """The unsharded vocabulary ``[0, vocab_size)``."""
+        return cls(0, int(vocab_size), None)
+
+    @classmethod
+    def even(cls, vocab_size: int, group) -> "VocabShard":
+        """Rank r of ``group`` holds ``[r * V / tp, (r + 1) * V / tp)``; ``vocab_size`` must divide by tp.
+
+        This is Megatron-Core's split (its padded vocabulary is a multiple of the TP size). No collective.
+        """
+        tp, rank = _size_rank(group)
+        if vocab_size % tp:
+            raise ValueError(
+                f"VocabShard.even: vocabulary size {vocab_size} does not divide by the {tp} ranks of the group; "
+                f"pad the vocabulary to a multiple of {tp} or use VocabShard.from_group(group, local_size)"
+            )
+        per = vocab_size // tp
+        return cls(rank * per, (rank + 1) * per, group)
+
+    @classmethod
+    def from_group(cls, group, local_size: int, *, device=None) -> "VocabShard":
+        """The shard of this rank when each rank holds ``local_size`` consecutive rows, in rank order.
+
+        One all-gather of the local sizes over ``group`` (every rank must call it), so uneven
+        splits work. ``device``: where the gathered sizes live (the group's backend device;
+        default CPU, which gloo needs; pass the CUDA device under NCCL).
+        """
+        tp, rank = _size_rank(group)
+        if tp == 1:
+            return cls(0, int(local_size), group)
+        mine = torch.tensor([int(local_size)], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(mine) for _ in range(tp)]
+        dist.all_gather(sizes, mine, group=group)
+        sizes = [int(s) for s in sizes]
+        start = sum(sizes[:rank])
+        return cls(start, start + sizes[rank], group)
