@@ -254,3 +254,28 @@ def test_errors_name_the_problem_and_the_fix():
         cp.from_cp_parts([local])
     with pytest.raises(ValueError, match=r"cp_rank must be an int in \[0, cp_size=2\), got 2"):
         cp.for_cp_rank(2)
+
+
+def test_rows_that_do_not_fit_their_trajectory_are_refused_naming_it():
+    # Trajectory 1 is 3 tokens long: logit positions 0, 1 (token 2 predicts nothing).
+    am = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    lay = TokenMetadataLayout.build(am)
+    # A response as long as the whole sequence has no logit for its first row.
+    with pytest.raises(ValueError, match=r"trajectory 1: response length 3 must be in \[1, L - 1\] with L=3"):
+        lay.support_row_ids(torch.tensor([3, 3]), torch.tensor([0, 3, 6]))
+    with pytest.raises(ValueError, match=r"trajectory 0: response length 0"):
+        lay.support_row_ids(torch.tensor([0, 1]), torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match=r"response_lengths must be \(2,\)"):
+        lay.support_row_ids(torch.tensor([1]), torch.tensor([0, 1]))
+    # Three route rows from token 1 of a 3-token trajectory would need token 3: refused, not dropped.
+    routes = PackedTensor.from_segments([torch.zeros(5, 2, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"trajectory 1: 3 packed rows starting at token position 1 do not fit its 3 token"):
+        lay.align_packed(routes, torch.tensor([0, 1]), shift=False)
+    # The same rows read as logit positions from 0 need 3 logits where there are 2.
+    rows = PackedTensor.from_segments([torch.zeros(4, 2, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"trajectory 1: 3 packed rows starting at logit position 0 do not fit its 2 logit"):
+        lay.align_packed(rows, torch.tensor([0, 0]), shift=True)
+    with pytest.raises(ValueError, match=r"trajectory 0: 5 packed rows starting at token position -1"):
+        lay.align_packed(routes, torch.tensor([-1, 0]), shift=False)
+    # Rows that fit still land where they belong.
+    assert lay.align_packed(routes, torch.tensor([0, 0]), shift=False).shape == (2, 5, 2)

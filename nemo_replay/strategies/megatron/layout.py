@@ -323,20 +323,53 @@ class TokenMetadataLayout:
                 f"packed channel offsets must be cu_seqlens ({B + 1},) and offsets ({B},) for a batch of {B}, got "
                 f"{tuple(cu.shape)} and {tuple(off.shape)}"
             )
+        n = cu[1:] - cu[:-1]
+        self._check_packed_extent(n, off, shift)
         valid = self._logit_mask() if shift else self.slot_trajectory >= 0
         b = self.slot_trajectory.clamp(min=0)
         j = self.slot_position - off[b]
-        n = cu[1:] - cu[:-1]
         hit = valid & (j >= 0) & (j < n[b])
         return self._view(torch.where(hit, cu[b] + j, -1))
+
+    def _check_packed_extent(self, n: torch.Tensor, off: torch.Tensor, shift: bool) -> None:
+        """Every trajectory's ``n_b`` rows, starting at position ``off_b``, fit its positions.
+
+        Logit positions of trajectory b are ``0 .. L_b - 2`` (the last token predicts nothing),
+        token positions ``0 .. L_b - 1``. Example: L_b = 4, support rows at logit positions:
+        off_b = 1 with n_b = 2 uses logits 1, 2 (fits); n_b = 3 would need logit 3, which
+        predicts no token of b: an error, never a silently dropped row.
+        """
+        kind = "logit" if shift else "token"
+        limit = self.lengths - 1 if shift else self.lengths
+        bad = torch.nonzero((n < 0) | (off < 0) | (off + n > limit)).flatten()
+        if bad.numel():
+            b = int(bad[0])
+            raise ValueError(
+                f"trajectory {b}: {int(n[b])} packed rows starting at {kind} position {int(off[b])} do not fit its "
+                f"{int(limit[b])} {kind} positions (L={int(self.lengths[b])} real tokens); rows past the trajectory "
+                f"would be dropped. Check the channel's cu_seqlens and offsets against the attention mask"
+            )
 
     def support_row_ids(self, response_lengths: torch.Tensor, support_cu_seqlens: torch.Tensor) -> torch.Tensor:
         """``local_shape`` int64 support row per logit position (-1 none).
 
         Row j of trajectory b's ``R_b`` response rows sits at the logit of position
-        ``L_b - R_b - 1 + j`` (= ``P_b - 1 + j``), which predicts response token j.
+        ``L_b - R_b - 1 + j`` (= ``P_b - 1 + j``), which predicts response token j. A response
+        needs at least one prompt token before it: ``1 <= R_b <= L_b - 1``.
         """
         R = torch.as_tensor(response_lengths, dtype=torch.int64).cpu()
+        if R.shape != self.lengths.shape:
+            raise ValueError(
+                f"response_lengths must be ({self.batch_size},), one per trajectory, got shape {tuple(R.shape)}"
+            )
+        bad = torch.nonzero((R < 1) | (R > self.lengths - 1)).flatten()
+        if bad.numel():
+            b = int(bad[0])
+            raise ValueError(
+                f"trajectory {b}: response length {int(R[b])} must be in [1, L - 1] with L={int(self.lengths[b])} "
+                f"real tokens: the first response token is predicted by the logit of the last prompt token, so a "
+                f"response as long as the whole sequence has no logit for its first row. Count the prompt in L"
+            )
         return self.packed_row_ids(support_cu_seqlens, self.lengths - R - 1, shift=True)
 
     def align_packed(self, packed: PackedTensor, offsets, *, shift: bool, fill=-1) -> torch.Tensor:
