@@ -8,10 +8,11 @@ value it holds and the fix; :func:`validate` raises them together as one
 - sampling that cannot be captured: temperature missing or <= 0, ``top_k <= 1`` for
   fixed-width rows, rows narrower than the sampler's top-k, a repetition penalty != 1;
 - an unregistered strategy (the message lists the registered ones);
-- context parallel > 1 without packing; Ulysses SP with the megatron strategy; TP / CP / PP
-  with the fsdp strategy; route replay without megatron + MoE;
-- parallel sizes that do not divide the world, prompts that do not split over the
-  data-parallel ranks, heads that do not split over TP / SP;
+- the strategy's own rules, from its spec (``StrategySpec.check_config``: e.g. context
+  parallel without packing for megatron, TP / CP / PP with fsdp); route replay with a
+  strategy that cannot replay routes;
+- parallel sizes that do not divide the world (the strategy's ``parallel_sizes``), prompts
+  that do not split over the data-parallel ranks, heads that do not split over TP / SP;
 - plain range checks on the loop and model sizes.
 """
 
@@ -42,12 +43,20 @@ def resolve_world_size(cfg: RecipeConfig, world_size: Optional[int] = None) -> i
     return max(1, cfg.trainer.devices) * max(1, cfg.trainer.num_nodes)
 
 
+def _spec(cfg: RecipeConfig):
+    """The spec of ``replay.strategy``, or None when it cannot be loaded (:func:`_replay` reports why)."""
+    from nemo_replay.strategies.registry import get_strategy
+
+    try:
+        return get_strategy(cfg.replay.strategy)
+    except ValueError:
+        return None
+
+
 def model_parallel_size(cfg: RecipeConfig) -> int:
-    """Ranks that hold one copy of the data: ``tp * pp * cp`` (megatron) or ``sp`` (fsdp)."""
-    p = cfg.parallel
-    if cfg.replay.strategy == "megatron":
-        return max(1, p.tensor) * max(1, p.pipeline) * max(1, p.context)
-    return max(1, p.sequence)
+    """Ranks that hold one copy of the data, as the strategy's spec counts them (1 if unregistered)."""
+    spec = _spec(cfg)
+    return 1 if spec is None else spec.model_parallel_size(cfg)
 
 
 def _sampling(cfg: RecipeConfig, out: list[str]) -> None:
@@ -102,7 +111,7 @@ def _sampling(cfg: RecipeConfig, out: list[str]) -> None:
 
 
 def _replay(cfg: RecipeConfig, out: list[str]) -> None:
-    from nemo_replay.strategies.registry import available_strategies
+    from nemo_replay.strategies.registry import available_strategies, get_strategy
 
     r = cfg.replay
     if r.enabled and not r.sample_support.enabled:
@@ -116,67 +125,47 @@ def _replay(cfg: RecipeConfig, out: list[str]) -> None:
             f"replay.strategy={r.strategy!r} is not registered; registered strategies: {', '.join(names)}. "
             f"Pick one, or install a plugin under the 'nemo_replay.strategies' entry-point group"
         )
+    else:
+        try:
+            get_strategy(r.strategy)
+        except ValueError as exc:  # a plugin whose entry point does not load to a StrategySpec
+            out.append(f"replay.strategy={r.strategy!r} cannot be loaded: {exc}")
     if r.scorer.source not in _SOURCES:
         out.append(f"replay.scorer.source={r.scorer.source!r} must be one of {', '.join(_SOURCES)}")
     if r.scorer.chunk_size < 1:
         out.append(f"replay.scorer.chunk_size={r.scorer.chunk_size} must be >= 1")
-    if r.route_replay and (r.strategy != "megatron" or cfg.model.num_experts < 1):
+    spec = _spec(cfg)
+    if r.route_replay and spec is not None and not spec.supports_route_replay:
         out.append(
-            f"replay.route_replay=true needs the megatron strategy and an MoE model (got strategy="
-            f"{r.strategy!r}, model.num_experts={cfg.model.num_experts}); set replay.route_replay=false"
+            f"replay.route_replay=true needs a strategy that replays MoE routes; replay.strategy={r.strategy!r} "
+            f"does not. Set replay.route_replay=false, or replay.strategy=megatron with an MoE model"
         )
 
 
 def _parallel(cfg: RecipeConfig, world: int, out: list[str]) -> None:
-    p, m, strategy = cfg.parallel, cfg.model, cfg.replay.strategy
+    p, m, spec = cfg.parallel, cfg.model, _spec(cfg)
     for name in ("tensor", "pipeline", "context", "expert", "sequence"):
         if getattr(p, name) < 1:
             out.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
-    if p.context > 1 and not p.packing:
-        out.append(
-            f"parallel.context={p.context} needs packed sequences: context parallel splits each packed "
-            f"sequence into 2*cp chunks; set parallel.packing=true or parallel.context=1"
-        )
-    if p.sequence > 1 and strategy == "megatron":
-        out.append(
-            f"parallel.sequence={p.sequence} is Ulysses sequence parallel of the fsdp strategy; the megatron "
-            f"strategy shards sequences with context parallel: set parallel.context={p.sequence} "
-            f"(with parallel.packing=true) and parallel.sequence=1, or replay.strategy=fsdp"
-        )
-    if strategy == "megatron" and p.pipeline > 1:
-        out.append(
-            f"parallel.pipeline={p.pipeline}: the reference trainer samples with whole-model forwards, which "
-            f"pipeline stages cannot run alone (the megatron strategy's roles do support pipeline parallel in "
-            f"your own loop); set parallel.pipeline=1"
-        )
-    if strategy == "fsdp":
-        for name in ("tensor", "pipeline", "context", "expert"):
-            if getattr(p, name) > 1:
-                out.append(
-                    f"parallel.{name}={getattr(p, name)} is not available with the fsdp strategy (FSDP2 + "
-                    f"Ulysses SP); set parallel.{name}=1 or replay.strategy=megatron"
-                )
-        if p.packing:
-            out.append("parallel.packing=true is a megatron option; set parallel.packing=false with the fsdp strategy")
-    if strategy == "megatron" and p.expert > 1:
-        ep_block = p.tensor * p.pipeline * p.expert
-        if world % ep_block:
+    for name in ("tensor", "sequence"):
+        size = getattr(p, name)
+        if size > 1 and m.num_attention_heads % size:
             out.append(
-                f"parallel.expert={p.expert}: tensor*pipeline*expert = {ep_block} does not divide world size "
-                f"{world}; change parallel.expert or the process count"
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.{name}={size}; "
+                f"heads are split over those ranks"
             )
-        if m.num_experts and m.num_experts % p.expert:
-            out.append(f"model.num_experts={m.num_experts} is not divisible by parallel.expert={p.expert}")
-    mp = model_parallel_size(cfg)  # >= 1: each size counts as at least 1 there
+    if spec is None:
+        return  # an unregistered strategy is reported by _replay; its sizes are unknown
+    out.extend(spec.check_config(cfg, world))
+    sizes = spec.parallel_sizes(cfg)
+    mp = spec.model_parallel_size(cfg)
     if world % mp:
-        sizes = (
-            f"tensor*pipeline*context = {p.tensor}*{p.pipeline}*{p.context} = {mp}"
-            if strategy == "megatron"
-            else f"sequence = {p.sequence}"
-        )
+        names = "*".join(sizes)
+        values = "*".join(str(v) for v in sizes.values())
         out.append(
-            f"parallel sizes do not divide the world: {sizes} does not divide world size {world} "
-            f"(trainer.devices * trainer.num_nodes, or WORLD_SIZE); change the sizes or the process count"
+            f"parallel sizes do not divide the world: {names} = {values} = {mp} (the ranks the {spec.name} strategy "
+            f"needs for one copy of the data) does not divide world size {world} (trainer.devices * "
+            f"trainer.num_nodes, or WORLD_SIZE); change the sizes or the process count"
         )
     else:
         dp = world // mp
@@ -190,13 +179,6 @@ def _parallel(cfg: RecipeConfig, world: int, out: list[str]) -> None:
             out.append(
                 f"trainer.minibatches_per_step={tr.minibatches_per_step} exceeds the "
                 f"{(tr.prompts_per_step // dp) * tr.group_size} trajectories each data-parallel rank holds; lower it"
-            )
-    for name in ("tensor", "sequence"):
-        size = getattr(p, name)
-        if size > 1 and m.num_attention_heads % size:
-            out.append(
-                f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.{name}={size}; "
-                f"heads are split over those ranks"
             )
 
 
@@ -226,11 +208,6 @@ def _model(cfg: RecipeConfig, out: list[str]) -> None:
         )
     if m.dtype not in _DTYPES:
         out.append(f"model.dtype={m.dtype!r} must be one of {', '.join(_DTYPES)}")
-    if m.pretrained is not None and cfg.replay.strategy == "megatron":
-        out.append(
-            "model.pretrained loads Hugging Face checkpoints for the fsdp strategy; the megatron strategy builds "
-            "its GPTModel from the model.* sizes. Set model.pretrained=null or replay.strategy=fsdp"
-        )
 
 
 def _loop(cfg: RecipeConfig, out: list[str]) -> None:

@@ -19,7 +19,7 @@ import importlib.metadata
 import re
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 __all__ = [
     "StrategySpec",
@@ -41,27 +41,82 @@ _BUILTINS = {
 }
 
 
+def _no_sizes(cfg) -> dict[str, int]:
+    return {}
+
+
+def _no_problems(cfg, world_size: int) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class StrategySpec:
-    """One replay strategy.
+    """One replay strategy: how to build it, and what it asks of a recipe.
+
+    The spec carries the strategy's behaviour so callers never branch on its name: recipe
+    validation asks it for its checks and sizes, the reference trainer for its process-group
+    need and its model backend. A third-party strategy says all of this about itself.
 
     Attributes:
         name: registry key, lower-case (``megatron``, ``fsdp``, ``my_backend``).
         factory: ``factory(**options) -> ReplayStrategy``; options come from the recipe.
         description: one line shown by ``nemo-replay strategies``.
+        parallel_sizes: ``parallel_sizes(cfg) -> {flag: size}``, the ``parallel.*`` flags whose
+            product is the number of ranks that hold one copy of the data (megatron:
+            ``tensor``, ``pipeline``, ``context``; fsdp: ``sequence``). The world size must be a
+            multiple of that product; the rest is data parallel.
+        check_config: ``check_config(cfg, world_size) -> list[str]``, the strategy's own rules
+            for a recipe, one line per problem naming the flag and the fix (collected with
+            every other problem into one error).
+        needs_process_group: the strategy needs ``torch.distributed`` even on one rank
+            (megatron-core's model-parallel state does).
+        supports_route_replay: the strategy replays recorded MoE routes (``replay.route_replay``).
+        trainer_backend: ``"module:attribute"`` of the class that builds models for the reference
+            trainer (``nemo-replay train``), imported only when a run starts; None when the strategy
+            is meant for users' own loops only.
     """
 
     name: str
     factory: Callable[..., object]
     description: str = ""
+    parallel_sizes: Callable[[object], dict] = _no_sizes
+    check_config: Callable[[object, int], list] = _no_problems
+    needs_process_group: bool = False
+    supports_route_replay: bool = False
+    trainer_backend: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(
                 f"strategy name must be lower-case letters, digits, '_' or '-', starting with a letter; got {self.name!r}"
             )
-        if not callable(self.factory):
-            raise ValueError(f"strategy {self.name!r}: factory must be callable, got {type(self.factory).__name__}")
+        for field_name in ("factory", "parallel_sizes", "check_config"):
+            if not callable(getattr(self, field_name)):
+                raise ValueError(
+                    f"strategy {self.name!r}: {field_name} must be callable, got {type(getattr(self, field_name)).__name__}"
+                )
+        if self.trainer_backend is not None and (
+            not isinstance(self.trainer_backend, str) or ":" not in self.trainer_backend
+        ):
+            raise ValueError(
+                f"strategy {self.name!r}: trainer_backend must be 'module:attribute' or None, got {self.trainer_backend!r}"
+            )
+
+    def model_parallel_size(self, cfg) -> int:
+        """Ranks that hold one copy of the data: the product of :attr:`parallel_sizes` (each at least 1)."""
+        size = 1
+        for value in self.parallel_sizes(cfg).values():
+            size *= max(1, int(value))
+        return size
+
+    def load_trainer_backend(self):
+        """The reference trainer's backend class; ValueError when the strategy has none."""
+        if self.trainer_backend is None:
+            raise ValueError(
+                f"strategy {self.name!r} provides no model backend for the reference trainer (StrategySpec."
+                f"trainer_backend is None); pass one as GRPOTrainer(cfg, backend=...) or use it in your own loop"
+            )
+        return _load(self.trainer_backend)
 
 
 def _load(target: str) -> StrategySpec:

@@ -52,10 +52,12 @@ class MegatronBackend:
     Args:
         cfg: the validated recipe (``parallel.pipeline`` 1: generation runs whole-model forwards).
         device: this rank's device.
+        distributed: whether ``torch.distributed`` is initialised (the megatron spec asks the
+            runtime for a process group, so it always is when the trainer builds this backend).
     """
 
-    def __init__(self, cfg: RecipeConfig, device: torch.device):
-        if not (dist.is_available() and dist.is_initialized()):
+    def __init__(self, cfg: RecipeConfig, device: torch.device, distributed: bool = True):
+        if not (distributed and dist.is_available() and dist.is_initialized()):
             raise ValueError("the megatron backend needs an initialised torch.distributed process group")
         if device.type == "cpu":
             try:  # megatron-core asks CUDA for its current device in layers and schedules

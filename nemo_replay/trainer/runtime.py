@@ -10,7 +10,7 @@ Three ways to start, one code path:
   reuses that process group.
 
 A process group (gloo on CPU, nccl on GPU) exists whenever the world has more than one
-rank or the strategy is megatron (megatron-core needs one even for a single rank).
+rank or the strategy's spec says it needs one (megatron-core does even for a single rank).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.strategies.registry import get_strategy
 
 __all__ = ["launch_fabric", "make_backend", "choose_output_dir", "process_counts", "seed_all"]
 
@@ -52,7 +53,7 @@ def launch_fabric(cfg: RecipeConfig):
 
     accelerator = _accelerator(cfg)
     devices, num_nodes = process_counts(cfg)
-    needs_group = devices * num_nodes > 1 or cfg.replay.strategy == "megatron"
+    needs_group = devices * num_nodes > 1 or get_strategy(cfg.replay.strategy).needs_process_group
     if needs_group:
         strategy = DDPStrategy(process_group_backend="nccl" if accelerator == "cuda" else "gloo")
     else:
@@ -65,20 +66,10 @@ def launch_fabric(cfg: RecipeConfig):
 
 
 def make_backend(cfg: RecipeConfig, fabric):
-    """The model side for ``replay.strategy``: fsdp -> HFBackend, megatron -> MegatronBackend."""
+    """The model side of ``replay.strategy``: the backend class its spec names (``StrategySpec.trainer_backend``)."""
     distributed = dist.is_available() and dist.is_initialized()
-    if cfg.replay.strategy == "fsdp":
-        from nemo_replay.trainer.hf_backend import HFBackend
-
-        return HFBackend(cfg, fabric.device, distributed)
-    if cfg.replay.strategy == "megatron":
-        from nemo_replay.trainer.megatron_backend import MegatronBackend
-
-        return MegatronBackend(cfg, fabric.device)
-    raise ValueError(
-        f"the reference trainer builds models for the fsdp and megatron strategies; replay.strategy="
-        f"{cfg.replay.strategy!r} needs its own backend: pass one as GRPOTrainer(cfg, backend=...) (nemo_replay.trainer.grpo)"
-    )
+    backend = get_strategy(cfg.replay.strategy).load_trainer_backend()
+    return backend(cfg, fabric.device, distributed)
 
 
 def choose_output_dir(cfg: RecipeConfig, fabric, suffix: str = "") -> Path:

@@ -90,7 +90,21 @@ def plugin_dir(tmp_path, monkeypatch):
         def make(**options):
             return ("plugin", options)
 
-        SPEC = StrategySpec("core-plugin", make, "a third-party strategy")
+        def sizes(cfg):
+            # This strategy shards each sequence over parallel.context ranks and nothing else.
+            return {"context": cfg.parallel.context}
+
+        def checks(cfg, world_size):
+            out = []
+            if cfg.replay.scorer.source != "hidden":
+                out.append(f"replay.scorer.source={cfg.replay.scorer.source!r}: core-plugin scores hidden states "
+                           f"only; set replay.scorer.source=hidden")
+            if world_size > 4:
+                out.append(f"core-plugin runs on at most 4 ranks, got world size {world_size}")
+            return out
+
+        SPEC = StrategySpec("core-plugin", make, "a third-party strategy", parallel_sizes=sizes,
+                            check_config=checks, supports_route_replay=True)
         NOT_A_SPEC = object()
     """))
     dist_info = tmp_path / "core_replay_plugin-1.0.dist-info"
@@ -144,3 +158,48 @@ def test_importing_the_package_imports_neither_megatron_nor_transformers():
     assert res["before"] == [] and res["after"] == [], res
     assert {"megatron", "fsdp"} <= set(res["names"])
     assert res["strategies"] == [], res  # built-ins load on lookup only
+
+
+def test_a_plugin_strategy_brings_its_own_recipe_rules(plugin_dir):
+    """Validation asks the plugin's spec; it never treats a plugin as one of the built-ins."""
+    from nemo_replay.config import ConfigError, load_config
+    from nemo_replay.config.validation import collect_problems, model_parallel_size
+
+    base = ["replay.strategy=core-plugin", "parallel.context=3", "replay.route_replay=true"]
+    cfg = load_config(overrides=base, validate=False)
+    problems = collect_problems(cfg, world_size=6)
+    text = "\n".join(problems)
+    # Its own checks ran, with the world size...
+    assert any("core-plugin scores hidden states only" in p for p in problems), text
+    assert any("core-plugin runs on at most 4 ranks, got world size 6" in p for p in problems), text
+    # ...its sizes are the ones counted (3 context ranks: 2 data-parallel ranks, not an fsdp-style 6)...
+    assert model_parallel_size(cfg) == 3
+    # ...and no built-in rule fired: CP without packing is megatron's rule, TP/CP refusals are fsdp's,
+    # route replay is allowed because the spec says it replays routes.
+    assert not any("packing" in p or "fsdp" in p or "route_replay" in p for p in problems), text
+    assert not any("do not divide the world" in p for p in problems), text
+    uneven = collect_problems(load_config(overrides=base + ["replay.scorer.source=hidden"], validate=False), world_size=4)
+    assert len(uneven) == 1 and "parallel sizes do not divide the world: context = 3 = 3" in uneven[0], uneven
+    assert "the core-plugin strategy" in uneven[0]
+    ok = load_config(overrides=base + ["replay.scorer.source=hidden", "trainer.prompts_per_step=2"], validate=False)
+    assert collect_problems(ok, world_size=3) == []
+    with pytest.raises(ConfigError, match="cannot be loaded: entry point core_replay_plugin:NOT_A_SPEC"):
+        load_config(overrides=["replay.strategy=broken-plugin"])
+
+
+def test_runtime_asks_the_spec_for_its_backend_and_process_group():
+    from nemo_replay.trainer.hf_backend import HFBackend
+    from nemo_replay.trainer.megatron_backend import MegatronBackend
+
+    assert nemo_replay.get_strategy("fsdp").load_trainer_backend() is HFBackend
+    assert nemo_replay.get_strategy("megatron").load_trainer_backend() is MegatronBackend
+    assert nemo_replay.get_strategy("megatron").needs_process_group and not nemo_replay.get_strategy("fsdp").needs_process_group
+    bare = StrategySpec("bare", _factory)
+    assert bare.model_parallel_size(None) == 1 and bare.check_config(None, 8) == []
+    with pytest.raises(ValueError, match=r"strategy 'bare' provides no model backend for the reference trainer.*"
+                                         r"GRPOTrainer\(cfg, backend=...\)"):
+        bare.load_trainer_backend()
+    with pytest.raises(ValueError, match=r"strategy 'bad': trainer_backend must be 'module:attribute' or None"):
+        StrategySpec("bad", _factory, trainer_backend="nemo_replay.trainer.hf_backend.HFBackend")
+    with pytest.raises(ValueError, match=r"strategy 'bad': check_config must be callable, got list"):
+        StrategySpec("bad", _factory, check_config=[])

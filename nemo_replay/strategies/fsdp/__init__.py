@@ -6,6 +6,7 @@ Ulysses sequence parallelism (docs/design.md §5).
     outputs = strategy.run_role("policy", model, micro_batches, RoleSettings(source="hidden"))
 """
 
+from nemo_replay.strategies.fsdp import recipe
 from nemo_replay.strategies.fsdp.strategy import FSDPStrategy
 from nemo_replay.strategies.registry import StrategySpec
 
@@ -15,4 +16,7 @@ SPEC = StrategySpec(
     "fsdp",
     FSDPStrategy,
     "Hugging Face causal LMs under FSDP2: padding removal and Ulysses sequence parallelism",
+    parallel_sizes=recipe.parallel_sizes,
+    check_config=recipe.check_config,
+    trainer_backend="nemo_replay.trainer.hf_backend:HFBackend",
 )

@@ -1,11 +1,12 @@
 """The ``megatron`` strategy: megatron-core GPTModels, TP / CP / PP, MoE route replay.
 
-Modules: :mod:`.parallel` (the one read of ``parallel_state``), :mod:`.batch` (layout and
+Modules: :mod:`.recipe` (what the strategy asks of a recipe), :mod:`.parallel` (the one read of ``parallel_state``), :mod:`.batch` (layout and
 aligned channels per micro-batch), :mod:`.steps` (forward-step functions and loss
 closures), :mod:`.routing` (MoE router replay), :mod:`.strategy` (``run_role``).
 Importing this package does not import megatron-core; running a role does.
 """
 
+from nemo_replay.strategies.megatron import recipe
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
 from nemo_replay.strategies.megatron.strategy import MegatronReplayStrategy
 from nemo_replay.strategies.registry import StrategySpec
@@ -21,4 +22,9 @@ SPEC = StrategySpec(
     "megatron",
     _factory,
     "megatron-core GPTModel: unpadded or packed THD layout, vocab-parallel scoring, CP/PP, MoE route replay",
+    parallel_sizes=recipe.parallel_sizes,
+    check_config=recipe.check_config,
+    needs_process_group=True,  # megatron-core's parallel state needs torch.distributed even on one rank
+    supports_route_replay=True,
+    trainer_backend="nemo_replay.trainer.megatron_backend:MegatronBackend",
 )
