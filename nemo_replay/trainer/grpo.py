@@ -43,7 +43,7 @@ from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.trainer.metrics import JsonlLogger, plot_runs
 from nemo_replay.trainer.runtime import choose_output_dir, launch_fabric, make_backend, seed_all
-from nemo_replay.trainer.task import build_task
+from nemo_replay.tasks import build_task
 
 __all__ = ["GRPOTrainer", "RunResult", "role_settings", "sampling_settings", "split_batch"]
 

@@ -13,6 +13,7 @@ import nemo_replay
         ("nemo_replay.layout.megatron_layout", "nemo_replay.strategies.megatron.layout"),
         ("nemo_replay.trainer.roles", "nemo_replay.roles"),
         ("nemo_replay.trainer.lightning_hook", "nemo_replay.integrations.lightning"),
+        ("nemo_replay.trainer.task", "nemo_replay.tasks"),
     ],
 )
 def test_moved_modules_name_their_new_path(old, new):
