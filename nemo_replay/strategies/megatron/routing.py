@@ -122,8 +122,12 @@ def check_recorded_routes(routes: PackedTensor, config, *, micro_batch: int) -> 
             f"layers, got {tuple(values.shape)}; record them with the same num_layers, moe_layer_freq and "
             f"moe_router_topk"
         )
-    bad = torch.nonzero((values < 0) | (values >= experts))
-    if bad.numel():
+    # Compare in int64: a narrow dtype wraps the bound (uint8 routes of a 256-expert model
+    # compared with 256 compare with 0). One host read of the extremes; widen only to locate.
+    low, high = (int(v) for v in torch.aminmax(values)) if values.numel() else (0, 0)
+    if low < 0 or high >= experts:
+        wide = values.to(torch.int64)
+        bad = torch.nonzero((wide < 0) | (wide >= experts))
         row, layer, _ = (int(v) for v in bad[0])
         # Row -> (trajectory, token): with cu_seqlens [0, 5, 8], row 6 is token 1 of trajectory 1.
         b = int(torch.searchsorted(routes.cu_seqlens.to(torch.int64).cpu(), row, right=True)) - 1
