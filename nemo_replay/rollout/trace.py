@@ -61,6 +61,8 @@ class TokenAlignedAccumulator:
     """
 
     def __init__(self, row_shape: Sequence[int], dtype: torch.dtype, *, fill=0, capacity: int = 64):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"TokenAlignedAccumulator: capacity={capacity!r}, expected an int >= 0")
         self.row_shape = tuple(int(s) for s in row_shape)
         self.dtype = dtype
         self.fill = fill
@@ -94,7 +96,13 @@ class TokenAlignedAccumulator:
         self._len += rows.shape[0]
 
     def append_fill(self, n: int) -> None:
-        """Append ``n`` padding rows."""
+        """Append ``n`` padding rows; ``n`` an int >= 0 (a bool is not a count).
+
+        A negative ``n`` would move the end back over stored rows, and ``True`` would pass
+        as 1: both are refused.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"TokenAlignedAccumulator.append_fill: n={n!r}, expected an int >= 0 (rows to append)")
         self._reserve(n)
         self._buf[self._len : self._len + n] = self.fill
         self._len += n

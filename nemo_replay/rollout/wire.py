@@ -19,17 +19,27 @@ padding), its shape, and a dtype name from :data:`WIRE_DTYPES` (anything else is
 Why the scan is safe: inside a JSON string every ``"`` is escaped, so the unescaped byte
 sequence ``{"data":"`` can only open a real object, and base64 never contains ``"``.
 
+Reserved syntax. An object holding all three keys ``data``, ``shape`` and ``dtype`` *is* an
+envelope: :func:`dumps` refuses user objects of that shape (a :class:`WireError` naming
+where), so every body it writes reads back unchanged. The marker objects that stand in for
+arrays while the small JSON is parsed carry a random key chosen per call and absent from
+the body (``"\u0000wire:<16 hex digits>"``), so no user object -- whatever its keys -- is
+ever taken for one.
+
 Worked example. ``dumps({"ids": torch.tensor([1, 2], dtype=torch.int32), "n": 2})`` gives
 
     {"ids":{"data":"AQAAAAIAAAA=","shape":[2],"dtype":"int32"},"n":2}
 
 ``loads`` finds ``{"data":"`` at byte 7, the closing quote after ``AQAAAAIAAAA=``, matches the
 ``","shape":[2],"dtype":"int32"}`` tail, decodes 8 bytes into an int32 buffer of 2, and parses
-``{"ids":{"\\u0000wire":0},"n":2}`` with ``json.loads``.
+``{"ids":{"\\u0000wire:<nonce>":0},"n":2}`` with ``json.loads``.
 
 Every malformed payload -- truncated body, base64 that is not base64 or whose length does
 not match ``shape`` x ``dtype``, a dtype off the allow-list, a bad shape, a bool byte other
-than 0/1 -- raises :class:`WireError`, a ``ValueError`` a client may retry.
+than 0/1, JSON nested too deeply to parse -- raises :class:`WireError`, a ``ValueError``.
+
+Integer checks on decoded data widen to int64 first: a ``uint8`` array compared with ``-1``
+would compare with 255 (torch casts the scalar to the array's dtype).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import binascii
 import json
 import math
 import re
+import secrets
 import sys
 from typing import Any, Optional, Union
 
@@ -76,8 +87,8 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 _KEYS = frozenset(("data", "shape", "dtype"))
-_MARKER_KEY = "\x00wire"
-_MARKER = b'{"\\u0000wire":%d}'
+_MARKER_KEY = "\x00wire:"  # + a per-call nonce; written by json as "\u0000wire:<nonce>"
+_MARKER_JSON = b'"\\u0000wire:'
 _PREFIX = b'{"data":"'
 _TAIL = re.compile(rb'","shape":\[((?:\d+(?:,\d+)*)?)\],"dtype":"([A-Za-z0-9_]{1,16})"\}')
 _CHUNK = 4 << 20  # base64 characters decoded per step (a multiple of 4)
@@ -110,22 +121,58 @@ def encode_array(array: Union[torch.Tensor, np.ndarray]) -> bytes:
     )
 
 
+def _nonce(avoid: bytes = b"") -> str:
+    """16 random hex digits that do not occur in ``avoid``."""
+    while True:
+        nonce = secrets.token_hex(8)
+        if nonce.encode() not in avoid:
+            return nonce
+
+
+def _marker(nonce: str, i: int) -> bytes:
+    return b'{"\\u0000wire:%s":%d}' % (nonce.encode(), i)
+
+
+def _refuse_envelope_shaped(obj: Any, path: str) -> None:
+    """User objects holding data/shape/dtype would read back as arrays: refuse them."""
+    if isinstance(obj, dict):
+        if _KEYS <= obj.keys():
+            raise WireError(
+                f"wire encode at {path}: an object with the keys {sorted(_KEYS)} is the wire's array envelope; "
+                f"pass the array itself (a tensor or numpy array) or rename one of the keys"
+            )
+        for k, v in obj.items():
+            _refuse_envelope_shaped(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _refuse_envelope_shaped(v, f"{path}[{i}]")
+
+
 def dumps(obj: Any) -> bytes:
-    """Compact JSON bytes; every tensor / numpy array inside ``obj`` becomes an envelope."""
-    arrays: list = []
+    """Compact JSON bytes; every tensor / numpy array inside ``obj`` becomes an envelope.
 
-    def marker(o):
-        if isinstance(o, (torch.Tensor, np.ndarray)):
-            arrays.append(o)
-            return {_MARKER_KEY: len(arrays) - 1}
-        raise TypeError(f"wire encode: {type(o).__name__} is not JSON serialisable")
+    Raises:
+        WireError: ``obj`` holds an object with the reserved keys (module doc), a dtype off
+            the allow-list, or a value JSON cannot hold.
+    """
+    _refuse_envelope_shaped(obj, "$")
+    while True:
+        nonce, arrays = _nonce(), []
 
-    text = json.dumps(obj, separators=(",", ":"), default=marker, allow_nan=False).encode()
+        def placeholder(o):
+            if isinstance(o, (torch.Tensor, np.ndarray)):
+                arrays.append(o)
+                return {_MARKER_KEY + nonce: len(arrays) - 1}
+            raise TypeError(f"wire encode: {type(o).__name__} is not JSON serialisable")
+
+        text = json.dumps(obj, separators=(",", ":"), default=placeholder, allow_nan=False).encode()
+        if text.count(_MARKER_JSON + nonce.encode()) == len(arrays):
+            break  # else the user's data holds this nonce's key: draw another
     if not arrays:
         return text
     pieces, last = [], 0
     for i, arr in enumerate(arrays):
-        m = _MARKER % i
+        m = _marker(nonce, i)
         at = text.index(m, last)
         pieces += [text[last:at], encode_array(arr)]
         last = at + len(m)
@@ -192,19 +239,19 @@ def decode_envelope(obj: dict, *, where: str = "wire decode") -> torch.Tensor:
     return _decode_b64(data, shape, dtype, where)
 
 
-def _restore(node: Any, arrays: list, path: str) -> Any:
-    """Swap markers and fallback envelopes for tensors, depth first."""
+def _restore(node: Any, arrays: list, key: str, path: str) -> Any:
+    """Swap markers (the one-item objects under ``key``) and fallback envelopes for tensors."""
     if isinstance(node, dict):
-        if len(node) == 1 and _MARKER_KEY in node:
-            return arrays[node[_MARKER_KEY]]
+        if len(node) == 1 and key in node:
+            return arrays[node[key]]
         if _KEYS <= node.keys():
             if node.keys() != _KEYS:
                 extra = sorted(set(node) - _KEYS)
                 raise WireError(f"wire decode at {path}: envelope with unexpected keys {extra}")
             return decode_envelope(node, where=f"wire decode at {path}")
-        return {k: _restore(v, arrays, f"{path}.{k}") for k, v in node.items()}
+        return {k: _restore(v, arrays, key, f"{path}.{k}") for k, v in node.items()}
     if isinstance(node, list):
-        return [_restore(v, arrays, f"{path}[{i}]") for i, v in enumerate(node)]
+        return [_restore(v, arrays, key, f"{path}[{i}]") for i, v in enumerate(node)]
     return node
 
 
@@ -225,6 +272,7 @@ def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
     if not isinstance(raw, (bytes, bytearray)):
         raise WireError(f"wire decode: expected the raw body bytes, got {type(raw).__name__}")
     mv = memoryview(raw)
+    nonce = _nonce(avoid=raw)  # absent from the body: no user object can carry the marker key
     pieces: list = []
     arrays: list = []
     last = pos = 0
@@ -245,7 +293,7 @@ def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
         where = f"wire decode, envelope at byte {i}"
         shape_t, dtype = _check_header(shape, m.group(2).decode(), where)
         arrays.append(_decode_b64(mv[start:j], shape_t, dtype, where))
-        pieces += [mv[last:i], _MARKER % (len(arrays) - 1)]
+        pieces += [mv[last:i], _marker(nonce, len(arrays) - 1)]
         last = pos = m.end()
     pieces.append(mv[last:])
     text = b"".join(pieces) if arrays else raw
@@ -255,7 +303,12 @@ def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
         raise WireError(f"wire decode: body is not valid JSON ({exc.msg} at char {exc.pos}); truncated or corrupted") from None
     except UnicodeDecodeError:
         raise WireError("wire decode: body is not UTF-8 text; corrupted") from None
-    return _restore(obj, arrays, "$")
+    except RecursionError:
+        raise WireError("wire decode: body is JSON nested too deeply to parse; refused") from None
+    try:
+        return _restore(obj, arrays, _MARKER_KEY + nonce, "$")
+    except RecursionError:
+        raise WireError("wire decode: body is JSON nested too deeply to parse; refused") from None
 
 
 # ---------------------------------------------------------------------------------- schema
@@ -280,13 +333,28 @@ def support_to_wire(support: Union[PackedTensor, RaggedSupport, torch.Tensor]) -
 
 
 def _integer(t: Any, dims: int, name: str, where: str) -> torch.Tensor:
+    """``t`` checked as an integer array of ``dims`` dimensions, returned widened to int64.
+
+    Widening first matters: comparisons of a uint8 array with a negative number wrap it.
+    """
     if not isinstance(t, torch.Tensor):
         raise WireError(f"{where}: '{name}' must be an array envelope, got {type(t).__name__}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise WireError(f"{where}: '{name}' must hold integers, got dtype {t.dtype}")
     if t.dim() != dims:
         raise WireError(f"{where}: '{name}' must be {dims}-D, got shape {list(t.shape)}")
-    return t
+    return t.to(torch.int64)
+
+
+def _in_range(t: torch.Tensor, lo: int, hi: int, name: str, where: str) -> None:
+    """Every value of the int64 tensor ``t`` in ``[lo, hi]``."""
+    if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
+        bad = int(t[(t < lo) | (t > hi)][0])
+        top = "2**31" if hi == _INT32_MAX else str(hi + 1)
+        raise WireError(f"{where}: '{name}' hold {bad}, outside [{lo}, {top})")
+
+
+_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 def support_from_wire(
@@ -312,15 +380,16 @@ def support_from_wire(
     try:
         if "rows" in obj:
             rows = _integer(obj["rows"], 2, "rows", where)
-            if rows.numel() and (rows.min() < -1 or rows.max() > torch.iinfo(torch.int32).max):
-                raise WireError(f"{where}: 'rows' hold ids outside [-1, 2**31)")
+            _in_range(rows, -1, _INT32_MAX, "rows", where)
             support: Union[PackedTensor, RaggedSupport] = PackedTensor(rows.to(torch.int32), [0, rows.shape[0]])
         elif "member_ids" in obj and "row_offsets" in obj:
             members = _integer(obj["member_ids"], 1, "member_ids", where)
             offsets = _integer(obj["row_offsets"], 1, "row_offsets", where)
+            _in_range(members, 0, _INT32_MAX, "member_ids", where)
             if offsets.numel() == 0:
                 raise WireError(f"{where}: 'row_offsets' must hold n + 1 entries, got none")
-            support = RaggedSupport(members, offsets.to(torch.int64), torch.tensor([0, offsets.numel() - 1], dtype=torch.int32))
+            segments = torch.tensor([0, offsets.numel() - 1], dtype=torch.int32)
+            support = RaggedSupport(members.to(torch.int32), offsets, segments)
         else:
             raise WireError(f"{where}: expected keys 'rows' or 'member_ids' and 'row_offsets', got {sorted(obj)}")
         if sampled_ids is not None and torch.as_tensor(sampled_ids).shape != (support.num_rows,):
@@ -337,8 +406,12 @@ def support_from_wire(
 
 
 def routes_from_wire(obj: Any, *, where: str = "wire decode: routes") -> torch.Tensor:
-    """Check a routes envelope: integer ``[tokens, layers, topk]``, expert ids >= -1."""
-    routes = _integer(obj, 3, "routes", where)
-    if routes.numel() and routes.min() < -1:
-        raise WireError(f"{where}: expert ids must be >= -1, got {int(routes.min())}")
-    return routes
+    """Check a routes envelope: integer ``[tokens, layers, topk]``, expert ids >= -1.
+
+    Returns the routes in the dtype they travelled in (``uint8`` routes stay ``uint8``);
+    the check runs on an int64 copy.
+    """
+    wide = _integer(obj, 3, "routes", where)
+    if wide.numel() and int(wide.min()) < -1:
+        raise WireError(f"{where}: expert ids must be >= -1, got {int(wide.min())}")
+    return obj

@@ -1,5 +1,7 @@
 """Multi-turn traces: one row per response token, routes requested suffix by suffix."""
 
+import re
+
 import pytest
 import torch
 
@@ -191,3 +193,15 @@ def test_route_trace_errors():
         trace.add_request([[[0, 1]]] * 6, start=0, num_generated=3)
     with pytest.raises(ValueError, match=r"expected \(n, 2, 2\)"):
         trace.add_request(torch.zeros(6, 2, 3, dtype=torch.int32), start=0, num_generated=3)
+
+
+@pytest.mark.parametrize("count", [-1, True, False, 1.0, 2.5, "3", None, torch.tensor(2)])
+def test_accumulator_fill_counts_are_non_negative_ints(count):
+    acc = TokenAlignedAccumulator((2,), torch.int32, fill=-1)
+    acc.append(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=re.escape(f"append_fill: n={count!r}, expected an int >= 0")):
+        acc.append_fill(count)
+    assert len(acc) == 2 and acc.values().tolist() == [[1, 2], [3, 4]]  # nothing shrank, nothing grew
+    acc.append_fill(0)
+    acc.append(torch.tensor([[5, 6]], dtype=torch.int32))
+    assert acc.values().tolist() == [[1, 2], [3, 4], [5, 6]]

@@ -175,6 +175,52 @@ def test_support_schema_errors():
     with pytest.raises(WireError, match="padding must be trailing"):
         support_from_wire(loads(dumps({"rows": torch.tensor([[5, -1, 2]], dtype=torch.int32)})))
     with pytest.raises(WireError, match="row_offsets"):
-        support_from_wire(loads(dumps({"member_ids": rows[0], "row_offsets": torch.tensor([0, 5])})))
+        support_from_wire(loads(dumps({"member_ids": rows[1], "row_offsets": torch.tensor([0, 5])})))
     with pytest.raises(WireError, match="expert ids"):
         routes_from_wire(torch.full((2, 1, 1), -3))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_unsigned_and_narrow_envelopes_are_checked_after_widening(dtype):
+    # A uint8 tensor compared with -1 compares with 255: every check on wire data widens first.
+    routes = torch.tensor([[[0, 3]], [[7, 1]]], dtype=dtype)
+    got = routes_from_wire(loads(dumps({"r": routes}))["r"])
+    assert got.dtype == dtype and torch.equal(got, routes)
+    rows = torch.tensor([[5, 1], [9, 3]], dtype=dtype)
+    support = support_from_wire(loads(dumps({"rows": rows})), sampled_ids=torch.tensor([1, 9]), vocab_size=10)
+    assert support.values.dtype == torch.int32 and support.values.tolist() == rows.tolist()
+    members, offsets = torch.tensor([5, 1, 9], dtype=dtype), torch.tensor([0, 2, 3], dtype=dtype)
+    ragged = support_from_wire(loads(dumps({"member_ids": members, "row_offsets": offsets})), sampled_ids=torch.tensor([5, 9]))
+    assert ragged.member_ids.dtype == torch.int32 and ragged.member_ids.tolist() == [5, 1, 9]
+    assert ragged.row_offsets.dtype == torch.int64 and ragged.row_offsets.tolist() == [0, 2, 3]
+
+
+def test_out_of_range_ids_are_refused_for_every_integer_dtype():
+    with pytest.raises(WireError, match="expert ids must be >= -1, got -2"):
+        routes_from_wire(torch.tensor([[[0, -2]]], dtype=torch.int8))
+    with pytest.raises(WireError, match=r"outside \[-1, 2\*\*31\)"):
+        support_from_wire({"rows": torch.tensor([[2**31, 1]], dtype=torch.int64)})
+    with pytest.raises(WireError, match=r"outside \[-1, 2\*\*31\)"):
+        support_from_wire({"rows": torch.tensor([[-2, 1]], dtype=torch.int16)})
+    with pytest.raises(WireError, match=r"member_ids.*outside \[0, 2\*\*31\)"):
+        support_from_wire({"member_ids": torch.tensor([-1, 3], dtype=torch.int8), "row_offsets": torch.tensor([0, 2])})
+    with pytest.raises(WireError, match=r"member_ids.*outside \[0, 2\*\*31\)"):
+        support_from_wire({"member_ids": torch.tensor([2**31, 3]), "row_offsets": torch.tensor([0, 2])})
+
+
+def test_user_json_cannot_be_taken_for_the_codec_s_own_markers():
+    # An object holding the marker key round-trips unchanged, next to real arrays.
+    user = {"\x00wire": 0, "list": [{"\x00wire": 1}], "\x00wire:x": "y"}
+    body = dumps({"user": user, "a": torch.tensor([1, 2], dtype=torch.int32), "b": torch.tensor([3.5])})
+    out = loads(body)
+    assert out["user"] == user and out["a"].tolist() == [1, 2] and out["b"].tolist() == [3.5]
+    # The same objects sent by a client that never used dumps parse as plain JSON.
+    assert loads(json.dumps({"user": user}).encode()) == {"user": user}
+    # An object shaped like an envelope is the codec's own syntax: refused on encode, naming where.
+    with pytest.raises(WireError, match=r"\$\.meta\[1\].*'data', 'dtype', 'shape'"):
+        dumps({"meta": [1, {"data": "AAAA", "shape": [3], "dtype": "uint8", "note": "mine"}]})
+
+
+def test_deeply_nested_json_is_a_wire_error():
+    with pytest.raises(WireError, match="nested"):
+        loads(b"[" * 100_000 + b"]" * 100_000)
