@@ -29,14 +29,38 @@ PyTorch path thresholds top-p on probabilities not renormalised after top-k and 
 min-p last; supports captured from SGLang come from its own sampling mask, see
 :mod:`nemo_replay.rollout.adapters`.)
 
-Ranking. Candidates are ranked by ``x`` descending, ties by the smaller token id, so the
-same logits always give the same rows. Every filter keeps a prefix of that ranking, so a
-support row is "the first ``m`` ranked candidates".
+Ranking and ties. Every filter keeps a prefix of one ranking of the candidates, so a
+support row is "the first ``m`` ranked candidates". Which tokens survive at a boundary
+where several share one value depends on the engine path, so :func:`sample` takes the rule
+(``ties=``) and names the engine path each one reproduces (vLLM 0.33.0 source,
+``vllm/v1/sample/ops/``):
 
-Output. With ``top_k`` set, rows are fixed width: ``int32 [N, top_k]``, members in rank
-order then trailing ``-1`` (when min-p / top-p removed some of the ``k``, or ``V < k``),
-packed as a :class:`PackedTensor` of one segment. Without ``top_k``, rows are ragged: a
-:class:`RaggedSupport` of one segment with ``N`` rows (CSR, members in rank order).
+- ``ties="index_order"`` (default) -- rank by ``x`` descending, ties by the *smaller* id;
+  top-k keeps exactly ``k``. This is vLLM's Triton top-k/top-p kernel
+  (``topk_topp_triton.py``, ``apply_top_k_top_p_triton``), the path ``apply_top_k_top_p``
+  in ``topk_topp_sampler.py`` takes whenever Triton is importable -- every CUDA install, and
+  always under Model Runner V2, which the sampling mask needs. It keeps exactly k and
+  resolves the boundary's duplicates in index order, smaller ids first; its top-p keeps the
+  boundary's duplicates in index order too, but finds the boundary by a pivot search
+  whose tolerance can differ from the exact nucleus computed here.
+- ``ties="keep_tied"`` -- vLLM's PyTorch path (``apply_top_k_top_p_pytorch`` /
+  ``apply_top_k_only``, taken when Triton is absent): top-k masks ``x < x_(k)``, so every
+  token tied with the k-th value stays (a support may hold more than ``k`` tokens); top-p
+  sorts ascending and masks from the bottom while the cumulative mass is ``<= 1 - top_p``,
+  so among tokens tied at the top-p boundary the *smaller* ids are dropped first. Ranking:
+  ``x`` descending, ties by the *larger* id. (The order among ties is that of a stable
+  ascending sort, which torch's CPU and CUDA sorts give.)
+
+On bf16 logits ties at the top-k boundary are the common case (large vocabularies hold
+many equal values in their upper tail), so the two rules give different supports for most
+rows: capture with the rule of the engine path that will be replayed against.
+
+Output. With ``top_k`` set and ``ties="index_order"``, rows are fixed width:
+``int32 [N, top_k]``, members in rank order then trailing ``-1`` (when min-p / top-p removed
+some of the ``k``, or ``V < k``), packed as a :class:`PackedTensor` of one segment.
+Otherwise -- no ``top_k``, or ``ties="keep_tied"``, whose rows may be wider than ``top_k`` --
+rows are ragged: a :class:`RaggedSupport` of one segment with ``N`` rows (CSR, members in
+rank order). A support is never cut to fit a width.
 """
 
 from __future__ import annotations
@@ -50,7 +74,15 @@ import torch
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["CaptureResult", "sample", "check_capture_settings", "rank_candidates"]
+__all__ = ["CaptureResult", "TIE_RULES", "sample", "check_capture_settings", "rank_candidates"]
+
+#: ``ties=`` values of :func:`sample` and the vLLM 0.33 path each reproduces (module doc).
+TIE_RULES = {
+    "index_order": "vLLM Triton top-k/top-p kernel (vllm/v1/sample/ops/topk_topp_triton.py): exactly k, "
+    "boundary ties kept in index order",
+    "keep_tied": "vLLM PyTorch top-k/top-p (apply_top_k_top_p_pytorch in vllm/v1/sample/ops/topk_topp_sampler.py): "
+    "every token tied with the k-th kept; top-p drops the smaller ids among boundary ties",
+}
 
 
 class CaptureResult(NamedTuple):
@@ -60,7 +92,7 @@ class CaptureResult(NamedTuple):
         ids: (N,), int64. The sampled token of each row of logits.
         logprobs: (N,), float32. ``log q(ids)`` under the processed distribution.
         support: ``PackedTensor`` (values (N, top_k) int32, cu_seqlens [0, N]) when top_k is
-            set, else ``RaggedSupport`` of one segment with N rows.
+            set and ``ties="index_order"``, else ``RaggedSupport`` of one segment with N rows.
     """
 
     ids: torch.Tensor
@@ -154,20 +186,38 @@ def _top_k_ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals.gather(1, order), ids.gather(1, order)
 
 
-def rank_candidates(x: torch.Tensor, top_k: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank the candidates of each row by value, ties by the smaller id.
+def rank_candidates(
+    x: torch.Tensor, top_k: Optional[int], ties: str = "index_order"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank the candidates of each row and apply top-k under a tie rule (module doc).
 
     Args:
         x: (N, V), float tempered logits.
-        top_k: keep only the best ``top_k`` (None: all V).
+        top_k: the top-k bound (None: all V).
+        ties: ``"index_order"`` or ``"keep_tied"``.
 
     Returns:
-        values (N, C) float non-increasing, ids (N, C) int64; C = min(top_k, V) or V.
+        values (N, C) float non-increasing, ids (N, C) int64, kept (N, C) bool: the top-k
+        survivors, a prefix of each row. ``"index_order"``: C = min(top_k, V) (or V), all
+        kept. ``"keep_tied"``: C = V, ties by the larger id, kept where ``x >= x_(k)``.
+
+    Worked example, x = [[1, 3, 3, 3, 0]], top_k = 2. ``"index_order"``: ids [1, 2],
+    values [3, 3], all kept. ``"keep_tied"``: ids [3, 2, 1, 0, 4], values [3, 3, 3, 1, 0];
+    the 2nd largest value is 3, so kept = [T, T, T, F, F] -- three tokens for k = 2.
     """
-    if top_k is not None:
-        return _top_k_ranked(x, top_k)
-    vals, ids = torch.sort(x, dim=1, descending=True, stable=True)
-    return vals, ids
+    if ties == "index_order":
+        if top_k is not None:
+            vals, ids = _top_k_ranked(x, top_k)
+        else:
+            vals, ids = torch.sort(x, dim=1, descending=True, stable=True)
+        return vals, ids, torch.ones_like(vals, dtype=torch.bool)
+    # A stable ascending sort puts the smaller id first among equals; flipped, the larger.
+    asc_vals, asc_ids = torch.sort(x, dim=1, stable=True)
+    vals, ids = asc_vals.flip(1), asc_ids.flip(1)
+    if top_k is None:
+        return vals, ids, torch.ones_like(vals, dtype=torch.bool)
+    kth = vals[:, min(top_k, x.shape[1]) - 1 :][:, :1]
+    return vals, ids, vals >= kth
 
 
 def sample(
@@ -177,6 +227,7 @@ def sample(
     top_k: Optional[int] = None,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    ties: str = "index_order",
     generator: Optional[torch.Generator] = None,
 ) -> CaptureResult:
     """Sample one token per row and record its support (order of operations: module doc).
@@ -186,9 +237,13 @@ def sample(
             for float64 input). Not modified. ``-inf`` entries (masked vocabulary) are never
             members; NaN or ``+inf`` is an error.
         temperature: > 0.
-        top_k: fixed-width rows of this many columns; None for ragged rows.
+        top_k: the top-k bound; None for none.
         top_p: in (0, 1]; 1.0 disables.
         min_p: in [0, 1); 0.0 disables.
+        ties: which tokens survive where several share the boundary value (module doc):
+            ``"index_order"`` (vLLM's Triton path: exactly ``top_k``, fixed-width rows) or
+            ``"keep_tied"`` (vLLM's PyTorch path: every token tied with the k-th, ragged
+            rows). See :data:`TIE_RULES`.
         generator: a ``torch.Generator`` on the logits' device for reproducible draws.
 
     Returns:
@@ -197,6 +252,11 @@ def sample(
         ``x[id] - logsumexp(x[row])`` with ``x = logits / temperature``.
     """
     check_capture_settings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, where="capture.sample")
+    if ties not in TIE_RULES:
+        raise ValueError(
+            f"capture.sample: ties={ties!r}; expected one of {sorted(TIE_RULES)} -- 'index_order' reproduces "
+            f"vLLM's Triton top-k/top-p path, 'keep_tied' its PyTorch path"
+        )
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
         got = f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"capture.sample: logits must be a floating [N, V] tensor, got {got}")
@@ -214,8 +274,8 @@ def sample(
             f"output is broken at that position"
         )
 
-    cand_x, cand_ids = rank_candidates(x, top_k)  # (N, C), ranked
-    keep = torch.isfinite(cand_x)
+    cand_x, cand_ids, keep = rank_candidates(x, top_k, ties)  # (N, C), ranked
+    keep &= torch.isfinite(cand_x)
     if min_p > 0.0:
         keep &= torch.exp(cand_x - cand_x[:, :1]) >= min_p
     if top_p < 1.0:
@@ -232,7 +292,7 @@ def sample(
     ids = cand_ids.gather(1, pick).squeeze(1)
     logprobs = logq.gather(1, pick).squeeze(1).to(torch.float32)
 
-    if top_k is not None:
+    if top_k is not None and ties == "index_order":
         values = torch.full((N, top_k), -1, dtype=torch.int32, device=logits.device)
         C = cand_ids.shape[1]
         values[:, :C] = cand_ids.masked_fill(~keep, -1)

@@ -209,3 +209,92 @@ def test_random_settings_match_the_reference(seed, n, v, scale, temperature, top
         want = reference_support(x[r], top_k, top_p, min_p)
         assert row == want and int(ids[r]) in want
         assert abs(float(lps[r]) - reference_logprob(x[r], want, int(ids[r]))) < 1e-5
+
+
+# ------------------------------------------------------------------ tie rules of vLLM's two paths
+# Independent numpy statements of each rule (vLLM 0.33.0, vllm/v1/sample/ops/):
+#
+# PyTorch path (topk_topp_sampler.py, apply_top_k_top_p_pytorch): a token survives top-k iff its
+# value is >= the k-th largest value; top-p then orders the survivors ascending by value (a
+# stable sort: smaller ids first among equals), renormalises, and removes tokens from the
+# bottom while the running mass is <= 1 - top_p, never the last (largest) one.
+#
+# Triton path (topk_topp_triton.py): exactly k survive top-k, the boundary's duplicates taken in
+# index order; top-p keeps the shortest prefix of (value desc, id asc) whose mass reaches top_p.
+
+
+def pytorch_path_support(x, top_k, top_p):
+    import numpy as np
+
+    kth = np.partition(x, x.size - top_k)[x.size - top_k]
+    cand = np.flatnonzero(x >= kth)
+    order = cand[np.lexsort((cand, x[cand]))]  # ascending value, then ascending id
+    w = np.exp(x[order] - x[order].max())
+    running = np.cumsum(w / w.sum())
+    dropped = running <= 1 - top_p
+    dropped[-1] = False
+    return set(order[~dropped].tolist())
+
+
+def triton_path_support(x, top_k, top_p):
+    import numpy as np
+
+    order = np.lexsort((np.arange(x.size), -x))[:top_k]  # value desc, then id asc
+    w = np.exp(x[order] - x[order].max())
+    w = w / w.sum()
+    kept, mass = [], 0.0
+    for token, q in zip(order.tolist(), w.tolist()):
+        if mass >= top_p:
+            break
+        kept.append(token)
+        mass += q
+    return set(kept)
+
+
+def bf16_logits(n, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, vocab, generator=g) * 2.5).bfloat16().double()  # bf16 values, exact in float64
+
+
+@pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (50, 0.9), (200, 0.95)])
+def test_each_tie_rule_matches_its_engine_path_on_tied_bf16_logits(top_k, top_p):
+    n, vocab = 120, 32000
+    x = bf16_logits(n, vocab, seed=top_k)
+    ranked = torch.sort(x, dim=1, descending=True).values
+    tied_at_k = (ranked[:, top_k - 1] == ranked[:, top_k]).sum().item()
+    assert tied_at_k > n // 2, "bf16 logits should tie at the top-k boundary in most rows"
+
+    exact = capture.sample(x, temperature=1.0, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    tied = capture.sample(x, temperature=1.0, top_k=top_k, top_p=top_p, ties="keep_tied", generator=torch.Generator().manual_seed(0))
+    assert isinstance(exact.support, PackedTensor) and exact.support.values.shape == (n, top_k)
+    assert isinstance(tied.support, RaggedSupport) and tied.support.cu_seqlens.tolist() == [0, n]
+    differ = 0
+    for r in range(n):
+        xr = x[r].numpy()
+        want_triton, want_pytorch = triton_path_support(xr, top_k, top_p), pytorch_path_support(xr, top_k, top_p)
+        got_exact = [int(t) for t in exact.support.values[r] if t >= 0]
+        got_tied = tied.support.row(r).tolist()
+        assert len(got_exact) == len(set(got_exact)) and set(got_exact) == want_triton, r
+        assert len(got_tied) == len(set(got_tied)) and set(got_tied) == want_pytorch, r
+        differ += want_triton != want_pytorch
+        for res, members in ((exact, got_exact), (tied, got_tied)):
+            assert int(res.ids[r]) in members
+            assert float(res.logprobs[r]) == pytest.approx(reference_logprob(x[r], members, int(res.ids[r])), abs=1e-6)
+    assert differ > n // 3
+    if top_p == 1.0:
+        assert differ == tied_at_k  # every tie at the k-th value widens the PyTorch path's support
+        assert max(tied.support.row_lengths.tolist()) > top_k  # supports wider than k are carried, not cut
+
+
+def test_keep_tied_worked_example_and_unknown_rule():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]])
+    exact = capture.sample(logits, temperature=1.0, top_k=2)
+    tied = capture.sample(logits, temperature=1.0, top_k=2, ties="keep_tied")
+    assert exact.support.values.tolist() == [[1, 2]]
+    assert tied.support.row(0).tolist() == [3, 2, 1]
+    # top-p over three equal tokens with p = 0.5: the PyTorch path drops the smaller ids first.
+    half = capture.sample(logits, temperature=1.0, top_k=2, top_p=0.5, ties="keep_tied")
+    assert half.support.row(0).tolist() == [3, 2]
+    assert capture.sample(logits, temperature=1.0, top_k=2, top_p=0.5).support.values.tolist() == [[1, -1]]
+    with pytest.raises(ValueError, match="ties='vllm'.*index_order.*keep_tied"):
+        capture.sample(logits, temperature=1.0, top_k=2, ties="vllm")
