@@ -1,0 +1,215 @@
+"""What every engine adapter returns, and the checks they share (docs/design.md §2, §7).
+
+Adapters live one module per engine -- :mod:`nemo_replay.rollout.vllm` and
+:mod:`nemo_replay.rollout.sglang`; ``docs/engines.md`` shows one worked example per engine
+output path. Each turns what the engine returns for one response (``n`` generated tokens)
+into an :class:`EngineSupport`: one support row per token, checked at the boundary by
+:func:`~nemo_replay.rollout.boundary.validate_support` (every non-empty row holds its
+sampled token, no duplicate ids, ids below ``vocab_size`` when given).
+
+Flagged positions. A row holds the engine's whole support or nothing: an adapter never cuts
+a support to a width, never guesses a missing member and never swaps a token in. Where the
+support cannot be recorded exactly, the row is left empty, the position is *flagged* and
+counted by reason (:data:`FLAG_REASONS`), and a warning names the positions. An empty row
+means "no support recorded" (docs/design.md §2): leave flagged positions out of the loss
+(``loss_mask &= result.loss_mask``); the scorer refuses a trajectory with more than one
+loss-active position that lacks a row.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+from nemo_replay.rollout.boundary import validate_support
+from nemo_replay.rollout.capture import check_capture_settings
+from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
+from nemo_replay.support.ragged import RaggedSupport
+
+__all__ = ["EngineSupport", "FLAG_REASONS", "capture_settings_from_engine"]
+
+logger = logging.getLogger(__name__)
+
+#: Why a position can be flagged (its row left empty).
+FLAG_REASONS = {
+    "not_fully_visible": (
+        "every log-prob entry the engine showed is a member, so members past the end of its list are "
+        "unknown; request at least top_k + 1 log-probs so a filtered entry closes each list"
+    ),
+    "wider_than_row": (
+        "the support holds more tokens than the fixed row width (ties at the top-k cutoff); take ragged rows "
+        "(ragged=True) to carry it whole"
+    ),
+}
+
+_ENGINES = ("vllm", "sglang")
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+@dataclass
+class EngineSupport:
+    """The support of one response, as an adapter returns it.
+
+    Attributes:
+        support: one-segment ``PackedTensor`` (values (n, width) int32, ``-1`` padded) or
+            ``RaggedSupport`` with n rows. Flagged positions have empty rows.
+        logprobs: (n,), float32: the engine's processed log-prob of each sampled token
+            (over the support it sampled from), or None when the output carries none.
+        flagged: (n,), bool: positions whose support could not be recorded exactly.
+        reasons: how many positions were flagged for each reason of :data:`FLAG_REASONS`.
+    """
+
+    support: Union[PackedTensor, RaggedSupport]
+    logprobs: Optional[torch.Tensor]
+    flagged: torch.Tensor
+    reasons: dict = field(default_factory=dict)
+
+    @property
+    def num_flagged(self) -> int:
+        return int(self.flagged.sum())
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """(n,), bool: True where the row is the engine's whole support (not flagged)."""
+        return ~self.flagged
+
+
+def as_mapping(params: Any) -> Mapping[str, Any]:
+    """A ``SamplingParams``-like object's public attributes, or the mapping itself."""
+    if isinstance(params, Mapping):
+        return params
+    return {k: getattr(params, k) for k in dir(params) if not k.startswith("_")}
+
+
+def strict_int(value: Any, what: str, where: str) -> int:
+    """``value`` as an int; a bool, a float (even 3.0) or a string is an error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{where}: {what} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def strict_logprob(value: Any, what: str, where: str) -> float:
+    """``value`` as a float log-prob: a real number <= 0 (up to rounding), not NaN; ``-inf`` allowed."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value > 1e-5:
+        raise ValueError(f"{where}: {what} must be a log-prob (a number <= 0, not NaN), got {value!r}")
+    return float(value)
+
+
+def capture_settings_from_engine(params: Mapping[str, Any], *, engine: str) -> dict:
+    """Translate an engine's sampling parameters and refuse those capture cannot replay.
+
+    Args:
+        params: the request's sampling parameters as sent to the engine (vLLM
+            ``SamplingParams`` fields or SGLang ``sampling_params`` keys). ``temperature``
+            must be present: engines fill a missing one from the model's generation config,
+            which the trainer cannot see.
+        engine: ``"vllm"`` or ``"sglang"``; both spell "no top-k bound" as ``0``/``-1`` (SGLang
+            also as ``1 << 30``).
+
+    Returns:
+        keyword arguments for :func:`~nemo_replay.rollout.capture.check_capture_settings`
+        (``top_k=None`` when unbounded).
+    """
+    if engine not in _ENGINES:
+        raise ValueError(f"engine={engine!r}: expected one of {', '.join(_ENGINES)}")
+    params = as_mapping(params)
+    top_k = params.get("top_k")
+    if top_k is not None and not isinstance(top_k, bool) and isinstance(top_k, int):
+        if top_k in (0, -1) or (engine == "sglang" and top_k >= 1 << 30):
+            top_k = None
+    settings = dict(
+        temperature=params.get("temperature"),
+        top_k=top_k,
+        top_p=1.0 if params.get("top_p") is None else params["top_p"],
+        min_p=0.0 if params.get("min_p") is None else params["min_p"],
+        repetition_penalty=params.get("repetition_penalty"),
+        presence_penalty=params.get("presence_penalty"),
+        frequency_penalty=params.get("frequency_penalty"),
+    )
+    check_capture_settings(**settings, where=f"{engine} sampling params")
+    return settings
+
+
+def sampled_tensor(sampled_ids: Any, n: int, where: str) -> torch.Tensor:
+    """(n,) int64 sampled ids from a list of ints or an integer tensor; no coercion."""
+    if isinstance(sampled_ids, torch.Tensor):
+        if sampled_ids.dtype.is_floating_point or sampled_ids.dtype == torch.bool or sampled_ids.dim() != 1:
+            raise ValueError(f"{where}: sampled ids must be a 1-D integer tensor, got {sampled_ids.dtype} {tuple(sampled_ids.shape)}")
+        ids = sampled_ids.to(torch.int64).cpu()
+    else:
+        if not isinstance(sampled_ids, Sequence) or isinstance(sampled_ids, (str, bytes)):
+            raise ValueError(f"{where}: sampled ids must be a list of ints, got {type(sampled_ids).__name__}")
+        ids = torch.tensor([strict_int(t, f"generated token {j}", where) for j, t in enumerate(sampled_ids)], dtype=torch.int64)
+    if ids.numel() != n:
+        raise ValueError(
+            f"{where}: {n} support entries for {ids.numel()} generated tokens; the engine returns one per "
+            f"generated token -- pass this response's own token ids"
+        )
+    return ids
+
+
+def assemble(
+    rows: Sequence[Optional[Sequence[int]]],
+    sampled: torch.Tensor,
+    *,
+    width: Optional[int],
+    logprobs: Optional[torch.Tensor],
+    reasons: dict,
+    vocab_size: Optional[int],
+    where: str,
+) -> EngineSupport:
+    """Rows (None where already flagged) -> a checked :class:`EngineSupport`.
+
+    Args:
+        rows: n member lists; ``None`` for a position flagged upstream.
+        sampled: (n,) int64 generated tokens.
+        width: fixed row width, or None for ragged rows. A row wider than ``width`` is
+            flagged ``"wider_than_row"`` and left empty -- never cut.
+        logprobs: (n,) float32 or None.
+        reasons: counts of upstream flags by reason; updated here.
+    """
+    n = len(rows)
+    flagged = torch.tensor([r is None for r in rows], dtype=torch.bool)
+    kept = [list(r) if r is not None else [] for r in rows]
+    if width is not None:
+        for j, r in enumerate(kept):
+            if len(r) > width:
+                kept[j], flagged[j] = [], True
+                reasons["wider_than_row"] = reasons.get("wider_than_row", 0) + 1
+    flat = [t for r in kept for t in r]
+    if any(t < 0 or t > _INT32_MAX for t in flat):
+        bad = next(t for t in flat if t < 0 or t > _INT32_MAX)
+        raise ValueError(f"{where}: support holds token id {bad}, outside [0, 2**31)")
+    members = torch.tensor(flat, dtype=torch.int32)
+    lengths = [len(r) for r in kept]
+    one_segment = torch.tensor([0, n], dtype=torch.int32)
+    if width is None:
+        support: Union[PackedTensor, RaggedSupport] = RaggedSupport(
+            members, lengths_to_cu_seqlens(lengths).to(torch.int64), one_segment
+        )
+    else:
+        values = torch.full((n, width), -1, dtype=torch.int32)
+        if n:
+            cols = torch.cat([torch.arange(k) for k in lengths]) if flat else torch.empty(0, dtype=torch.int64)
+            row_of = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))
+            values[row_of, cols] = members
+        support = PackedTensor(values, one_segment)
+    validate_support(support, sampled_ids=sampled, vocab_size=vocab_size, where=where)
+    if flagged.any():
+        at = torch.nonzero(flagged).flatten().tolist()
+        logger.warning(
+            "%s: %d of %d positions flagged, their rows left empty (%s): positions %s%s. Leave them out of the "
+            "loss (loss_mask &= result.loss_mask).",
+            where,
+            len(at),
+            n,
+            ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())),
+            at[:8],
+            " ..." if len(at) > 8 else "",
+        )
+    return EngineSupport(support, logprobs, flagged, dict(reasons))

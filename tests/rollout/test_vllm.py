@@ -1,0 +1,263 @@
+"""vLLM adapters on outputs built field for field as vLLM 0.33.0 builds them (tests/rollout/engine_outputs.py)."""
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+from nemo_replay import capture
+from nemo_replay.rollout.engine import EngineSupport
+from nemo_replay.rollout.vllm import (
+    check_vllm_engine,
+    check_vllm_request,
+    support_from_vllm_generate,
+    support_from_vllm_logprobs,
+    support_from_vllm_output,
+    support_from_vllm_sampling_mask,
+)
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+from tests.rollout.engine_outputs import (
+    FlatLogprobs,
+    Logprob,
+    SamplingMask,
+    vllm_chat_logprobs,
+    vllm_completions_logprobs,
+    vllm_generate_choice,
+    vllm_offline_output,
+    vllm_steps,
+)
+
+K, T, V, N = 6, 0.8, 97, 24
+PARAMS = {"temperature": T, "top_k": K, "top_p": 0.9, "logprobs": K + 1, "repetition_penalty": 1.0}
+
+
+@pytest.fixture(scope="module")
+def steps():
+    logits = torch.randn(N, V, generator=torch.Generator().manual_seed(11)) * 2
+    return vllm_steps(logits, T, top_k=K, top_p=0.9, num_logprobs=K + 1)
+
+
+def rows_of(result: EngineSupport) -> list[set]:
+    s = result.support
+    if isinstance(s, PackedTensor):
+        return [{int(t) for t in r if t >= 0} for r in s.values]
+    return [set(s.row(j).tolist()) for j in range(s.num_rows)]
+
+
+def read(form: str, steps, width=None) -> EngineSupport:
+    """One output path, read by the adapter its users call."""
+    ids = [s.token for s in steps]
+    if form == "offline_dicts":
+        return support_from_vllm_output(vllm_offline_output(steps, K + 1), width=width, vocab_size=V, sampling_params=PARAMS)
+    if form == "offline_flat":
+        out = vllm_offline_output(steps, K + 1, flat=True)
+        assert isinstance(out.logprobs, FlatLogprobs)
+        return support_from_vllm_logprobs(out.logprobs, out.token_ids, width=width, vocab_size=V, sampling_params=PARAMS)
+    if form == "offline_mask":
+        out = vllm_offline_output(steps, K + 1, mask=True)
+        return support_from_vllm_output(out, width=width, vocab_size=V, sampling_params=PARAMS)
+    if form == "completions":
+        return support_from_vllm_logprobs(vllm_completions_logprobs(steps, K + 1), ids, width=width, vocab_size=V, sampling_params=PARAMS)
+    if form == "chat":
+        chat = vllm_chat_logprobs(steps, K + 1, top_logprobs=K + 1)
+        body = {"temperature": T, "top_k": K, "top_p": 0.9, "logprobs": True, "top_logprobs": K + 1}
+        return support_from_vllm_logprobs(chat, width=width, vocab_size=V, sampling_params=body)  # ids from the content
+    if form == "generate_logprobs":
+        return support_from_vllm_generate(vllm_generate_choice(steps, K + 1, mask=False), width=width, vocab_size=V, sampling_params=PARAMS)
+    if form == "generate_mask":
+        return support_from_vllm_generate(vllm_generate_choice(steps, K + 1, mask=True), width=width, vocab_size=V, sampling_params=PARAMS)
+    raise AssertionError(form)
+
+
+FORMS = ["offline_dicts", "offline_flat", "offline_mask", "completions", "chat", "generate_logprobs", "generate_mask"]
+
+
+@pytest.mark.parametrize("width", [None, K], ids=["ragged", "fixed"])
+@pytest.mark.parametrize("form", FORMS)
+def test_every_output_path_gives_the_sampler_rows(steps, form, width):
+    got = read(form, steps, width)
+    assert got.num_flagged == 0 and got.reasons == {}
+    assert rows_of(got) == [set(s.mask) for s in steps]
+    assert got.support.cu_seqlens.tolist() == [0, N]
+    if width is None:
+        assert isinstance(got.support, RaggedSupport)
+        if "mask" in form:  # vLLM's order, ids ascending
+            assert [got.support.row(j).tolist() for j in range(N)] == [s.mask for s in steps]
+    else:
+        assert isinstance(got.support, PackedTensor) and got.support.values.shape == (N, K)
+    want = torch.tensor([s.logprobs[0] for s in steps])
+    torch.testing.assert_close(got.logprobs, want, rtol=0, atol=1e-6)
+    assert got.loss_mask.all()
+
+
+def test_sampling_mask_is_the_engine_s_one_field_dataclass(steps):
+    mask = SamplingMask([s.mask for s in steps])  # vllm/outputs.py: token_ids is list[list[int]], nothing else
+    got = support_from_vllm_sampling_mask(mask, [s.token for s in steps], vocab_size=V)
+    assert got.logprobs is None and [got.support.row(j).tolist() for j in range(N)] == [s.mask for s in steps]
+
+    class SamplingMaskLists:  # the engine-internal CSR form (vllm/v1/outputs.py:59-67)
+        token_ids = [t for s in steps for t in s.mask]
+        offsets = [0]
+
+    with pytest.raises(ValueError, match=r"internal to vLLM.*CompletionOutput\.sampling_mask"):
+        support_from_vllm_sampling_mask(SamplingMaskLists(), [s.token for s in steps])
+    with pytest.raises(ValueError, match=r"internal to vLLM"):
+        support_from_vllm_sampling_mask(SamplingMaskLists.token_ids, [s.token for s in steps])
+    with pytest.raises(ValueError, match="--return-sampling-mask"):
+        support_from_vllm_sampling_mask(None, [3])
+    bad = [list(s.mask) for s in steps]
+    bad[3][0] = 1.0
+    with pytest.raises(ValueError, match=r"position 3: mask token id must be an int, got 1.0"):
+        support_from_vllm_sampling_mask(bad, [s.token for s in steps])
+    bad[3][0] = True
+    with pytest.raises(ValueError, match=r"position 3: mask token id must be an int, got True"):
+        support_from_vllm_sampling_mask(bad, [s.token for s in steps])
+    with pytest.raises(ValueError, match=r"row 7: sampled token 96"):
+        support_from_vllm_sampling_mask(mask, [s.token for s in steps[:7]] + [96] + [s.token for s in steps[8:]])
+    with pytest.raises(ValueError, match="24 support entries for 23 generated tokens"):
+        support_from_vllm_sampling_mask(mask, [s.token for s in steps[:-1]])
+
+
+def test_generate_endpoint_logprobs_are_read_by_token_id(steps):
+    choice = vllm_generate_choice(steps, K + 1, mask=False)
+    entry = choice["logprobs"]["content"][0]
+    assert set(entry) == {"token_id", "logprob", "rank", "top_logprobs"} and "token" not in entry
+    assert entry["top_logprobs"][0]["token_id"] == steps[0].token  # the sampled token first, then the rest
+    assert any(e["logprob"] == -9999.0 for e in entry["top_logprobs"])  # -inf clamped on the wire
+    got = support_from_vllm_logprobs(choice["logprobs"], choice["token_ids"], vocab_size=V)
+    assert rows_of(got) == [set(s.mask) for s in steps]
+
+
+# ------------------------------------------------------------------ ties wider than the list or the row
+
+
+@pytest.fixture(scope="module")
+def tied():
+    """vLLM's PyTorch path on bf16 logits: every token tied with the k-th value is kept."""
+    k, vocab, n = 50, 32000, 40
+    logits = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(3)) * 2.5).bfloat16().float()
+    steps = vllm_steps(logits, 1.0, top_k=k, num_logprobs=k + 1, ties="keep_tied", seed=5)
+    sizes = [len(s.mask) for s in steps]
+    assert sum(z > k for z in sizes) >= n // 4 and sum(z == k for z in sizes) >= 3, sizes
+    return k, vocab, logits, sizes
+
+
+def test_chat_cut_and_short_lists_flag_instead_of_losing_members(tied):
+    k, vocab, logits, sizes = tied
+    n = len(sizes)
+    # As old docs advised: top_logprobs = top_k. A list cut at k entries cannot show a support of k or more.
+    steps = vllm_steps(logits, 1.0, top_k=k, num_logprobs=k, ties="keep_tied", seed=5)
+    got = support_from_vllm_logprobs(vllm_chat_logprobs(steps, k, top_logprobs=k), vocab_size=vocab)
+    flagged = got.flagged.tolist()
+    assert flagged == [z >= k for z in sizes] and got.reasons == {"not_fully_visible": sum(flagged)}
+    assert all(rows_of(got)[j] == (set() if flagged[j] else set(steps[j].mask)) for j in range(n))
+    # With a list long enough to end in a filtered entry, every support is read whole -- wider than k too.
+    wide = vllm_steps(logits, 1.0, top_k=k, num_logprobs=max(sizes) + 1, ties="keep_tied", seed=5)
+    chat = vllm_chat_logprobs(wide, max(sizes) + 1, top_logprobs=max(sizes) + 1)
+    whole = support_from_vllm_logprobs(chat, vocab_size=vocab)
+    assert whole.num_flagged == 0 and rows_of(whole) == [set(s.mask) for s in wide]
+    assert max(whole.support.row_lengths.tolist()) > k
+
+
+def test_supports_wider_than_a_fixed_row_are_flagged_never_cut(tied, caplog):
+    k, vocab, logits, sizes = tied
+    steps = vllm_steps(logits, 1.0, top_k=k, num_logprobs=max(sizes) + 1, ties="keep_tied", seed=5)
+    with caplog.at_level(logging.WARNING, logger="nemo_replay.rollout.engine"):
+        got = support_from_vllm_output(vllm_offline_output(steps, max(sizes) + 1), width=k, vocab_size=vocab)
+    wider = [z > k for z in sizes]
+    assert got.flagged.tolist() == wider and got.reasons == {"wider_than_row": sum(wider)}
+    assert isinstance(got.support, PackedTensor) and got.support.values.shape == (len(sizes), k)
+    for j, s in enumerate(steps):
+        assert rows_of(got)[j] == (set() if wider[j] else set(s.mask))
+    assert f"{sum(wider)} of {len(sizes)} positions flagged" in caplog.text and "wider_than_row" in caplog.text
+    # The engine's mask carries the same supports: whole when ragged, flagged when fixed.
+    masked = support_from_vllm_output(vllm_offline_output(steps, max(sizes) + 1, mask=True), width=k, vocab_size=vocab)
+    assert masked.flagged.tolist() == wider
+
+
+def test_logprob_errors_name_the_cause(steps, caplog):
+    out = vllm_offline_output(steps, K + 1)
+    positions, ids = out.logprobs, out.token_ids
+    with pytest.raises(ValueError, match="pass sampled_ids"):
+        support_from_vllm_logprobs(positions)
+    with pytest.raises(ValueError, match="24 support entries for 23 generated tokens"):
+        support_from_vllm_logprobs(positions, ids[:-1])
+    swapped = list(ids)
+    swapped[4] = next(t for t in positions[4] if t != ids[4])
+    with pytest.raises(ValueError, match=r"position 4: the first entry is token \d+ but the response sampled"):
+        support_from_vllm_logprobs(positions, swapped)
+    filtered = [dict(p) for p in positions]
+    filtered[2][ids[2]] = Logprob(float("-inf"), 90, None)
+    with pytest.raises(ValueError, match=r"position 2: the sampled token \d+ has log-prob -inf.*--logprobs-mode processed_logprobs"):
+        support_from_vllm_logprobs(filtered, ids)
+    with pytest.raises(ValueError, match="return_tokens_as_token_ids"):
+        support_from_vllm_logprobs({"content": [{"token": " the", "logprob": -0.1, "top_logprobs": []}]})
+    with pytest.raises(ValueError, match=r"position 0: token id must be an int, got 1.5"):
+        support_from_vllm_logprobs([{1.5: Logprob(-0.1)}], [1])
+    with pytest.raises(ValueError, match=r"generated token 0 must be an int, got True"):
+        support_from_vllm_logprobs(positions[:1], [True])
+    # Raw log-probs are never -inf: every list holds members only, all positions flagged, and the hint says why.
+    raw = [{t: Logprob(-1.0 - 0.1 * i, i + 1) for i, t in enumerate(p)} for p in positions]
+    with caplog.at_level(logging.WARNING, logger="nemo_replay.rollout.engine"):
+        got = support_from_vllm_logprobs(raw, ids)
+    assert got.num_flagged == N and "--logprobs-mode processed_logprobs" in caplog.text
+
+
+# ------------------------------------------------------------------ prerequisites
+
+
+@pytest.mark.parametrize(
+    "params, path, match",
+    [
+        ({"temperature": 1.0, "top_k": -1}, "mask", "top_k=-1 is unbounded"),
+        ({"temperature": 1.0, "top_k": 0}, "mask", "top_k=0 is unbounded"),
+        ({"temperature": 0.0, "top_k": 8}, "mask", "temperature"),
+        ({"temperature": 1.0, "top_k": 8, "logprobs": 8}, "logprobs", "logprobs=8; request logprobs=9"),
+        ({"temperature": 1.0, "top_k": 8, "logprobs": True, "top_logprobs": 8}, "logprobs", "top_logprobs=9"),
+        ({"temperature": 1.0, "top_k": 8}, "logprobs", "logprobs=None"),
+        ({"temperature": 1.0, "top_k": 8, "logprobs": 9, "presence_penalty": 0.5}, "logprobs", "presence_penalty"),
+    ],
+)
+def test_request_prerequisites_name_the_field(params, path, match):
+    with pytest.raises(ValueError, match=match):
+        check_vllm_request(params, path=path)
+
+
+def test_request_prerequisites_accept_what_vllm_needs():
+    assert check_vllm_request({"temperature": 1.0, "top_k": 8}, path="mask")["top_k"] == 8
+    assert check_vllm_request({"temperature": 1.0, "top_k": 8, "logprobs": -1}, path="logprobs")["top_k"] == 8
+    assert check_vllm_request({"temperature": 0.7, "top_k": 8, "logprobs": True, "top_logprobs": 9}, path="logprobs")["temperature"] == 0.7
+
+
+def test_engine_prerequisites_name_the_flag():
+    class ModelConfig:  # vllm/config/model.py: the fields checked
+        logprobs_mode, return_sampling_mask, max_logprobs = "raw_logprobs", False, 20
+
+    class VllmConfig:
+        model_config, use_v2_model_runner = ModelConfig(), False
+
+    with pytest.raises(ValueError) as err:
+        check_vllm_engine(VllmConfig(), path="mask")
+    for flag in ("--logprobs-mode processed_logprobs", "--return-sampling-mask", "VLLM_USE_V2_MODEL_RUNNER=1"):
+        assert flag in str(err.value)
+    with pytest.raises(ValueError, match="--max-logprobs 65"):
+        check_vllm_engine({"logprobs_mode": "processed_logprobs", "max_logprobs": 20}, path="logprobs", top_k=64)
+    check_vllm_engine({"logprobs_mode": "processed_logprobs", "max_logprobs": -1}, path="logprobs", top_k=64)
+    check_vllm_engine({"logprobs_mode": "processed_logprobs", "return_sampling_mask": True, "use_v2_model_runner": True}, path="mask")
+
+
+def test_old_adapters_module_names_the_new_ones():
+    import sys
+
+    sys.modules.pop("nemo_replay.rollout.adapters", None)
+    with pytest.raises(ImportError, match=r"nemo_replay\.rollout\.vllm.*nemo_replay\.rollout\.sglang"):
+        importlib.import_module("nemo_replay.rollout.adapters")
+
+
+def test_capture_rows_are_what_the_engine_reports(steps):
+    """The simulated engine and capture agree: the fixture's supports are the sampler's."""
+    logits = torch.randn(N, V, generator=torch.Generator().manual_seed(11)) * 2
+    res = capture.sample(logits.double(), temperature=T, top_k=K, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    assert [set(int(t) for t in r if t >= 0) for r in res.support.values] == [set(s.mask) for s in steps]
