@@ -1,10 +1,10 @@
 """Async client for a generate endpoint that returns captured support and routes (docs/design.md §7).
 
-Request body (JSON)::
+Request body (wire format, :mod:`nemo_replay.rollout.wire`)::
 
-    {"input_ids": [int, ...],                       # the whole conversation so far
+    {"input_ids": <int32 [T]> | [int, ...],         # the whole conversation so far
      "sampling_params": {"temperature": 1.0, "top_k": 64, "top_p": 1.0, "min_p": 0.0,
-                         "max_new_tokens": 128},
+                         "ties": "index_order", "max_new_tokens": 128},
      "routes_start": 37 | null,                     # return routes from this token on
      "seed": 0 | null}
 
@@ -17,17 +17,25 @@ Response body (wire format, :mod:`nemo_replay.rollout.wire`)::
      "routes_start": int | null,
      "finish_reason": "stop" | "length"}
 
-Retries. A request is retried with exponential backoff (with jitter) on connection
-errors, timeouts, HTTP 429 and 5xx, and on bodies that fail to decode -- truncated or
-corrupted payloads raise a ``ValueError`` in the reader and are treated as transient, as
-a proxy cutting a body short is. Other 4xx answers are the caller's mistake and raise at
-once. The session is an explicit argument or owned by the client (``async with``).
+Retries. Only what can succeed on a second try is retried, with exponential backoff
+(with jitter, at least the server's ``Retry-After``): connection errors and bodies cut
+short in transit, timeouts, HTTP 429 (the server is full), 502, 503 and 504 (a proxy or
+a server not ready), and bodies the wire codec cannot decode -- truncated or corrupted
+in transit, as a proxy cutting a body short leaves them. Every other answer raises at
+once: a 4xx is the caller's mistake, a 500 or 501 the server's, and a response that
+decodes but fails validation (a sampled token outside its row) would fail again.
+
+Auth. With a token (``token=`` or the environment variable ``NEMO_REPLAY_GENERATE_TOKEN``)
+every request carries ``Authorization: Bearer <token>``.
+
+The session is an explicit argument or owned by the client (``async with``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
@@ -39,9 +47,13 @@ from nemo_replay.rollout.wire import WireError, dumps, loads, routes_from_wire, 
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["GenerateClient", "GenerateResult", "GenerateRequestError"]
+__all__ = ["GenerateClient", "GenerateResult", "GenerateRequestError", "RETRY_STATUSES"]
 
 logger = logging.getLogger(__name__)
+
+#: HTTP statuses that can succeed on retry.
+RETRY_STATUSES = frozenset((429, 502, 503, 504))
+_TOKEN_ENV = "NEMO_REPLAY_GENERATE_TOKEN"
 
 
 class GenerateRequestError(RuntimeError):
@@ -116,6 +128,7 @@ class GenerateClient:
         timeout_s: total time for one attempt.
         vocab_size: when given, support ids are checked against it.
         session: an ``aiohttp.ClientSession`` to use (not closed by the client).
+        token: bearer token; None reads ``NEMO_REPLAY_GENERATE_TOKEN`` (unset: none).
     """
 
     def __init__(
@@ -128,11 +141,19 @@ class GenerateClient:
         timeout_s: float = 600.0,
         vocab_size: Optional[int] = None,
         session: Optional[aiohttp.ClientSession] = None,
+        token: Optional[str] = None,
     ):
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts={max_attempts!r}: expected an int >= 1")
-        if backoff_s < 0 or max_backoff_s < 0:
-            raise ValueError(f"backoff_s={backoff_s}, max_backoff_s={max_backoff_s}: expected >= 0")
+        if not (backoff_s >= 0 and max_backoff_s >= 0 and timeout_s > 0):
+            raise ValueError(
+                f"backoff_s={backoff_s}, max_backoff_s={max_backoff_s}, timeout_s={timeout_s}: expected delays >= 0 "
+                f"and a timeout > 0"
+            )
+        token = os.environ.get(_TOKEN_ENV) if token is None else token
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self.base_url = base_url.rstrip("/")
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
@@ -159,8 +180,9 @@ class GenerateClient:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         return self._session
 
-    def _delay(self, retry: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2**retry) * random.uniform(0.5, 1.0)
+    def _delay(self, retry: int, retry_after: float = 0.0) -> float:
+        jittered = min(self.max_backoff_s, self.backoff_s * 2**retry) * random.uniform(0.5, 1.0)
+        return max(jittered, min(retry_after, self.max_backoff_s))
 
     async def post(self, path: str, payload: Any, *, parse=None) -> Any:
         """POST ``payload`` (wire-encoded) and return the decoded body.
@@ -168,33 +190,38 @@ class GenerateClient:
         Args:
             path: e.g. ``"/generate"``.
             payload: JSON value; tensors inside travel as envelopes.
-            parse: optional ``body -> result`` run inside the retry loop; a ``ValueError``
-                from it (a malformed body) is retried like a transport error.
+            parse: optional ``body -> result`` check of a decoded body; a ``ValueError`` from
+                it is raised at once (a valid body that fails validation would fail again).
         """
         data = dumps(payload)
         url = f"{self.base_url}/{path.lstrip('/')}"
         last: Optional[BaseException] = None
+        retry_after = 0.0
         for attempt in range(self.max_attempts):
             if attempt:
                 self.num_retries += 1
-                await asyncio.sleep(self._delay(attempt - 1))
+                await asyncio.sleep(self._delay(attempt - 1, retry_after))
+            retry_after = 0.0
             try:
-                async with self._get_session().post(
-                    url, data=data, headers={"Content-Type": "application/json"}, timeout=self.timeout
-                ) as resp:
+                async with self._get_session().post(url, data=data, headers=self._headers, timeout=self.timeout) as resp:
                     raw = await resp.read()
-                    if resp.status == 429 or resp.status >= 500:
+                    if resp.status in RETRY_STATUSES:
                         last = GenerateRequestError(f"{url} answered HTTP {resp.status}: {raw[:200]!r}")
+                        retry_after = _seconds(resp.headers.get("Retry-After"))
                     elif resp.status >= 400:
                         raise GenerateRequestError(
-                            f"{url} refused the request with HTTP {resp.status}: {raw[:500]!r} (not retried)"
+                            f"{url} answered HTTP {resp.status}: {raw[:500]!r} (not retried: it would fail again)"
                         )
                     else:
                         body = loads(raw)
-                        return parse(body) if parse is not None else body
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                # ValueError covers WireError: truncated / corrupted bodies are transient.
-                last = exc
+                        if parse is None:
+                            return body
+                        try:
+                            return parse(body)
+                        except ValueError as exc:
+                            raise GenerateRequestError(f"{url}: the response failed validation (not retried): {exc}") from exc
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, WireError) as exc:
+                last = exc  # the connection failed, or the body was cut or corrupted in transit
             logger.warning("%s: attempt %d of %d failed: %s", url, attempt + 1, self.max_attempts, last)
         raise GenerateRequestError(f"{url}: all {self.max_attempts} attempts failed; last error: {last}") from last
 
@@ -209,12 +236,48 @@ class GenerateClient:
         """Generate from ``input_ids`` (the whole conversation) and decode support and routes.
 
         Args:
-            input_ids: (T,) int tokens.
-            sampling_params: temperature, top_k, top_p, min_p, max_new_tokens.
+            input_ids: (T,) int tokens: a list of ints or a 1-D integer tensor (a float or a
+                bool is refused, never rounded); sent as an int32 array.
+            sampling_params: temperature, top_k, top_p, min_p, ties, max_new_tokens.
             routes_start: ask for routes of tokens from here on (a RouteTrace's
                 ``request_start``); None for no routes.
             seed: makes the engine's draws reproducible.
         """
-        ids = [int(t) for t in torch.as_tensor(input_ids).reshape(-1).tolist()]
-        payload = {"input_ids": ids, "sampling_params": dict(sampling_params), "routes_start": routes_start, "seed": seed}
+        if not isinstance(sampling_params, Mapping):
+            raise ValueError(f"sampling_params: expected a mapping, got {type(sampling_params).__name__}")
+        for name, value in (("routes_start", routes_start), ("seed", seed)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}={value!r}: expected an int or None")
+        payload = {
+            "input_ids": _token_array(input_ids),
+            "sampling_params": dict(sampling_params),
+            "routes_start": routes_start,
+            "seed": seed,
+        }
         return await self.post("/generate", payload, parse=lambda b: GenerateResult.from_body(b, vocab_size=self.vocab_size))
+
+
+def _token_array(input_ids: Any) -> torch.Tensor:
+    """(T,) int32 from a list of ints or a 1-D integer tensor; no coercion."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids: expected a 1-D integer tensor, got {input_ids.dtype} {list(input_ids.shape)}")
+        ids = input_ids.to(torch.int64).cpu()
+    elif isinstance(input_ids, (list, tuple)):
+        for i, t in enumerate(input_ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"input_ids[{i}]={t!r}: expected an int token id ({type(t).__name__} is not coerced)")
+        ids = torch.tensor(list(input_ids), dtype=torch.int64)
+    else:
+        raise ValueError(f"input_ids: expected a list of ints or an integer tensor, got {type(input_ids).__name__}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > torch.iinfo(torch.int32).max):
+        raise ValueError(f"input_ids: token ids must lie in [0, 2**31), got {int(ids.min())}..{int(ids.max())}")
+    return ids.to(torch.int32)
+
+
+def _seconds(value: Optional[str]) -> float:
+    """A ``Retry-After`` header in seconds (0 when absent or not a number of seconds)."""
+    try:
+        return max(0.0, float(value)) if value is not None else 0.0
+    except ValueError:
+        return 0.0

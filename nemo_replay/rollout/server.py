@@ -4,32 +4,157 @@ It runs a torch next-token model through :func:`nemo_replay.capture.sample` and 
 the request/response schema of :mod:`nemo_replay.rollout.client`. It is the reference
 endpoint for tests and single-host generation: it binds loopback addresses only.
 
-    async with GenerateServer(logits_fn, routes_fn=routes_fn, eos_id=2) as server:
+    async with GenerateServer(logits_fn, vocab_size=V, routes_fn=routes_fn, eos_id=2) as server:
         async with GenerateClient(server.url) as client:
             result = await client.generate([1, 5, 9], sampling_params={"temperature": 1.0, "top_k": 8})
 
 ``logits_fn(token_ids)`` gets the conversation so far, ``(T,) int64``, and returns the
 next-token logits ``(V,)`` float. ``routes_fn(token_ids)`` returns the routes
 ``(T, layers, topk)`` int the model's forward would take over those tokens.
+
+From the command line, serving the policy of a recipe (``model.pretrained=<path>`` for a
+checkpoint; otherwise the recipe's model built from its sizes)::
+
+    python -m nemo_replay.rollout.server [CONFIG] [key=value ...] --port 8000 --token SECRET
+
+Hardening, in the order a request meets it:
+
+1. **Auth** (optional): with a token (``token=``, ``--token`` or the environment variable
+   ``NEMO_REPLAY_GENERATE_TOKEN``) every request needs ``Authorization: Bearer <token>``,
+   compared in constant time (``hmac.compare_digest``); otherwise 401.
+2. **Admission**: at most ``max_concurrent`` requests run; the next one gets 429 with
+   ``Retry-After`` (the client retries it).
+3. **Body**: at most ``max_body_bytes`` (413 beyond), read into one buffer sized from its
+   Content-Length, and it must arrive within ``body_timeout_s`` (408 and the connection
+   closed). Memory per request is then a small multiple of its body: the body, its decoded
+   arrays (at most 3/4 of it; the client sends ``input_ids`` as an int32 envelope) and the
+   int64 conversation buffer -- about 3.7x the body for a long prompt -- plus the generated
+   rows, at most ``max_new_tokens_cap`` of them.
+4. **Validation**: every field is checked before use -- no unknown keys; ``input_ids`` ints
+   in ``[0, vocab_size)`` (a list of ints or an integer array; ``1.5`` or ``true`` is an
+   error, never coerced); ``sampling_params`` a mapping with known keys and typed values;
+   ``max_new_tokens`` an int in ``[1, max_new_tokens_cap]``; ``routes_start`` an int in the
+   prompt; ``seed`` an int. A bad field is a 400 naming it, never a 500.
+5. **Generation** runs one step at a time in a worker thread and stops as soon as the client
+   has gone (its connection closed), so an abandoned request holds no thread or memory.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import hmac
 import ipaddress
-from typing import Callable, Optional, Sequence, Union
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from aiohttp import web
 
-from nemo_replay.rollout.capture import sample
+from nemo_replay.rollout.capture import TIE_RULES, check_capture_settings, sample
 from nemo_replay.rollout.wire import WireError, dumps, loads, support_to_wire
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["GenerateServer"]
+__all__ = ["GenerateServer", "GenerateRequest", "parse_request", "TOKEN_ENV", "main"]
 
-_SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "max_new_tokens"}
+logger = logging.getLogger(__name__)
+
+#: The environment variable holding the bearer token (server and client).
+TOKEN_ENV = "NEMO_REPLAY_GENERATE_TOKEN"
+
+_FIELDS = {"input_ids", "sampling_params", "routes_start", "seed"}
+_SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "ties", "max_new_tokens"}
+
+
+def _strict_int(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}={value!r}: expected an int ({type(value).__name__} is not coerced)")
+    return value
+
+
+@dataclass
+class GenerateRequest:
+    """A validated request (schema: :mod:`nemo_replay.rollout.client`)."""
+
+    input_ids: Optional[torch.Tensor]  # (T,) integer, every id in [0, vocab_size); released once copied
+    sampling: dict  # keyword arguments of capture.sample
+    max_new_tokens: int
+    routes_start: Optional[int]
+    seed: Optional[int]
+
+
+def _input_ids(value: Any, vocab_size: int) -> torch.Tensor:
+    """(T,) integer ids, checked; an array keeps its wire dtype (no widened copy)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"input_ids: expected a 1-D integer array, got {value.dtype} {list(value.shape)}")
+        ids = value
+    elif isinstance(value, list):
+        ids = torch.tensor([_strict_int(t, f"input_ids[{i}]") for i, t in enumerate(value)], dtype=torch.int64)
+    else:
+        raise ValueError(f"input_ids: expected a list of token ids, got {type(value).__name__}")
+    if ids.numel() == 0:
+        raise ValueError("input_ids: empty; send the conversation so far (at least one token)")
+    # min/max in int64 scalars: no per-token temporaries, and no wrap of an unsigned array.
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        i = int(torch.nonzero((ids.to(torch.int64) < 0) | (ids.to(torch.int64) >= vocab_size))[0])
+        raise ValueError(f"input_ids[{i}]={int(ids[i])}: token ids must lie in [0, {vocab_size})")
+    return ids
+
+
+def _sampling(value: Any, cap: int) -> tuple[dict, int]:
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"sampling_params: expected an object with temperature (and top_k, top_p, min_p, ties, max_new_tokens), "
+            f"got {type(value).__name__}"
+        )
+    unknown = sorted(set(value) - _SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"sampling_params: unknown keys {unknown}; this endpoint takes {sorted(_SAMPLING_KEYS)}")
+    params = dict(value)
+    max_new = _strict_int(params.pop("max_new_tokens", 16), "sampling_params.max_new_tokens")
+    if not 1 <= max_new <= cap:
+        raise ValueError(f"sampling_params.max_new_tokens={max_new}: expected an int in [1, {cap}] (the server's cap)")
+    ties = params.setdefault("ties", "index_order")
+    if not isinstance(ties, str) or ties not in TIE_RULES:
+        raise ValueError(f"sampling_params.ties={ties!r}: expected one of {sorted(TIE_RULES)}")
+    for key in ("top_p", "min_p"):
+        if key in params and params[key] is None:
+            raise ValueError(f"sampling_params.{key}=None: send a number or leave the key out")
+    try:
+        check_capture_settings(
+            temperature=params.get("temperature"),
+            top_k=params.get("top_k"),
+            top_p=params.get("top_p", 1.0),
+            min_p=params.get("min_p", 0.0),
+            where="sampling_params",
+        )
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("set generation.", "set sampling_params.")) from None
+    return params, max_new
+
+
+def parse_request(body: Any, *, vocab_size: int, max_new_tokens_cap: int) -> GenerateRequest:
+    """Validate a decoded request body; every problem is a ``ValueError`` naming its field."""
+    if not isinstance(body, dict):
+        raise ValueError(f"request body: expected a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise ValueError(f"request body: unknown fields {unknown}; expected {sorted(_FIELDS)}")
+    if "input_ids" not in body:
+        raise ValueError("input_ids: missing; send the conversation so far as token ids")
+    ids = _input_ids(body["input_ids"], vocab_size)
+    sampling, max_new = _sampling(body.get("sampling_params"), max_new_tokens_cap)
+    start, seed = body.get("routes_start"), body.get("seed")
+    if start is not None and not 0 <= _strict_int(start, "routes_start") <= ids.numel():
+        raise ValueError(f"routes_start={start}: must lie in [0, {ids.numel()}] (the prompt)")
+    if seed is not None and not 0 <= _strict_int(seed, "seed") < 2**63:
+        raise ValueError(f"seed={seed}: expected an int in [0, 2**63)")
+    return GenerateRequest(ids, sampling, max_new, start, seed)
 
 
 def _join_supports(parts: list) -> Union[PackedTensor, RaggedSupport]:
@@ -41,15 +166,25 @@ def _join_supports(parts: list) -> Union[PackedTensor, RaggedSupport]:
     return RaggedSupport(steps.member_ids, steps.row_offsets, one_segment)
 
 
+def _error(status: int, message: str, **headers) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
 class GenerateServer:
-    """aiohttp ``POST /generate`` over a next-token model.
+    """aiohttp ``POST /generate`` over a next-token model (hardening: module doc).
 
     Args:
         logits_fn: ``(T,) int64 -> (V,) float`` next-token logits.
+        vocab_size: ``V``; request token ids must lie in ``[0, V)``.
         routes_fn: optional ``(T,) int64 -> (T, layers, topk) int`` routes.
         eos_id: generation stops after sampling it (finish_reason ``"stop"``).
         host: a loopback address.
         port: 0 picks a free port at start.
+        token: bearer token; None reads ``NEMO_REPLAY_GENERATE_TOKEN`` (unset: no auth).
+        max_new_tokens_cap: the largest ``max_new_tokens`` a request may ask for.
+        max_body_bytes: the largest request body.
+        body_timeout_s: a body must arrive within this many seconds.
+        max_concurrent: requests run at once; more get 429.
         middlewares: aiohttp middlewares (tests use them to disturb responses).
     """
 
@@ -57,23 +192,40 @@ class GenerateServer:
         self,
         logits_fn: Callable[[torch.Tensor], torch.Tensor],
         *,
+        vocab_size: int,
         routes_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         eos_id: Optional[int] = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        token: Optional[str] = None,
+        max_new_tokens_cap: int = 4096,
+        max_body_bytes: int = 16 << 20,
+        body_timeout_s: float = 30.0,
+        max_concurrent: int = 64,
         middlewares: Sequence = (),
     ):
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"GenerateServer: host={host!r} is not a loopback address; use 127.0.0.1 or ::1")
-        self.logits_fn = logits_fn
-        self.routes_fn = routes_fn
-        self.eos_id = eos_id
+        for name, value in (("vocab_size", vocab_size), ("max_new_tokens_cap", max_new_tokens_cap),
+                            ("max_body_bytes", max_body_bytes), ("max_concurrent", max_concurrent)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GenerateServer: {name}={value!r}, expected an int >= 1")
+        if not body_timeout_s > 0:
+            raise ValueError(f"GenerateServer: body_timeout_s={body_timeout_s!r}, expected > 0")
+        token = os.environ.get(TOKEN_ENV) if token is None else token
+        if token is not None and not token:
+            raise ValueError(f"GenerateServer: the bearer token is empty; pass a non-empty token or unset {TOKEN_ENV}")
+        self.logits_fn, self.routes_fn, self.eos_id, self.vocab_size = logits_fn, routes_fn, eos_id, vocab_size
         self.host, self.port = host, port
-        self._app = web.Application(middlewares=list(middlewares), client_max_size=1 << 30)
+        self.max_new_tokens_cap, self.body_timeout_s, self.max_concurrent = max_new_tokens_cap, body_timeout_s, max_concurrent
+        self._token = token.encode() if token else None
+        self._app = web.Application(middlewares=list(middlewares), client_max_size=max_body_bytes)
         self._app.router.add_post("/generate", self._handle)
         self._runner: Optional[web.AppRunner] = None
         self.url: Optional[str] = None
-        self.num_requests = 0
+        self.num_requests = 0  # requests received
+        self.num_active = 0  # requests running now
+        self.num_abandoned = 0  # generations stopped because their client left
 
     async def start(self) -> str:
         self._runner = web.AppRunner(self._app, access_log=None)
@@ -96,57 +248,175 @@ class GenerateServer:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    async def _handle(self, request: web.Request) -> web.Response:
-        self.num_requests += 1
-        try:
-            body = loads(await request.read())
-            reply = await asyncio.to_thread(self._generate, body)
-        except (WireError, ValueError) as exc:
-            return web.json_response({"error": str(exc)}, status=400)
-        return web.Response(body=dumps(reply), content_type="application/json")
+    # ------------------------------------------------------------------ phases of one request
+    def _authorized(self, request: web.Request) -> bool:
+        if self._token is None:
+            return True
+        given = request.headers.get("Authorization", "").encode()
+        return hmac.compare_digest(given, b"Bearer " + self._token)
 
-    def _generate(self, body: dict) -> dict:
-        """Run one request (schema: :mod:`nemo_replay.rollout.client`)."""
-        if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
-            raise ValueError("request needs a non-empty 'input_ids' list")
-        params = dict(body.get("sampling_params") or {})
-        unknown = set(params) - _SAMPLING_KEYS
-        if unknown:
-            raise ValueError(f"unknown sampling params {sorted(unknown)}; this endpoint takes {sorted(_SAMPLING_KEYS)}")
-        max_new = int(params.pop("max_new_tokens", 16))
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens={max_new}: expected >= 1")
-        seed = body.get("seed")
-        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        tokens = torch.tensor(body["input_ids"], dtype=torch.int64)
-        prompt_len = tokens.numel()
-        out_ids, out_lps, parts = [], [], []
-        finish = "length"
-        for _ in range(max_new):
-            logits = self.logits_fn(tokens)
-            res = sample(logits.reshape(1, -1), generator=gen, **params)
-            tok = int(res.ids[0])
-            out_ids.append(tok)
+    async def _read_body(self, request: web.Request) -> Union[bytearray, web.Response]:
+        try:
+            return await asyncio.wait_for(self._read_limited(request), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            resp = _error(408, f"request body did not arrive within {self.body_timeout_s} s")
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            if request.transport is not None:
+                request.transport.close()  # aiohttp would otherwise linger reading the body that is not coming
+            return resp
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body over the server's limit of {request.client_max_size} bytes")
+
+    async def _read_limited(self, request: web.Request) -> bytearray:
+        """The body in one buffer, sized from Content-Length when given (no second copy)."""
+        limit, size = request.client_max_size, request.content_length
+        if size is not None and size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        buf, at = bytearray(size or 0), 0
+        async for chunk in request.content.iter_chunked(1 << 20):
+            if at + len(chunk) > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=at + len(chunk))
+            if size is None:
+                buf += chunk
+            else:
+                buf[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        return buf
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.num_requests += 1
+        if not self._authorized(request):
+            return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)", **{"WWW-Authenticate": "Bearer"})
+        if self.num_active >= self.max_concurrent:
+            return _error(429, f"{self.max_concurrent} requests are running; retry shortly", **{"Retry-After": "1"})
+        self.num_active += 1
+        try:
+            raw = await self._read_body(request)
+            if isinstance(raw, web.Response):
+                return raw
+            try:
+                req = parse_request(loads(raw), vocab_size=self.vocab_size, max_new_tokens_cap=self.max_new_tokens_cap)
+            except ValueError as exc:  # WireError included
+                return _error(400, str(exc))
+            del raw  # the body is not needed once decoded
+            reply = await self._generate(request, req)
+            if reply is None:  # the client left; nobody reads an answer
+                self.num_abandoned += 1
+                return _error(499, "client closed the request")
+            return web.Response(body=dumps(reply), content_type="application/json")
+        finally:
+            self.num_active -= 1
+
+    def _gone(self, request: web.Request) -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
+    async def _generate(self, request: web.Request, req: GenerateRequest) -> Optional[dict]:
+        """Run one request step by step; None when the client disconnects midway.
+
+        The conversation lives in one int64 buffer of ``T + max_new_tokens`` tokens (the prompt
+        array is released once copied); each step hands ``logits_fn`` a view of its prefix.
+        """
+        gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+        T = req.input_ids.numel()
+        tokens = torch.empty(T + req.max_new_tokens, dtype=torch.int64)
+        tokens[:T] = req.input_ids
+        req.input_ids = None
+        n, out_lps, parts, finish = T, [], [], "length"
+        for _ in range(req.max_new_tokens):
+            if self._gone(request):
+                return None
+            res = await asyncio.to_thread(self._step, tokens[:n], req.sampling, gen)
+            tokens[n] = res.ids[0]
+            n += 1
             out_lps.append(res.logprobs)
             parts.append(res.support)
-            tokens = torch.cat([tokens, res.ids])
-            if self.eos_id is not None and tok == self.eos_id:
+            if self.eos_id is not None and int(res.ids[0]) == self.eos_id:
                 finish = "stop"
                 break
         reply = {
-            "output_ids": torch.tensor(out_ids, dtype=torch.int64),
+            "output_ids": tokens[T:n].clone(),
             "logprobs": torch.cat(out_lps),
             "support": support_to_wire(_join_supports(parts)),
             "finish_reason": finish,
             "routes": None,
             "routes_start": None,
         }
-        start = body.get("routes_start")
-        if start is not None and self.routes_fn is not None:
+        if req.routes_start is not None and self.routes_fn is not None:
             # The forward ran over every token but the last sampled one.
-            forwarded = tokens[:-1]
-            if not 0 <= int(start) <= prompt_len:
-                raise ValueError(f"routes_start={start} must lie in [0, {prompt_len}] (the prompt)")
-            reply["routes"] = self.routes_fn(forwarded)[int(start) :]
-            reply["routes_start"] = int(start)
+            reply["routes"] = self.routes_fn(tokens[: n - 1])[req.routes_start :]
+            reply["routes_start"] = req.routes_start
         return reply
+
+    def _step(self, tokens: torch.Tensor, sampling: dict, gen: Optional[torch.Generator]):
+        logits = self.logits_fn(tokens)
+        if logits.shape != (self.vocab_size,):
+            raise RuntimeError(f"logits_fn returned shape {tuple(logits.shape)}, expected ({self.vocab_size},) -- check vocab_size")
+        return sample(logits.reshape(1, -1), generator=gen, **sampling)
+
+
+# ---------------------------------------------------------------------------------- command line
+
+
+def server_from_args(argv: Sequence[str]) -> GenerateServer:
+    """Build (not start) the server of ``python -m nemo_replay.rollout.server`` (module doc)."""
+    parser = argparse.ArgumentParser(prog="python -m nemo_replay.rollout.server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", nargs="*", help="CONFIG and key=value overrides, as for nemo-replay train")
+    parser.add_argument("--host", default="127.0.0.1", help="a loopback address")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--token", default=None, help=f"bearer token clients must send (default: ${TOKEN_ENV}, unset: none)")
+    parser.add_argument("--max-new-tokens-cap", type=int, default=4096)
+    parser.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    parser.add_argument("--body-timeout-s", type=float, default=30.0)
+    parser.add_argument("--max-concurrent", type=int, default=64)
+    args = parser.parse_args(list(argv))
+
+    from nemo_replay.config.loading import load_config
+    from nemo_replay.trainer.hf_backend import build_hf_model
+
+    recipe = list(args.recipe)
+    config = recipe.pop(0) if recipe and "=" not in recipe[0] else None  # as nemo-replay train reads it
+    cfg = load_config(config, recipe)
+    torch.manual_seed(cfg.trainer.seed)
+    model = build_hf_model(cfg).eval()
+
+    @torch.no_grad()
+    def logits_fn(tokens: torch.Tensor) -> torch.Tensor:
+        return model(tokens[None]).logits[0, -1].float()
+
+    return GenerateServer(
+        logits_fn,
+        vocab_size=cfg.model.vocab_size,
+        eos_id=cfg.generation.stop_token_id,
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        max_new_tokens_cap=args.max_new_tokens_cap,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
+        max_concurrent=args.max_concurrent,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    server = server_from_args(sys.argv[1:] if argv is None else argv)
+
+    async def serve() -> None:
+        url = await server.start()
+        print(f"serving POST {url}/generate (auth: {'bearer token' if server._token else 'none'})", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await server.stop()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

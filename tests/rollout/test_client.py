@@ -72,7 +72,7 @@ def disturb_first(n_bad: int, how: str):
 
 
 async def one_request(how, n_bad, *, max_attempts=4, prompt=(5, 6, 7)):
-    async with GenerateServer(logits_fn, routes_fn=routes_fn, eos_id=EOS, middlewares=[disturb_first(n_bad, how)]) as server:
+    async with GenerateServer(logits_fn, vocab_size=V, routes_fn=routes_fn, eos_id=EOS, middlewares=[disturb_first(n_bad, how)]) as server:
         assert server.url.startswith("http://127.0.0.1:")
         async with GenerateClient(server.url, max_attempts=max_attempts, backoff_s=0.01, vocab_size=V) as client:
             try:
@@ -104,7 +104,7 @@ def test_ragged_support_travels_as_one_segment():
     params = {"temperature": 0.9, "top_p": 0.8, "max_new_tokens": 6}  # no top_k: CSR rows
 
     async def go():
-        async with GenerateServer(logits_fn, eos_id=EOS) as server:
+        async with GenerateServer(logits_fn, vocab_size=V, eos_id=EOS) as server:
             async with GenerateClient(server.url, vocab_size=V) as client:
                 return await client.generate([5, 6, 7], sampling_params=params, seed=4)
 
@@ -129,7 +129,7 @@ def test_client_gives_up_after_max_attempts():
 
 def test_client_does_not_retry_a_refused_request():
     async def run():
-        async with GenerateServer(logits_fn, eos_id=EOS) as server:
+        async with GenerateServer(logits_fn, vocab_size=V, eos_id=EOS) as server:
             async with GenerateClient(server.url, backoff_s=0.01) as client:
                 with pytest.raises(GenerateRequestError, match="HTTP 400.*temperature"):
                     await client.generate([1, 2], sampling_params={"temperature": 0.0, "top_k": 4})
@@ -140,7 +140,7 @@ def test_client_does_not_retry_a_refused_request():
 
 def test_server_binds_loopback_only():
     with pytest.raises(ValueError, match="loopback"):
-        GenerateServer(logits_fn, host="0.0.0.0")
+        GenerateServer(logits_fn, vocab_size=V, host="0.0.0.0")
 
 
 def test_multi_turn_rollout_over_loopback_traces_support_and_routes():
@@ -152,7 +152,7 @@ def test_multi_turn_rollout_over_loopback_traces_support_and_routes():
         conversation = list(prompt)
         routes.add_tokens(len(prompt))
         starts = []
-        async with GenerateServer(logits_fn, routes_fn=routes_fn, eos_id=EOS) as server:
+        async with GenerateServer(logits_fn, vocab_size=V, routes_fn=routes_fn, eos_id=EOS) as server:
             async with GenerateClient(server.url, backoff_s=0.01, vocab_size=V) as client:
                 for t in range(3):
                     start = routes.request_start
@@ -175,3 +175,37 @@ def test_multi_turn_rollout_over_loopback_traces_support_and_routes():
     out = routes.finish(support.loss_mask)
     full = routes_fn(torch.tensor(conversation))
     assert torch.equal(out[:-1], full[:-1]) and (out[-1] == -1).all()
+
+
+def test_uint8_routes_travel_through_the_client():
+    # Engines narrow MoE routes to uint8; every wire check widens before comparing with -1.
+    def uint8_routes(tokens):
+        return routes_fn(tokens).to(torch.uint8)
+
+    async def go():
+        async with GenerateServer(logits_fn, vocab_size=V, routes_fn=uint8_routes, eos_id=EOS) as server:
+            async with GenerateClient(server.url, vocab_size=V) as client:
+                return await client.generate([5, 6, 7], sampling_params=PARAMS, routes_start=1, seed=3)
+
+    result = asyncio.run(go())
+    forwarded = torch.cat([torch.tensor([5, 6, 7]), result.output_ids])[:-1]
+    assert result.routes.dtype == torch.uint8 and torch.equal(result.routes, uint8_routes(forwarded)[1:])
+
+
+def test_a_response_that_fails_validation_is_not_retried():
+    @web.middleware
+    async def misalign(request, handler):  # a server bug: the support of another response
+        resp = await handler(request)
+        body = json.loads(resp.body)
+        body["output_ids"] = {"data": "AQAAAAAAAAA=", "shape": [1], "dtype": "int64"}
+        body["logprobs"] = {"data": "AAAAAA==", "shape": [1], "dtype": "float32"}
+        return web.Response(body=json.dumps(body).encode(), content_type="application/json")
+
+    async def go():
+        async with GenerateServer(logits_fn, vocab_size=V, middlewares=[misalign]) as server:
+            async with GenerateClient(server.url, backoff_s=0.01) as client:
+                with pytest.raises(GenerateRequestError, match="failed validation \\(not retried\\)"):
+                    await client.generate([5], sampling_params={**PARAMS, "max_new_tokens": 3}, seed=0)
+                return client.num_retries, server.num_requests
+
+    assert asyncio.run(go()) == (0, 1)
