@@ -33,6 +33,7 @@ from nemo_replay.support.ragged import RaggedSupport
 __all__ = ["collate_support", "collate_routes"]
 
 Support = Union[PackedTensor, RaggedSupport]
+_INT32_MAX = torch.iinfo(torch.int32).max
 SegmentLike = Union[torch.Tensor, PackedTensor, RaggedSupport, SupportTrace]
 
 
@@ -59,6 +60,16 @@ def _segment(item: SegmentLike, i: int) -> Support:
             f"collation: trajectory {i} rows have dtype {seg.dtype}, expected integer token ids; pass the "
             f"sampler's int32 rows unchanged"
         )
+    if isinstance(seg, PackedTensor) and seg.values.numel():
+        # Also before the cast: int64 2**32 + 5 would wrap to a valid-looking 5. Widened first,
+        # so a uint8 row is never compared with -1 as 255.
+        wide = seg.values.to(torch.int64)
+        lo, hi = int(wide.min()), int(wide.max())
+        if lo < -1 or hi > _INT32_MAX:
+            raise ValueError(
+                f"collation: trajectory {i} rows hold {lo if lo < -1 else hi}, outside [-1, 2**31); token ids are "
+                f"int32 with -1 padding"
+            )
     return seg
 
 
@@ -135,7 +146,11 @@ def collate_support(
     if sampled_ids is not None:
         if len(sampled_ids) != len(segs):
             raise ValueError(f"collation: {len(sampled_ids)} sampled-id sequences for {len(segs)} trajectories")
-        parts = [torch.as_tensor(s).reshape(-1).to(torch.int64).cpu() for s in sampled_ids]
+        parts = [torch.as_tensor(s).reshape(-1) for s in sampled_ids]
+        for i, p in enumerate(parts):
+            if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+                raise ValueError(f"collation: trajectory {i} sampled ids have dtype {p.dtype}, expected integer token ids")
+        parts = [p.to(torch.int64).cpu() for p in parts]
         for i, (p, s) in enumerate(zip(parts, segs)):
             n = s.num_rows
             if p.numel() != n:
@@ -180,8 +195,9 @@ def collate_routes(
         if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.dtype.is_floating_point or r.dtype == torch.bool:
             got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
             raise ValueError(f"collation: trajectory {i} routes must be an int [L_i, layers, topk] tensor, got {got}")
-        if r.numel() and r.min() < -1:
-            raise ValueError(f"collation: trajectory {i} routes hold expert id {int(r.min())} < -1")
+        low = int(r.to(torch.int64).min()) if r.numel() else 0  # widened: uint8 routes never meet -1 as 255
+        if low < -1:
+            raise ValueError(f"collation: trajectory {i} routes hold expert id {low} < -1")
     shapes = {tuple(r.shape[1:]) for r in per_trajectory}
     if len(shapes) > 1:
         raise ValueError(f"collation: trajectories have different route shapes [layers, topk]: {sorted(shapes)}")

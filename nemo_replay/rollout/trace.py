@@ -43,6 +43,8 @@ __all__ = ["TokenAlignedAccumulator", "SupportTrace", "RouteTrace"]
 
 RowsLike = Union[torch.Tensor, PackedTensor, RaggedSupport, Sequence[Sequence[int]]]
 
+_INT32_MAX = torch.iinfo(torch.int32).max
+
 # Kinds of response tokens in a SupportTrace.
 _SAMPLED, _OBSERVATION, _SYNTHETIC_EOS = 0, 1, 2
 
@@ -163,13 +165,24 @@ class SupportTrace:
                     f"{where}: rows have dtype {values.dtype}, expected integer token ids; pass the sampler's "
                     f"int32 rows unchanged"
                 )
+            if values.numel():
+                # Also before the cast: int64 2**32 + 5 would wrap to 5. Widened, never compared as uint8.
+                wide = values.to(torch.int64)
+                lo, hi = int(wide.min()), int(wide.max())
+                if lo < -1 or hi > _INT32_MAX:
+                    raise ValueError(f"{where}: rows hold {lo if lo < -1 else hi}, outside [-1, 2**31)")
             return values.to(torch.int32).cpu()
         if isinstance(rows, RaggedSupport):
             ragged = rows
         elif isinstance(rows, (torch.Tensor, PackedTensor)):
             raise ValueError(f"{where}: this trace holds ragged rows; pass a RaggedSupport or a list of id lists")
         else:
-            ragged = RaggedSupport.from_rows([list(rows)])
+            lists = [list(r) for r in rows]
+            for j, r in enumerate(lists):
+                for t in r:
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT32_MAX:
+                        raise ValueError(f"{where}: row {j} holds {t!r}, expected int token ids in [0, 2**31)")
+            ragged = RaggedSupport.from_rows([lists])
         if ragged.num_rows != n:
             raise ValueError(f"{where}: {ragged.num_rows} support rows for {n} sampled tokens; expected one per token")
         return ragged.member_ids.to(torch.int32).cpu(), ragged.row_lengths.cpu()
@@ -368,6 +381,16 @@ class RouteTrace:
     """
 
     def __init__(self, *, num_layers: int, topk: int, dtype: torch.dtype = torch.int32):
+        for name, value in (("num_layers", num_layers), ("topk", topk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RouteTrace: {name}={value!r}, expected an int >= 1")
+        if dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+            raise ValueError(
+                f"RouteTrace: dtype={dtype} must be a signed integer dtype (torch.int8/16/32/64): routes use -1 for "
+                f"'no route', which an unsigned dtype would store as its maximum. Routes an engine sends as uint8 are "
+                f"widened on add_request"
+            )
+        self.dtype = dtype
         self._routes = TokenAlignedAccumulator((num_layers, topk), dtype, fill=-1)
         self._num_tokens = 0
         self._requests = 0
@@ -392,7 +415,8 @@ class RouteTrace:
         """Add one request's routes.
 
         Args:
-            routes: (m, layers, topk), routes of tokens ``[start, start + m)``.
+            routes: (m, layers, topk), any integer dtype (an engine's uint8 routes too): routes
+                of tokens ``[start, start + m)``; cast to the trace's dtype after a range check.
             start: where the engine's routes begin; must equal :attr:`request_start`.
             num_generated: tokens the request generated (0 for a prefill-only request).
                 They join the conversation now. ``m`` must reach the last token the forward
@@ -418,9 +442,23 @@ class RouteTrace:
                 f"{where}: got {m} route rows from token {start} for a conversation of {total} tokens; "
                 f"expected {' or '.join(map(str, sorted(allowed)))} (every token the forward ran over)"
             )
-        self._routes.append(routes, where=where)
+        self._routes.append(self._cast(routes, where), where=where)
         self._num_tokens = total
         self._requests += 1
+
+    def _cast(self, routes: torch.Tensor, where: str) -> torch.Tensor:
+        """``routes`` in the trace's dtype; values checked in int64 against ``[-1, dtype max]``."""
+        if routes.dtype.is_floating_point or routes.dtype.is_complex or routes.dtype == torch.bool:
+            raise ValueError(f"{where}: routes have dtype {routes.dtype}, expected integer expert ids")
+        if routes.dtype == self.dtype or routes.numel() == 0:
+            return routes.to(self.dtype)
+        wide = routes.to(torch.int64)
+        lo, hi = int(wide.min()), int(wide.max())
+        if lo < -1:
+            raise ValueError(f"{where}: routes hold expert id {lo}; expert ids are >= 0, or -1 for none")
+        if hi > torch.iinfo(self.dtype).max:
+            raise ValueError(f"{where}: expert id {hi} does not fit the trace's {self.dtype}; build the RouteTrace with a wider dtype")
+        return wide.to(self.dtype)
 
     def finish(self, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The routes of all tokens, ``(num_tokens, layers, topk)``, ``-1`` where none was recorded.

@@ -120,3 +120,18 @@ def test_routes_collate_and_check_sequence_lengths():
         collate_routes([r[0], torch.zeros(3, 2, 3, dtype=torch.int16)], sequence_lengths=[5, 3])
     with pytest.raises(ValueError, match=r"int \[L_i, layers, topk\]"):
         collate_routes([r[0].float()], sequence_lengths=[5])
+
+
+def test_integer_checks_widen_and_never_narrow_silently():
+    # uint8 routes (engines narrow expert ids to a byte): compared with -1 only after widening.
+    r8 = [torch.randint(0, 8, (n, 2, 2), dtype=torch.uint8) for n in (3, 4)]
+    out = collate_routes(r8, sequence_lengths=[3, 4])
+    assert out.values.dtype == torch.uint8 and torch.equal(out.values, torch.cat(r8))
+    with pytest.raises(ValueError, match="expert id -2 < -1"):
+        collate_routes([torch.full((2, 1, 1), -2, dtype=torch.int8)], sequence_lengths=[2])
+    # int64 rows are range-checked before the cast to int32, which would wrap 2**32 + 5 to 5.
+    rows = torch.tensor([[5, 2**32 + 5]], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"trajectory 0 rows hold 4294967301, outside \[-1, 2\*\*31\)"):
+        collate_support([rows], response_lengths=[1], sampled_ids=[torch.tensor([5])])
+    with pytest.raises(ValueError, match="trajectory 0 sampled ids have dtype torch.float32"):
+        collate_support([torch.tensor([[5, 1]], dtype=torch.int32)], response_lengths=[1], sampled_ids=[torch.tensor([5.4])])

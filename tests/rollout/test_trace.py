@@ -205,3 +205,32 @@ def test_accumulator_fill_counts_are_non_negative_ints(count):
     acc.append_fill(0)
     acc.append(torch.tensor([[5, 6]], dtype=torch.int32))
     assert acc.values().tolist() == [[1, 2], [3, 4], [5, 6]]
+
+
+def test_route_trace_keeps_minus_one_representable_and_widens_engine_routes():
+    # -1 ("no route") does not exist in an unsigned dtype: uint8 would pad with 255.
+    with pytest.raises(ValueError, match="dtype=torch.uint8.*signed integer dtype"):
+        RouteTrace(num_layers=1, topk=2, dtype=torch.uint8)
+    trace = RouteTrace(num_layers=1, topk=2, dtype=torch.int16)
+    trace.add_tokens(3)
+    engine_routes = torch.tensor([[[0, 7]], [[255, 3]], [[1, 2]]], dtype=torch.uint8)  # an engine's byte-wide ids
+    trace.add_request(engine_routes, start=0, num_generated=1)
+    out = trace.finish()
+    assert out.dtype == torch.int16 and out[:3].tolist() == engine_routes.tolist() and out[3].tolist() == [[-1, -1]]
+    small = RouteTrace(num_layers=1, topk=1, dtype=torch.int8)
+    small.add_tokens(1)
+    with pytest.raises(ValueError, match=r"expert id 300 does not fit the trace's torch.int8"):
+        small.add_request(torch.tensor([[[300]]]), start=0, num_generated=0)
+    with pytest.raises(ValueError, match=r"expert id -2"):
+        small.add_request(torch.tensor([[[-2]]]), start=0, num_generated=0)
+
+
+def test_support_rows_are_range_checked_before_the_int32_cast():
+    trace = SupportTrace(top_k=2)
+    with pytest.raises(ValueError, match=r"rows hold 4294967301, outside \[-1, 2\*\*31\)"):
+        trace.add_turn([5], torch.tensor([[5, 2**32 + 5]], dtype=torch.int64))
+    ragged = SupportTrace(top_k=None)
+    with pytest.raises(ValueError, match=r"row 0 holds 1.5, expected int token ids"):
+        ragged.add_turn([5], [[5, 1.5]])
+    with pytest.raises(ValueError, match=r"row 0 holds True, expected int token ids"):
+        ragged.add_turn([5], [[5, True]])
