@@ -73,6 +73,16 @@ def validate_support(
         vocab_size: ids must be below it when given.
         where: names the boundary in error messages.
     """
+    if not isinstance(support, (PackedTensor, RaggedSupport, torch.Tensor)):
+        raise ValueError(
+            f"{where}: support must be fixed-width rows (a PackedTensor or an int [rows, k] tensor) or a "
+            f"RaggedSupport, got {type(support).__name__}"
+        )
+    if sampled_ids is not None:
+        sampled_ids = torch.as_tensor(sampled_ids)
+        if sampled_ids.dtype.is_floating_point or sampled_ids.dtype.is_complex or sampled_ids.dtype == torch.bool:
+            # A float id would be truncated on the way to int64 and could pass as a member.
+            raise ValueError(f"{where}: sampled_ids have dtype {sampled_ids.dtype}, expected integer token ids")
     if isinstance(support, RaggedSupport):
         support.validate(vocab_size=vocab_size, where=where)
         if sampled_ids is not None:

@@ -143,6 +143,8 @@ class GenerateClient:
         session: Optional[aiohttp.ClientSession] = None,
         token: Optional[str] = None,
     ):
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url={base_url!r}: expected an http(s) URL such as 'http://127.0.0.1:8000'")
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts={max_attempts!r}: expected an int >= 1")
         if not (backoff_s >= 0 and max_backoff_s >= 0 and timeout_s > 0):

@@ -86,7 +86,12 @@ def _batch_index(index, num_trajectories: int) -> torch.Tensor:
 
 
 def _check_lengths(have: torch.Tensor, want, index: torch.Tensor, what: str, rows: str, fix: str) -> None:
-    want = torch.as_tensor(want, dtype=torch.int64).cpu()
+    if want is None:
+        raise ValueError(f"collation: the trainer's {what}s are required, one per batch position; got None")
+    want = torch.as_tensor(want)
+    if want.dtype.is_floating_point or want.dtype.is_complex or want.dtype == torch.bool:
+        raise ValueError(f"collation: {what}s have dtype {want.dtype}, expected integers")
+    want = want.to(torch.int64).cpu()
     if want.shape != index.shape:
         raise ValueError(f"collation: {what} has shape {tuple(want.shape)}, expected ({index.numel()},) in batch order")
     got = have.cpu()[index]

@@ -204,6 +204,8 @@ class GenerateServer:
         max_concurrent: int = 64,
         middlewares: Sequence = (),
     ):
+        if not callable(logits_fn) or (routes_fn is not None and not callable(routes_fn)):
+            raise ValueError("GenerateServer: logits_fn (and routes_fn when given) must be callable: (T,) int64 -> logits")
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"GenerateServer: host={host!r} is not a loopback address; use 127.0.0.1 or ::1")
         for name, value in (("vocab_size", vocab_size), ("max_new_tokens_cap", max_new_tokens_cap),

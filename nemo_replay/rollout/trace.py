@@ -63,6 +63,10 @@ class TokenAlignedAccumulator:
     """
 
     def __init__(self, row_shape: Sequence[int], dtype: torch.dtype, *, fill=0, capacity: int = 64):
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"TokenAlignedAccumulator: dtype={dtype!r}, expected a torch.dtype")
+        if not isinstance(row_shape, (tuple, list, torch.Size)) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in row_shape):
+            raise ValueError(f"TokenAlignedAccumulator: row_shape={row_shape!r}, expected a tuple of ints >= 0")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"TokenAlignedAccumulator: capacity={capacity!r}, expected an int >= 0")
         self.row_shape = tuple(int(s) for s in row_shape)
@@ -115,6 +119,8 @@ class TokenAlignedAccumulator:
 
 
 def _as_ids(token_ids, where: str) -> torch.Tensor:
+    if token_ids is None:
+        raise ValueError(f"{where}: token ids are required, got None")
     t = torch.as_tensor(token_ids)
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
         raise ValueError(f"{where}: token ids must be a 1-D integer sequence, got {t.dtype} {tuple(t.shape)}")

@@ -86,6 +86,8 @@ __all__ = [
 VLLM_FILTERED_LOGPROB = -9999.0
 
 _PATHS = ("mask", "logprobs")
+#: vLLM 0.33's defaults for the engine arguments checked (vllm/config/model.py).
+_VLLM_DEFAULTS = {"logprobs_mode": "raw_logprobs", "return_sampling_mask": False, "max_logprobs": 20}
 
 
 def _filtered(lp: float) -> bool:
@@ -100,9 +102,11 @@ def check_vllm_engine(config: Any, *, path: str, top_k: Optional[int] = None) ->
 
     Args:
         config: ``llm.llm_engine.vllm_config`` (a ``VllmConfig``: ``.model_config`` and
-            ``.use_v2_model_runner``), its ``model_config``, or a mapping of engine
-            arguments (``{"logprobs_mode": ..., "return_sampling_mask": ..., "max_logprobs":
-            ..., "use_v2_model_runner": ...}``; keys left out are not checked).
+            ``.use_v2_model_runner``), or a mapping of engine arguments (``logprobs_mode``,
+            ``return_sampling_mask``, ``max_logprobs``, ``use_v2_model_runner``). A key left
+            out of the mapping takes vLLM's default (``vllm/config/model.py``: raw log-probs,
+            no sampling mask, 20 log-probs); ``use_v2_model_runner`` has none (it depends on
+            ``VLLM_USE_V2_MODEL_RUNNER`` and the platform), so the mask path needs it stated.
         path: ``"mask"`` (sampling masks) or ``"logprobs"`` (processed log-probs).
         top_k: the requests' top_k; with ``path="logprobs"`` checks ``--max-logprobs``.
 
@@ -112,25 +116,36 @@ def check_vllm_engine(config: Any, *, path: str, top_k: Optional[int] = None) ->
     if path not in _PATHS:
         raise ValueError(f"check_vllm_engine: path={path!r}, expected one of {_PATHS}")
     if isinstance(config, Mapping):
-        get, v2 = config.get, config.get("use_v2_model_runner")
-    else:
-        v2 = getattr(config, "use_v2_model_runner", None)
+        values, v2 = {**_VLLM_DEFAULTS, **config}, config.get("use_v2_model_runner")
+    elif hasattr(config, "model_config") or all(hasattr(config, k) for k in _VLLM_DEFAULTS):
         model = getattr(config, "model_config", config)
-        get = lambda k: getattr(model, k, None)  # noqa: E731
+        missing = [k for k in _VLLM_DEFAULTS if not hasattr(model, k)]
+        if missing:
+            raise ValueError(f"check_vllm_engine: the model config has no {missing}; pass llm.llm_engine.vllm_config")
+        values, v2 = {k: getattr(model, k) for k in _VLLM_DEFAULTS}, getattr(config, "use_v2_model_runner", None)
+    else:
+        raise ValueError(
+            f"check_vllm_engine: expected llm.llm_engine.vllm_config or a mapping of engine arguments, got "
+            f"{type(config).__name__}"
+        )
     errors = []
-    mode = get("logprobs_mode")
-    if mode is not None and mode != "processed_logprobs":
+    if values["logprobs_mode"] != "processed_logprobs":
         errors.append(
-            f"logprobs_mode={mode!r}: supports come from the processed distribution; start vLLM with "
-            f"--logprobs-mode processed_logprobs (LLM(logprobs_mode='processed_logprobs'))"
+            f"logprobs_mode={values['logprobs_mode']!r}: supports come from the processed distribution; start vLLM "
+            f"with --logprobs-mode processed_logprobs (LLM(logprobs_mode='processed_logprobs'))"
         )
     if path == "mask":
-        if get("return_sampling_mask") is False:
-            errors.append("return_sampling_mask=False: start vLLM with --return-sampling-mask (LLM(return_sampling_mask=True))")
-        if v2 is False:
+        if values["return_sampling_mask"] is not True:
+            errors.append("return_sampling_mask is off: start vLLM with --return-sampling-mask (LLM(return_sampling_mask=True))")
+        if v2 is None:
+            errors.append(
+                "Model Runner V2 cannot be confirmed: pass llm.llm_engine.vllm_config, or use_v2_model_runner in the "
+                "mapping; sampling masks need VLLM_USE_V2_MODEL_RUNNER=1"
+            )
+        elif v2 is not True:
             errors.append("the V1 model runner is active: sampling masks need Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1")
-    max_lp = get("max_logprobs")
-    if path == "logprobs" and top_k is not None and max_lp is not None and max_lp != -1 and max_lp < top_k + 1:
+    max_lp = values["max_logprobs"]
+    if path == "logprobs" and top_k is not None and max_lp != -1 and max_lp < top_k + 1:
         errors.append(
             f"max_logprobs={max_lp}: requests need logprobs={top_k + 1} (top_k + 1, so a filtered entry closes "
             f"each list); start vLLM with --max-logprobs {top_k + 1}"

@@ -110,6 +110,8 @@ def encode_array(array: Union[torch.Tensor, np.ndarray]) -> bytes:
     Args:
         array: any shape, a dtype from :data:`WIRE_DTYPES` (a numpy array is converted).
     """
+    if not isinstance(array, (torch.Tensor, np.ndarray)):
+        raise WireError(f"wire encode: expected a tensor or numpy array, got {type(array).__name__}")
     t = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
     if t.dtype not in _NAMES:
         raise WireError(f"wire encode: dtype {t.dtype} is not on the allow-list {sorted(WIRE_DTYPES)}")
@@ -230,6 +232,8 @@ def _decode_b64(b64: Union[memoryview, bytes, str], shape: tuple[int, ...], dtyp
 
 def decode_envelope(obj: dict, *, where: str = "wire decode") -> torch.Tensor:
     """Decode an envelope already parsed by ``json`` (the fallback path)."""
+    if not isinstance(obj, dict):
+        raise WireError(f"{where}: expected an envelope object {{data, shape, dtype}}, got {type(obj).__name__}")
     shape, dtype = _check_header(obj.get("shape"), obj.get("dtype"), where)
     data = obj.get("data")
     if not isinstance(data, str):
@@ -329,6 +333,9 @@ def support_to_wire(support: Union[PackedTensor, RaggedSupport, torch.Tensor]) -
         if support.batch_size != 1:
             raise WireError(f"wire encode: send one response's support at a time, got {support.batch_size} segments")
         support = support.values
+    if not isinstance(support, torch.Tensor) or support.dim() != 2:
+        got = f"a {support.dim()}-D tensor" if isinstance(support, torch.Tensor) else type(support).__name__
+        raise WireError(f"wire encode: support must be a PackedTensor, a RaggedSupport or int [n, k] rows, got {got}")
     return {"rows": support.to(torch.int32)}
 
 

@@ -246,6 +246,13 @@ def test_engine_prerequisites_name_the_flag():
         check_vllm_engine({"logprobs_mode": "processed_logprobs", "max_logprobs": 20}, path="logprobs", top_k=64)
     check_vllm_engine({"logprobs_mode": "processed_logprobs", "max_logprobs": -1}, path="logprobs", top_k=64)
     check_vllm_engine({"logprobs_mode": "processed_logprobs", "return_sampling_mask": True, "use_v2_model_runner": True}, path="mask")
+    # Left-out keys are vLLM's defaults, not skipped checks; nothing to check is an error, not a pass.
+    with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs'"):
+        check_vllm_engine({"max_logprobs": 100}, path="logprobs", top_k=8)
+    with pytest.raises(ValueError, match="Model Runner V2 cannot be confirmed"):
+        check_vllm_engine({"logprobs_mode": "processed_logprobs", "return_sampling_mask": True}, path="mask")
+    with pytest.raises(ValueError, match="expected llm.llm_engine.vllm_config or a mapping"):
+        check_vllm_engine(None, path="logprobs")
 
 
 def test_old_adapters_module_names_the_new_ones():
