@@ -12,8 +12,10 @@ a support to a width, never guesses a missing member and never swaps a token in.
 support cannot be recorded exactly, the row is left empty, the position is *flagged* and
 counted by reason (:data:`FLAG_REASONS`), and a warning names the positions. An empty row
 means "no support recorded" (docs/design.md §2): leave flagged positions out of the loss
-(``loss_mask &= result.loss_mask``); the scorer refuses a trajectory with more than one
-loss-active position that lacks a row.
+(``loss_mask &= result.loss_mask``; ``SupportTrace.add_turn(ids, result)`` does it for a
+multi-turn trace). Left in, one would be scored over the full vocabulary like a synthetic
+EOS, and the scorer refuses a trajectory with more than one loss-active position that
+lacks a row.
 """
 
 from __future__ import annotations

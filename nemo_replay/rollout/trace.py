@@ -7,7 +7,9 @@ below append the new rows turn by turn into growing buffers of a fixed row schem
 :class:`SupportTrace` holds one support row per *response* token (the tokens after the
 first prompt), in the order they enter the conversation:
 
-- sampled tokens keep the engine's row (loss-active);
+- sampled tokens keep the engine's row (loss-active); a sampled token an engine adapter
+  flagged (its support could not be recorded, docs/design.md §7) keeps an empty row and is
+  not loss-active;
 - observation tokens get a padding row (all ``-1`` / empty; not loss-active);
 - a synthetic EOS the trainer appends gets a padding row (loss-active, scored over the
   full vocabulary, at most one and only last);
@@ -46,7 +48,7 @@ RowsLike = Union[torch.Tensor, PackedTensor, RaggedSupport, Sequence[Sequence[in
 _INT32_MAX = torch.iinfo(torch.int32).max
 
 # Kinds of response tokens in a SupportTrace.
-_SAMPLED, _OBSERVATION, _SYNTHETIC_EOS = 0, 1, 2
+_SAMPLED, _OBSERVATION, _SYNTHETIC_EOS, _FLAGGED = 0, 1, 2, 3  # _FLAGGED: sampled, support not recorded
 
 
 class TokenAlignedAccumulator:
@@ -149,7 +151,7 @@ class SupportTrace:
         else:
             self._members = TokenAlignedAccumulator((), torch.int32)
             self._lengths = TokenAlignedAccumulator((), torch.int64, fill=0)
-        self._pending_eos = None  # the stripped EOS's row, waiting for the EOS to reappear
+        self._pending_eos = None  # (row, kind) of the stripped EOS, waiting for the EOS to reappear
         self._closed = False
         self._turns = 0
 
@@ -228,9 +230,23 @@ class SupportTrace:
         pending, self._pending_eos = self._pending_eos, None
         if pending is None or first_token != self.eos_id:
             return False
-        self._append_tokens(torch.tensor([first_token]), _SAMPLED)
-        self._append_rows(pending)
+        row, kind = pending
+        self._append_tokens(torch.tensor([first_token]), kind)
+        self._append_rows(row)
         return True
+
+    def _flags(self, flagged, norm, n: int, where: str) -> torch.Tensor:
+        """(n,) bool flagged positions, whose rows must be empty."""
+        if flagged is None:
+            return torch.zeros(n, dtype=torch.bool)
+        flags = torch.as_tensor(flagged).cpu()
+        if flags.dtype != torch.bool or flags.shape != (n,):
+            raise ValueError(f"{where}: flagged must be a bool ({n},) mask, got {flags.dtype} {tuple(flags.shape)}")
+        filled = (norm != -1).any(1) if self.top_k is not None else norm[1] > 0
+        if (flags & filled).any():
+            j = int(torch.nonzero(flags & filled)[0])
+            raise ValueError(f"{where}: position {j} is flagged but its row is not empty; a flagged position has no support")
+        return flags
 
     # ------------------------------------------------------------------ turns
     def add_turn(
@@ -239,19 +255,28 @@ class SupportTrace:
         rows: RowsLike,
         *,
         response_ids=None,
+        flagged=None,
     ) -> None:
         """Append one engine turn.
 
         Args:
             sampled_ids: (n,) int, every token the engine sampled this turn.
             rows: their n support rows: int ``[n, top_k]`` (or a one-segment PackedTensor),
-                or for ragged traces a RaggedSupport of n rows / a list of n id lists.
+                or for ragged traces a RaggedSupport of n rows / a list of n id lists; or an
+                engine adapter's :class:`~nemo_replay.rollout.engine.EngineSupport`, whose
+                flagged positions are taken with it.
             response_ids: the tokens the generator keeps for the conversation, when it
                 differs from ``sampled_ids``: equal to ``sampled_ids`` with a final sampled
                 EOS stripped. That EOS's row then waits for the EOS to reappear.
+            flagged: (n,) bool, positions whose support was not recorded (empty rows): they
+                stay in the response but leave the loss (:attr:`loss_mask` False).
         """
         where = f"SupportTrace turn {self._turns}"
         self._check_open(where)
+        if hasattr(rows, "flagged") and hasattr(rows, "support"):  # an EngineSupport
+            if flagged is not None:
+                raise ValueError(f"{where}: pass flagged= or an EngineSupport, not both")
+            rows, flagged = rows.support, rows.flagged
         sampled = _as_ids(sampled_ids, where)
         n = sampled.numel()
         norm = self._normalise_rows(rows, n, where)
@@ -259,6 +284,7 @@ class SupportTrace:
             norm[0], lengths_to_cu_seqlens(norm[1]).to(torch.int64), torch.tensor([0, n], dtype=torch.int32)
         )
         validate_support(check, sampled_ids=sampled, vocab_size=self.vocab_size, where=where)
+        kinds = torch.where(self._flags(flagged, norm, n, where), _FLAGGED, _SAMPLED).to(torch.int8)
         kept = sampled if response_ids is None else _as_ids(response_ids, where)
         stripped = False
         if not torch.equal(kept, sampled):
@@ -272,13 +298,15 @@ class SupportTrace:
                 )
         self._pending_eos = None  # a row that waited across a whole turn belongs to no token
         if stripped:
-            self._pending_eos = self._take_row(norm, n - 1)
+            self._pending_eos = (self._take_row(norm, n - 1), int(kinds[-1]))
+            kinds = kinds[:-1]
             if self.top_k is None:
                 members, lengths = norm
                 norm = (members[: int(lengths[:-1].sum())], lengths[:-1])
             else:
                 norm = norm[:-1]
-        self._append_tokens(kept, _SAMPLED)
+        self._tokens.append(kept)
+        self._kinds.append(kinds)
         self._append_rows(norm)
         self._turns += 1
         assert len(self._tokens) == self.num_rows, "one row per appended token"
@@ -331,8 +359,9 @@ class SupportTrace:
 
     @property
     def loss_mask(self) -> torch.Tensor:
-        """(R,), bool: sampled tokens and the synthetic EOS."""
-        return self._kinds.values() != _OBSERVATION
+        """(R,), bool: sampled tokens (but flagged ones) and the synthetic EOS."""
+        kinds = self._kinds.values()
+        return (kinds == _SAMPLED) | (kinds == _SYNTHETIC_EOS)
 
     def support(self) -> Union[PackedTensor, RaggedSupport]:
         """The R rows as one segment: ``PackedTensor`` int32 [R, top_k] or ``RaggedSupport``."""

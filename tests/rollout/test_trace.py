@@ -234,3 +234,24 @@ def test_support_rows_are_range_checked_before_the_int32_cast():
         ragged.add_turn([5], [[5, 1.5]])
     with pytest.raises(ValueError, match=r"row 0 holds True, expected int token ids"):
         ragged.add_turn([5], [[5, True]])
+
+
+def test_flagged_engine_positions_stay_in_the_response_but_leave_the_loss():
+    from nemo_replay.rollout.engine import EngineSupport
+    from nemo_replay.support.packed import PackedTensor
+
+    rows = torch.tensor([[5, 1], [-1, -1], [9, 4], [-1, -1]], dtype=torch.int32)
+    engine = EngineSupport(PackedTensor(rows, [0, 4]), None, torch.tensor([False, True, False, True]))
+    trace = SupportTrace(top_k=2, eos_id=EOS)
+    trace.add_turn([5, 7, 9, EOS], engine, response_ids=[5, 7, 9])  # the flagged EOS is stripped
+    trace.add_observation([EOS, 11])  # ... and comes back, still flagged
+    assert trace.response_ids.tolist() == [5, 7, 9, EOS, 11]
+    assert trace.loss_mask.tolist() == [True, False, True, False, False]
+    assert trace.support().values.tolist() == rows.tolist() + [[-1, -1]]
+    with pytest.raises(ValueError, match="position 0 is flagged but its row is not empty"):
+        SupportTrace(top_k=2).add_turn([5], rows[:1], flagged=torch.tensor([True]))
+    with pytest.raises(ValueError, match=r"flagged must be a bool \(1,\) mask"):
+        SupportTrace(top_k=2).add_turn([5], rows[:1], flagged=[0])
+    ragged = SupportTrace(top_k=None)
+    ragged.add_turn([5, 8], [[5, 1], []], flagged=torch.tensor([False, True]))
+    assert ragged.loss_mask.tolist() == [True, False]
