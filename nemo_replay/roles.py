@@ -10,6 +10,9 @@ For a hand-written megatron-core or FSDP2 loop (and behind :class:`ReplayCallbac
     optimizer.step()
     roles.last_metrics                       # mismatch, first-step ratio, kl, clip fraction
 
+The objective is a plug point: ``roles.policy(policy, micro_batches, loss_fn=SequenceRatioObjective())``
+or any ``loss_fn(logprobs [B, A], batch, mask [B, A]) -> (loss, metrics)``
+(:mod:`nemo_replay.objectives`); ``ReplayRoles(..., loss_fn=...)`` sets it for every call.
 With ``RoleSettings(replay=False)`` the same calls run the full-vocabulary path. Megatron
 users who drive ``get_forward_backward_func`` themselves can hand the strategy's
 :class:`~nemo_replay.strategies.megatron.steps.RoleForwardStep` to it instead.
@@ -20,6 +23,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.objectives import PolicyLoss
 from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 
@@ -32,6 +36,7 @@ class ReplayRoles:
     Args:
         strategy: a registered strategy name, or a built :class:`ReplayStrategy`.
         settings: scoring settings shared by the roles (default ``RoleSettings()``: replay on).
+        loss_fn: the policy objective (default: the clipped token-ratio objective of ``settings``).
         **strategy_options: passed to the strategy's factory when ``strategy`` is a name.
 
     Attributes:
@@ -40,7 +45,14 @@ class ReplayRoles:
             ``ratio_old_max_dev``; see :func:`~nemo_replay.diagnostics.record_policy`).
     """
 
-    def __init__(self, strategy: Union[str, ReplayStrategy] = "fsdp", *, settings: Optional[RoleSettings] = None, **strategy_options):
+    def __init__(
+        self,
+        strategy: Union[str, ReplayStrategy] = "fsdp",
+        *,
+        settings: Optional[RoleSettings] = None,
+        loss_fn: Optional[PolicyLoss] = None,
+        **strategy_options,
+    ):
         if isinstance(strategy, str):
             from nemo_replay.strategies.registry import get_strategy
 
@@ -51,6 +63,7 @@ class ReplayRoles:
             raise ValueError(f"strategy must be a registered name or a ReplayStrategy, got {type(strategy).__name__}")
         self.strategy = strategy
         self.settings = settings or RoleSettings()
+        self.loss_fn = loss_fn
         self.last_metrics: dict = {}
 
     def recompute(self, model, batches: Sequence[ReplayBatch]) -> list[RoleOutput]:
@@ -71,9 +84,9 @@ class ReplayRoles:
             batch.ref_logprobs = out.response(batch.response_width).logprobs
         return outs
 
-    def policy(self, model, batches: Sequence[ReplayBatch]) -> list[RoleOutput]:
-        """The clipped objective with backward; ratio vs ``rollout_logprobs`` of this (pre-step) forward."""
-        outs = self.strategy.run_role("policy", model, batches, self.settings)
+    def policy(self, model, batches: Sequence[ReplayBatch], *, loss_fn: Optional[PolicyLoss] = None) -> list[RoleOutput]:
+        """The objective (``loss_fn``, else the roles' own) with backward; ratio vs ``rollout_logprobs`` of this forward."""
+        outs = self.strategy.run_role("policy", model, batches, self.settings, loss_fn=loss_fn or self.loss_fn)
         stats = StepStats()
         for batch, out in zip(batches, outs):
             record_policy(stats, batch, out)

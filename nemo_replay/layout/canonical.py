@@ -1,23 +1,38 @@
-"""The canonical micro-batch and its token-aligned channels (docs/design.md §3).
+"""The micro-batch and its token-aligned channels (docs/design.md §3).
 
-Coordinates. ``sequences [B, S]`` is left-padded: trajectory i's ``L_i`` real tokens sit in
-columns ``[S - L_i, S)``; its last ``R_i`` tokens are the response. The logit at column c
-predicts the token at column c + 1, so logit-coordinate channels are ``[B, S - 1]``.
+Coordinates. ``sequences [B, S]`` holds one trajectory per row whose ``L_i`` real tokens
+form one contiguous run of columns ``[s_i, e_i)``; its last ``R_i`` real tokens are the
+response. The logit at column c predicts the token at column c + 1, so logit-coordinate
+channels are ``[B, S - 1]``. Every layout trainers use is such a run, read as it is (no
+copy into another padding):
 
-Worked example, S = 6, one trajectory with prompt ``p0 p1`` and response ``r0 r1 r2``
-(R = 3, L = 5, one left pad ``_``), support rows ``s0 s1 s2``:
+    left-padded (the reference trainer)         _  _  p0 p1 r0 r1 r2      e_i = S
+    right-padded (NeMo-RL, Hugging Face)        p0 p1 r0 r1 r2 _  _       s_i = 0
+    left-padded prompt, right-padded completion _  p0 p1 r0 r1 r2 _       prompt ends at a fixed column
+
+Per-token fields (``loss_mask``, ``old_logprobs``, ...) are ``[B, A]`` and cover the last A
+token columns ``[S - A, S)``: ``A = S`` is the whole row (token-aligned, NeMo-RL's
+``token_mask``), ``A < S`` a right-aligned response window of a left-padded batch.
+
+Worked example, S = 6, one left-padded trajectory with prompt ``p0 p1`` and response
+``r0 r1 r2`` (R = 3, L = 5, one left pad ``_``), support rows ``s0 s1 s2``:
 
     token column     0    1    2    3    4    5
     sequences        _    p0   p1   r0   r1   r2
     logit column     0    1    2    3    4          (logit c predicts token c + 1)
     sampled_ids      p0   p1   r0   r1   r2         sequences[:, 1:]
-    row_ids          -1   -1   s0   s1   s2         row j at logit column S - 1 - R + j
-    loss_mask(tok)   0    0    0    1    1    1     right-aligned [B, A], A <= S
+    row_ids          -1   -1   s0   s1   s2         row j at logit column e - 1 - R + j
+    loss_mask(tok)   0    0    0    1    1    1     [B, A=3]: token columns 3..5
     loss_mask(logit) 0    0    1    1    1          token mask shifted with the targets
-    trajectory_ids   -1   0    0    0    0          -1 where the logit position is padding
+    trajectory_ids   -1   0    0    0    0          -1 unless tokens c and c + 1 are real
+
+The same trajectory right-padded (``p0 p1 r0 r1 r2 _``, e = 5): rows s0 s1 s2 sit at logit
+columns 1 2 3, logit column 4 (token r2 predicting the pad) has trajectory id -1.
 
 Support rows are placed at logit positions and never rolled; the loss mask is a token
-quantity and moves with the targets. Every channel the strategies carry starts here.
+quantity and moves with the targets. Rows may also come token-aligned (the row of token t
+at column t, NeMo-RL's ``generation_support``): :func:`token_aligned_channels` shifts them
+with the targets, like the sampled ids. Every channel the strategies carry starts here.
 """
 
 from __future__ import annotations
@@ -30,22 +45,35 @@ import torch
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["ReplayBatch", "CanonicalChannels", "canonical_channels", "response_columns", "position_ids", "Support"]
+__all__ = [
+    "ReplayBatch",
+    "CanonicalChannels",
+    "canonical_channels",
+    "token_aligned_channels",
+    "real_runs",
+    "response_columns",
+    "position_ids",
+    "to_caller_columns",
+    "from_caller_columns",
+    "Support",
+]
 
 Support = Union[PackedTensor, RaggedSupport]
 
 
 @dataclass
 class ReplayBatch:
-    """One trainer micro-batch in canonical coordinates.
+    """One trainer micro-batch (module doc for the coordinates).
 
     Attributes:
-        sequences: (B, S), int64. Left-padded prompt + response tokens.
-        attention_mask: (B, S), bool. True on real tokens (a suffix of each row).
-        response_lengths: (B,), int64. ``R_i``: response tokens of trajectory i, including
-            observation tokens and any synthetic EOS the trainer appended.
-        loss_mask: (B, A), bool or float. Token-position mask right-aligned to the last A
-            columns of ``sequences`` (A <= S).
+        sequences: (B, S), int64. Prompt + response tokens, padded on either side.
+        attention_mask: (B, S), bool. True on real tokens: one contiguous run per row
+            (left-, right- or both-side padding).
+        response_lengths: (B,), int64. ``R_i``: response tokens of trajectory i (the last
+            ``R_i`` real tokens), including observation tokens and any synthetic EOS.
+        loss_mask: (B, A), bool or float. Token-position mask over the last A token columns
+            ``[S - A, S)`` of ``sequences`` (1 <= A <= S; A = S is token-aligned). Every
+            (B, A) field below uses the same columns.
         support: ``R_i`` rows per trajectory (all -1 / empty rows where nothing was
             sampled), or None when replay is off.
         routes: optional MoE routes, ``L_i`` rows ``[layers, topk]`` per trajectory (R3).
@@ -88,15 +116,8 @@ class ReplayBatch:
         B, S = seq.shape
         if am.shape != (B, S):
             raise ValueError(f"attention_mask has shape {tuple(am.shape)}, expected {(B, S)} like sequences")
-        am = am.bool()
-        # Left padding: once a row turns real it stays real.
-        if S > 1 and (am[:, :-1] & ~am[:, 1:]).any():
-            i = int(torch.nonzero((am[:, :-1] & ~am[:, 1:]).any(1))[0])
-            raise ValueError(
-                f"trajectory {i}: attention_mask is not left-padded (real tokens must be a suffix of the "
-                f"row); right-padded batches must be flipped to left padding before replay"
-            )
-        lengths = am.sum(1)
+        starts, ends = real_runs(am)
+        lengths = ends - starts
         R = torch.as_tensor(self.response_lengths)
         if R.shape != (B,):
             raise ValueError(f"response_lengths has shape {tuple(R.shape)}, expected ({B},)")
@@ -108,11 +129,28 @@ class ReplayBatch:
                 f"real tokens (a response needs at least one prompt token before it)"
             )
         lm = self.loss_mask
-        if lm.dim() != 2 or lm.shape[0] != B or not 1 <= lm.shape[1] <= S - 1:
+        if lm.dim() != 2 or lm.shape[0] != B or not 1 <= lm.shape[1] <= S:
             raise ValueError(
-                f"loss_mask has shape {tuple(lm.shape)}, expected [B={B}, A] right-aligned token positions "
-                f"with 1 <= A <= S-1={S - 1}"
+                f"loss_mask has shape {tuple(lm.shape)}, expected [B={B}, A] over the last A token columns with "
+                f"1 <= A <= S={S} (A = S: token-aligned)"
             )
+        if lm.shape[1] == S and (lm[:, 0] != 0).any():
+            i = int(torch.nonzero(lm[:, 0] != 0)[0])
+            raise ValueError(
+                f"trajectory {i}: loss_mask is set at token column 0, which no logit predicts; only tokens after "
+                f"the first can be loss-active (NeMo-RL-style masks mark generated tokens only)"
+            )
+        A = lm.shape[1]
+        for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages"):
+            value = getattr(self, name)
+            if value is None or (name == "advantages" and tuple(value.shape) == (B,)):
+                continue
+            if tuple(value.shape) != (B, A):
+                want = f"({B},) or ({B}, {A})" if name == "advantages" else f"({B}, {A})"
+                raise ValueError(
+                    f"{name} has shape {tuple(value.shape)}, expected {want}: the columns of loss_mask (the last "
+                    f"{A} token columns)"
+                )
         if self.support is not None:
             if len(self.support) != B:
                 raise ValueError(f"support holds {len(self.support)} trajectories, the batch {B}")
@@ -178,48 +216,170 @@ class CanonicalChannels:
     trajectory_ids: torch.Tensor
 
 
-def response_columns(response_lengths: torch.Tensor, num_columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where response token j of trajectory i sits in right-aligned ``[B, num_columns]`` logit coordinates.
+def real_runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First real column ``s_i`` and one past the last ``e_i`` of each row's single run of real tokens.
 
-    Returns ``(batch_index, column)``, each (sum(R_i),) int64, trajectory-major with j
-    increasing; column = num_columns - R_i + j.
+    Args:
+        attention_mask: (B, S), bool or 0/1 integer.
+    Returns:
+        (starts, ends), each (B,) int64. Example: ``[0 1 1 1 0]`` -> (1, 4).
+    Raises:
+        ValueError naming the row when it has no real token or several separate runs.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+    real = attention_mask.bool()
+    B, S = real.shape
+    lengths = real.sum(1).to(torch.int64)
+    empty = torch.nonzero(lengths == 0).flatten()
+    if empty.numel():
+        raise ValueError(f"trajectory {int(empty[0])}: attention_mask has no real token; drop empty rows")
+    runs = real[:, :1].to(torch.int64).squeeze(1) + (real[:, 1:] & ~real[:, :-1]).sum(1)
+    multi = torch.nonzero(runs > 1).flatten()
+    if multi.numel():
+        i = int(multi[0])
+        raise ValueError(
+            f"trajectory {i}: attention_mask holds {int(runs[i])} separate runs of real tokens; a row holds one "
+            f"trajectory whose real tokens are contiguous (padding on the left, the right or both sides)"
+        )
+    starts = torch.argmax(real.to(torch.int8), dim=1).to(torch.int64)
+    return starts, starts + lengths
+
+
+def response_columns(
+    response_lengths: torch.Tensor, num_columns: int, ends: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where response element j of trajectory i sits: column ``ends_i - R_i + j``.
+
+    Args:
+        response_lengths: (B,), int. ``R_i``.
+        num_columns: width of the coordinates; ``ends`` defaults to it (right-aligned).
+        ends: (B,), int64. One past each trajectory's last column, or None.
+    Returns:
+        ``(batch_index, column)``, each (sum(R_i),) int64, trajectory-major with j increasing.
+        Example: R = [2, 0, 3], 8 columns -> batch [0 0 2 2 2], columns [6 7 5 6 7].
     """
     R = torch.as_tensor(response_lengths, dtype=torch.int64)
     b = torch.repeat_interleave(torch.arange(R.numel(), device=R.device), R)
     starts = torch.cumsum(R, 0) - R
     j = torch.arange(int(R.sum()), device=R.device) - starts[b]
-    return b, num_columns - R[b] + j
+    end = torch.full_like(R, num_columns) if ends is None else torch.as_tensor(ends, dtype=torch.int64).to(R.device)
+    return b, end[b] - R[b] + j
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: ``cumsum(mask) - 1``, 0 on padding.
+    """Position of each real token within its trajectory, 0 on padding (any side).
 
     Args:
-        attention_mask: (B, S), bool or int.
+        attention_mask: (B, S), bool or int, one contiguous run per row.
     Returns:
-        (B, S), int64. Example: mask ``[0 0 1 1 1]`` -> ``[0 0 0 1 2]``.
+        (B, S), int64. Examples: ``[0 0 1 1 1]`` -> ``[0 0 0 1 2]``; ``[1 1 1 0 0]`` ->
+        ``[0 1 2 0 0]``.
     """
-    return (attention_mask.to(torch.int64).cumsum(-1) - 1).clamp(min=0)
+    real = attention_mask.bool()
+    return torch.where(real, real.to(torch.int64).cumsum(-1) - 1, 0)
+
+
+def to_caller_columns(x: torch.Tensor, width: int, fill=0) -> torch.Tensor:
+    """Logit channel ``(B, S - 1, ...)`` -> the caller's ``(B, A=width, ...)`` token columns ``[S - A, S)``.
+
+    Token column t holds the value of logit column t - 1 (the logit that predicts it);
+    for ``width == S`` token column 0 gets ``fill`` (no logit predicts it). Differentiable.
+    Example, S = 4: logit values ``[a b c]`` -> width 2: ``[b c]``; width 4: ``[fill a b c]``.
+    """
+    W = x.shape[1]
+    if not 1 <= width <= W + 1:
+        raise ValueError(f"caller columns must number 1..S={W + 1}, got {width}")
+    if width <= W:
+        return x[:, W - width :]
+    return torch.cat([torch.full_like(x[:, :1], fill), x], 1)
+
+
+def from_caller_columns(x: torch.Tensor, batch_size: int, num_logits: int, name: str) -> torch.Tensor:
+    """(B,) or (B, A) per-token values in the caller's columns -> (B, S - 1) float32 logit columns.
+
+    The inverse of :func:`to_caller_columns` (token column t -> logit column t - 1; token
+    column 0 of a token-aligned field is dropped), zeros where the field has no column.
+    (B,) values (per-trajectory advantages) are broadcast to every column.
+    """
+    x = torch.as_tensor(x)
+    B, W = batch_size, num_logits
+    if x.dim() == 1:
+        if x.shape[0] != B:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({B},) or ({B}, A)")
+        return x[:, None].expand(B, W).to(torch.float32)
+    if x.dim() != 2 or x.shape[0] != B or not 1 <= x.shape[1] <= W + 1:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({B}, A) with 1 <= A <= S = {W + 1}")
+    A = x.shape[1]
+    out = torch.zeros(B, W, dtype=torch.float32, device=x.device)
+    if A <= W:
+        out[:, W - A :] = x.to(torch.float32)
+    else:
+        out[:] = x[:, 1:].to(torch.float32)
+    return out
+
+
+def token_aligned_channels(
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    token_loss_mask: torch.Tensor,
+    token_row_ids: torch.Tensor,
+) -> CanonicalChannels:
+    """Logit channels from token-aligned ones: the row and the mask of token t serve the logit at t - 1.
+
+    Args:
+        sequences: (B, S), int. Tokens.
+        attention_mask: (B, S), bool or int; one contiguous run per row (any padding).
+        token_loss_mask: (B, A), bool or float, over token columns ``[S - A, S)`` (A <= S).
+        token_row_ids: (B, S), int64. Global support row of token t (-1 none), e.g. the row
+            of NeMo-RL's ``generation_support[b, t]``.
+    Returns:
+        :class:`CanonicalChannels`, each (B, S - 1).
+
+    Worked example, right-padded ``p0 p1 r0 r1 _`` (S = 5), rows 7 8 at tokens r0 r1:
+
+        token column         0    1    2    3    4
+        token_row_ids        -1   -1   7    8    -1
+        logit column         0    1    2    3
+        sampled_ids          p1   r0   r1   _          tokens shifted left
+        row_ids              -1   7    8    -1         token rows shifted left
+        trajectory_ids       0    0    0    -1         logit 3 predicts padding
+    """
+    B, S = sequences.shape
+    device = sequences.device
+    real = attention_mask.to(device).bool()
+    pair = real[:, :-1] & real[:, 1:]
+    A = token_loss_mask.shape[1]
+    if token_row_ids.shape != (B, S) or not 1 <= A <= S or token_loss_mask.shape[0] != B:
+        raise ValueError(
+            f"token channels must be token_row_ids ({B}, {S}) and token_loss_mask ({B}, A <= {S}), got "
+            f"{tuple(token_row_ids.shape)} and {tuple(token_loss_mask.shape)}"
+        )
+    loss_mask = from_caller_columns(token_loss_mask.to(device) != 0, B, S - 1, "token_loss_mask") != 0
+    rows = token_row_ids.to(device=device, dtype=torch.int64)[:, 1:]
+    return CanonicalChannels(
+        sampled_ids=sequences[:, 1:].to(torch.int64),
+        row_ids=torch.where(pair, rows, -1),
+        loss_mask=loss_mask & pair,
+        trajectory_ids=torch.where(pair, torch.arange(B, device=device)[:, None], -1),
+    )
 
 
 def canonical_channels(batch: ReplayBatch) -> CanonicalChannels:
-    """Build the logit-coordinate channels of a canonical batch (see the module example)."""
+    """Build the logit-coordinate channels of a batch (see the module example).
+
+    The ``R_i`` packed support rows of trajectory i belong to its last ``R_i`` real tokens;
+    they are placed at those token columns and shifted with the targets
+    (:func:`token_aligned_channels`).
+    """
     seq = batch.sequences
     B, S = seq.shape
     device = seq.device
-    sampled_ids = seq[:, 1:].to(torch.int64)
-    # Token loss mask [B, A] lives in token columns [S - A, S); shifting with the targets
-    # puts token column t at logit column t - 1, i.e. the last A columns of [B, S - 1].
-    A = batch.loss_mask.shape[1]
-    loss_mask = torch.zeros(B, S - 1, dtype=torch.bool, device=device)
-    loss_mask[:, S - 1 - A :] = batch.loss_mask.to(device) != 0
-    am = batch.attention_mask.to(device).bool()[:, :-1]
-    trajectory_ids = torch.where(am, torch.arange(B, device=device)[:, None], torch.full_like(sampled_ids, -1))
-    loss_mask &= am
-    row_ids = torch.full((B, S - 1), -1, dtype=torch.int64, device=device)
+    token_rows = torch.full((B, S), -1, dtype=torch.int64, device=device)
     if batch.support is not None:
-        b, col = response_columns(batch.response_lengths.to(device), S - 1)
+        _, ends = real_runs(batch.attention_mask)
+        b, col = response_columns(batch.response_lengths.to(device), S, ends.to(device))
         # Rows are packed trajectory-major with R_i rows each (checked by the batch), so
         # the global row of (i, j) is cu_seqlens[i] + j = its index in this enumeration.
-        row_ids[b, col] = torch.arange(b.numel(), device=device)
-    return CanonicalChannels(sampled_ids, row_ids, loss_mask, trajectory_ids)
+        token_rows[b, col] = torch.arange(b.numel(), device=device)
+    return token_aligned_channels(seq, batch.attention_mask, batch.loss_mask, token_rows)

@@ -1,16 +1,22 @@
 """What every strategy provides to a trainer (docs/design.md §5, §6).
 
-A strategy turns canonical micro-batches (:class:`~nemo_replay.layout.canonical.ReplayBatch`)
-into backend-aligned channels, calls the one shared scorer, and returns results in
-canonical ``[B, S - 1]`` logit coordinates. Trainers call :meth:`ReplayStrategy.run_role`
+A strategy turns micro-batches (:class:`~nemo_replay.layout.canonical.ReplayBatch`, any
+padding) into backend-aligned channels, calls the one shared scorer, and returns results in
+the batch's ``[B, S - 1]`` logit coordinates. Trainers call :meth:`ReplayStrategy.run_role`
 for each of the three roles:
 
-- ``policy``: the trained forward. Scores, computes the clipped objective from the
-  batch's ``old_logprobs``/``advantages`` (and ``ref_logprobs`` when ``kl_coef > 0``),
-  and runs backward. The caller steps the optimizer.
+- ``policy``: the trained forward. Scores with gradients, hands the log-probs in the
+  caller's ``[B, A]`` columns to the loss (``loss_fn``, a
+  :class:`~nemo_replay.objectives.PolicyLoss`; default the clipped token-ratio objective
+  built from ``RoleSettings.clip_eps`` / ``kl_coef``) and runs backward. The caller steps
+  the optimizer. The strategy owns the scoring, the coordinates and the CP/SP
+  normalisation; the loss owns only the objective.
 - ``recompute``: old-policy log-probs, forward only, no grad.
 - ``reference``: reference-model log-probs, forward only, policy temperature, the same
   support (or the full vocabulary when ``RoleSettings.reference_full_vocab``).
+
+Strategies whose backward the trainer may run itself also implement
+:meth:`ReplayStrategy.score`: one micro-batch, differentiable log-probs, no loss.
 
 With ``RoleSettings.replay`` off, the full-vocabulary path runs instead.
 """
@@ -23,17 +29,30 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.layout.canonical import ReplayBatch, to_caller_columns
+from nemo_replay.objectives import PolicyLoss, TokenRatioObjective
 
-__all__ = ["Role", "ROLES", "RoleSettings", "RoleOutput", "ReplayStrategy", "check_role"]
+__all__ = [
+    "Role",
+    "ROLES",
+    "RoleSettings",
+    "RoleOutput",
+    "ReplayStrategy",
+    "check_role",
+    "policy_loss",
+    "check_policy_batches",
+]
 
 Role = Literal["policy", "recompute", "reference"]
 ROLES: tuple[str, ...] = ("policy", "recompute", "reference")
 
 
-def check_role(role: str) -> None:
+def check_role(role: str, loss_fn=None) -> None:
+    """Refuse an unknown role, and a ``loss_fn`` given to a forward-only role (it would be ignored)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    if loss_fn is not None and role != "policy":
+        raise ValueError(f"loss_fn applies to the policy role only; the {role} role runs forward only, drop loss_fn")
 
 
 @dataclass(frozen=True)
@@ -49,8 +68,8 @@ class RoleSettings:
         compute_entropy: also return the entropy over the support.
         compute_support_mass: also return log of the kept probability mass (logits mode).
         reference_full_vocab: the reference role scores the full vocabulary even with replay on.
-        clip_eps: PPO clip range (``policy`` role).
-        kl_coef: weight of the KL-to-reference term (``policy`` role; needs ``ref_logprobs``).
+        clip_eps: PPO clip range of the default objective (``policy`` role without ``loss_fn``).
+        kl_coef: weight of the default objective's KL-to-reference term (needs ``ref_logprobs``).
     """
 
     replay: bool = True
@@ -103,12 +122,46 @@ class RoleOutput:
     metrics: dict = field(default_factory=dict)
 
     def response(self, width: int) -> "RoleOutput":
-        """The last ``width`` logit columns: the right-aligned ``[B, A]`` response view."""
-        cut = lambda t: None if t is None else t[:, -width:]  # noqa: E731
+        """The caller's ``[B, A=width]`` token columns ``[S - A, S)`` (the columns of ``batch.loss_mask``).
+
+        Token column t holds the result of the logit that predicts it (logit column t - 1);
+        with ``width == S`` (token-aligned) column 0 is 0 / False.
+        """
+        cut = lambda t: None if t is None else to_caller_columns(t, width, fill=0)  # noqa: E731
         return RoleOutput(
             cut(self.logprobs), cut(self.valid_mask), cut(self.fallback_mask), cut(self.entropy),
             cut(self.support_logmass), self.loss, dict(self.metrics),
         )
+
+
+def policy_loss(settings: RoleSettings, loss_fn: Optional[PolicyLoss] = None) -> PolicyLoss:
+    """``loss_fn``, or the default objective of ``settings``: the clipped token-ratio objective."""
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise ValueError(
+                f"loss_fn must be callable as loss_fn(logprobs [B, A], batch, mask [B, A]) -> (loss, metrics), got "
+                f"{type(loss_fn).__name__}; see nemo_replay.objectives"
+            )
+        return loss_fn
+    return TokenRatioObjective(clip_eps=settings.clip_eps, kl_coef=settings.kl_coef)
+
+
+def check_policy_batches(batches: Sequence[ReplayBatch], loss_fn: PolicyLoss) -> None:
+    """Refuse, before any forward, a micro-batch that lacks a field the objective reads.
+
+    Asks ``loss_fn.check(batch)`` (the missing field names) when the objective defines it.
+    """
+    check = getattr(loss_fn, "check", None)
+    if check is None:
+        return
+    for i, batch in enumerate(batches):
+        missing = check(batch)
+        if missing:
+            raise ValueError(
+                f"micro-batch {i}: the policy objective {type(loss_fn).__name__} needs {', '.join(missing)} on the "
+                f"batch; run the recompute (and reference) roles first and store their log-probs, set the "
+                f"advantages, or choose an objective that does not read them (kl_coef=0 drops ref_logprobs)"
+            )
 
 
 class ReplayStrategy(abc.ABC):
@@ -123,10 +176,27 @@ class ReplayStrategy(abc.ABC):
         model,
         batches: Sequence[ReplayBatch],
         settings: RoleSettings,
+        *,
+        loss_fn: Optional[PolicyLoss] = None,
     ) -> list[RoleOutput]:
         """Run ``role`` over micro-batches and return one output per micro-batch.
 
-        The ``policy`` role also runs backward (gradients accumulate over micro-batches,
-        the objective of each is scaled by ``1 / len(batches)``); the caller steps the
-        optimizer. Forward-only roles run under ``torch.no_grad``.
+        The ``policy`` role also runs backward of ``loss_fn`` (default :func:`policy_loss`
+        of ``settings``): gradients accumulate over micro-batches, the loss of each is
+        scaled by ``1 / len(batches)``; the caller steps the optimizer. Its outputs carry
+        the loss and the objective's metrics. Forward-only roles run under
+        ``torch.no_grad`` and refuse a ``loss_fn``.
         """
+
+    def score(self, model, batch: ReplayBatch, settings: RoleSettings, *, role: Role = "policy") -> RoleOutput:
+        """One micro-batch's scores, differentiable for the ``policy`` role, in ``[B, S - 1]`` logit columns.
+
+        For trainers that compute their own loss and run backward themselves
+        (``out.response(batch.response_width).logprobs`` is the ``[B, A]`` view). A
+        strategy whose backward runs inside its own schedule (megatron) does not offer it.
+        """
+        raise ValueError(
+            f"the {self.name or type(self).__name__} strategy runs backward inside its own schedule and cannot hand "
+            f"out differentiable log-probs; pass the loss instead: run_role('policy', model, batches, settings, "
+            f"loss_fn=...)"
+        )

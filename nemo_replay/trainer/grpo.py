@@ -10,8 +10,9 @@ One step, on every rank (NeMo-RL's GRPO loop, on Lightning Fabric):
 3. **recompute**: old-policy log-probs (strategy role ``recompute``, no grad) with the
    weights that sampled: the train/inference mismatch is measured here;
 4. **reference**: reference-model log-probs (role ``reference``, frozen initial weights);
-5. **update**: per minibatch, role ``policy`` (clipped objective + KL, backward inside
-   the strategy), gradient clip, optimizer step. The first policy forward of the step runs
+5. **update**: per minibatch, role ``policy`` with the trainer's objective (``self.objective``,
+   the clipped token-ratio objective + KL, handed to the strategy as ``loss_fn``; backward
+   inside the strategy), gradient clip, optimizer step. The first policy forward of the step runs
    before any update: its ratio against the rollout log-probs is the first-step ratio.
 
 Every role scores over the recorded support when ``replay.enabled`` (the strategy calls the
@@ -38,7 +39,7 @@ from nemo_replay.config.loading import to_yaml
 from nemo_replay.config.schema import RecipeConfig
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.objectives import group_advantages
-from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.strategies.base import RoleSettings, policy_loss
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.trainer.metrics import JsonlLogger, plot_runs
@@ -117,6 +118,7 @@ class GRPOTrainer:
             max_prompt_len=cfg.task.max_prompt_len, response_len=cfg.generation.max_new_tokens,
         )
         self.settings = role_settings(cfg)
+        self.objective = policy_loss(self.settings)
         # Support mass needs full logits: logits mode with replay on.
         self.recompute_settings = dataclasses.replace(
             self.settings, compute_support_mass=cfg.replay.enabled and cfg.replay.scorer.source == "logits"
@@ -175,7 +177,7 @@ class GRPOTrainer:
         """Role ``policy`` per minibatch, then clip and step; the first forward gives the first-step ratio."""
         for k, group in enumerate(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
-            outs = self.strategy.run_role("policy", self.policy, group, self.settings)
+            outs = self.strategy.run_role("policy", self.policy, group, self.settings, loss_fn=self.objective)
             self.backend.finish_gradients(self.policy)
             norm = self.backend.clip_gradients(self.policy, self.cfg.trainer.grad_clip)
             self.optimizer.step()

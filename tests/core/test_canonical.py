@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support
-from nemo_replay.layout.canonical import ReplayBatch, canonical_channels, response_columns
+from nemo_replay.layout.canonical import (
+    ReplayBatch,
+    canonical_channels,
+    from_caller_columns,
+    position_ids,
+    real_runs,
+    response_columns,
+    to_caller_columns,
+    token_aligned_channels,
+)
+from nemo_replay.strategies.base import RoleOutput
 
 PAD = 0
 
@@ -145,9 +155,9 @@ def _fields(**changes):
     return kw
 
 
-def _right_padded():
+def _two_runs():
     am = _ragged_batch().attention_mask.clone()
-    am[1] = am[1].flip(0)
+    am[1, 5] = False  # trajectory 1: columns 4, 6, 7, 8 real -- a hole inside the row
     return am
 
 
@@ -157,11 +167,15 @@ def _right_padded():
         (dict(sequences=torch.zeros(3, 9)), r"sequences must be an integer \[B, S\] tensor, got torch.float32"),
         (dict(sequences=torch.zeros(27, dtype=torch.int64)), r"sequences must be an integer \[B, S\] tensor"),
         (dict(attention_mask=torch.ones(3, 8, dtype=torch.bool)), r"attention_mask has shape \(3, 8\), expected \(3, 9\)"),
-        (dict(attention_mask=_right_padded()), r"trajectory 1: attention_mask is not left-padded"),
+        (dict(attention_mask=_two_runs()), r"trajectory 1: attention_mask holds 2 separate runs of real tokens"),
+        (dict(attention_mask=torch.zeros(3, 9, dtype=torch.bool)), r"trajectory 0: attention_mask has no real token"),
         (dict(response_lengths=torch.tensor([4, 2])), r"response_lengths has shape \(2,\), expected \(3,\)"),
         (dict(response_lengths=torch.tensor([4, 0, 5])), r"trajectory 1: response_length 0 must be in \[1, L_i - 1\] with L_i=5"),
         (dict(response_lengths=torch.tensor([4, 5, 5])), r"trajectory 1: response_length 5 must be in \[1, L_i - 1\]"),
-        (dict(loss_mask=torch.ones(3, 9, dtype=torch.bool)), r"loss_mask has shape \(3, 9\), expected \[B=3, A\].*S-1=8"),
+        (dict(loss_mask=torch.ones(3, 10, dtype=torch.bool)), r"loss_mask has shape \(3, 10\), expected \[B=3, A\].*S=9"),
+        (dict(loss_mask=torch.ones(3, 9, dtype=torch.bool)), r"trajectory 0: loss_mask is set at token column 0, which no logit"),
+        (dict(old_logprobs=torch.zeros(3, 5)), r"old_logprobs has shape \(3, 5\), expected \(3, 6\): the columns of loss_mask"),
+        (dict(advantages=torch.zeros(2)), r"advantages has shape \(2,\), expected \(3,\) or \(3, 6\)"),
         (dict(loss_mask=torch.ones(2, 6, dtype=torch.bool)), r"loss_mask has shape \(2, 6\)"),
         (dict(loss_mask=torch.ones(3, 0, dtype=torch.bool)), r"loss_mask has shape \(3, 0\)"),
         (dict(support=_ragged_batch().support[[0, 1]]), r"support holds 2 trajectories, the batch 3"),
@@ -179,3 +193,98 @@ def test_validation_errors(changes, match):
 def test_routes_aligned_with_real_tokens_pass():
     routes = PackedTensor(torch.zeros(21, 2, 1, dtype=torch.int32), [0, 9, 14, 21])
     assert ReplayBatch(**_fields(routes=routes)).routes is routes
+
+
+# ------------------------------------------------------------------ padding layouts
+
+
+def _relaid(batch: ReplayBatch, layout: str) -> ReplayBatch:
+    """The same trajectories in another padding, with a token-aligned [B, S] loss mask and fields.
+
+    ``right``: real tokens at columns [0, L); ``split``: prompts left-padded to end at one
+    column, completions right-padded from it (the generation buffer of many engines).
+    """
+    B, S = batch.sequences.shape
+    starts, ends = real_runs(batch.attention_mask)
+    R = batch.response_lengths
+    P = ends - starts - R
+    width = S + 2 if layout == "split" else S
+    seq = torch.full((B, width), PAD, dtype=torch.int64)
+    am = torch.zeros(B, width, dtype=torch.bool)
+    lm = torch.zeros(B, width, dtype=torch.bool)
+    old = torch.zeros(B, width, dtype=torch.float64)
+    A = batch.loss_mask.shape[1]
+    for i in range(B):
+        s = 0 if layout == "right" else int(P.max() - P[i])
+        L = int(ends[i] - starts[i])
+        seq[i, s : s + L] = batch.sequences[i, starts[i] : ends[i]]
+        am[i, s : s + L] = True
+        # Token column t of the old layout -> t - ends_i + (s + L) here; the old mask covers [S - A, S).
+        for a in range(A):
+            t = S - A + a
+            if batch.loss_mask[i, a]:
+                lm[i, t - int(ends[i]) + s + L] = True
+            old[i, t - int(ends[i]) + s + L] = batch.old_logprobs[i, a]
+    return ReplayBatch(seq, am, R.clone(), lm, support=batch.support, old_logprobs=old)
+
+
+@pytest.mark.parametrize("layout", ["right", "split"])
+def test_other_paddings_give_the_same_channels_moved(layout):
+    base = _ragged_batch()
+    base.old_logprobs = torch.randn(base.loss_mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    other = _relaid(base, layout)
+    ch0, ch = canonical_channels(base), canonical_channels(other)
+    s0, e0 = real_runs(base.attention_mask)
+    s1, e1 = real_runs(other.attention_mask)
+    for i in range(base.batch_size):
+        n = int(e0[i] - s0[i]) - 1  # logit positions that predict a real token
+        a = slice(int(s0[i]), int(s0[i]) + n)
+        b = slice(int(s1[i]), int(s1[i]) + n)
+        for name in ("sampled_ids", "row_ids", "loss_mask"):
+            assert torch.equal(getattr(ch, name)[i, b], getattr(ch0, name)[i, a]), (layout, name, i)
+        assert (ch.trajectory_ids[i, b] == i).all()
+        # Everything outside the run predicts nothing: no row, no loss, no trajectory.
+        outside = torch.ones(ch.row_ids.shape[1], dtype=torch.bool)
+        outside[b] = False
+        assert (ch.row_ids[i, outside] == -1).all() and not ch.loss_mask[i, outside].any()
+        assert (ch.trajectory_ids[i, outside] == -1).all()
+    # The token-aligned field round-trips through logit columns into the caller's [B, S].
+    lp = from_caller_columns(other.old_logprobs, other.batch_size, other.seq_len - 1, "old_logprobs")
+    back = to_caller_columns(lp.double(), other.seq_len)
+    assert torch.equal(back[:, 1:], other.old_logprobs[:, 1:].float().double()) and (back[:, 0] == 0).all()
+
+
+def test_token_aligned_docstring_example():
+    # Right-padded p0 p1 r0 r1 _ (ids 11 12 21 22, pad 0); rows 7, 8 at tokens r0, r1.
+    seq = torch.tensor([[11, 12, 21, 22, 0]])
+    am = torch.tensor([[1, 1, 1, 1, 0]])
+    rows = torch.tensor([[-1, -1, 7, 8, -1]])
+    token_mask = torch.tensor([[0, 0, 1, 1, 0]])
+    ch = token_aligned_channels(seq, am, token_mask, rows)
+    assert ch.sampled_ids.tolist() == [[12, 21, 22, 0]]
+    assert ch.row_ids.tolist() == [[-1, 7, 8, -1]]
+    assert ch.loss_mask.tolist() == [[False, True, True, False]]
+    assert ch.trajectory_ids.tolist() == [[0, 0, 0, -1]]
+    with pytest.raises(ValueError, match=r"token_row_ids \(1, 5\) and token_loss_mask \(1, A <= 5\), got \(1, 4\)"):
+        token_aligned_channels(seq, am, token_mask, rows[:, :4])
+
+
+def test_caller_columns_examples_and_role_output_views():
+    x = torch.tensor([[1.0, 2.0, 3.0]])  # logit columns of S = 4
+    assert to_caller_columns(x, 2).tolist() == [[2.0, 3.0]]
+    assert to_caller_columns(x, 4, fill=-1).tolist() == [[-1.0, 1.0, 2.0, 3.0]]
+    with pytest.raises(ValueError, match="caller columns must number 1..S=4, got 5"):
+        to_caller_columns(x, 5)
+    assert from_caller_columns(torch.tensor([[9.0, 2.0, 3.0, 4.0]]), 1, 3, "f").tolist() == [[2.0, 3.0, 4.0]]
+    assert from_caller_columns(torch.tensor([[3.0, 4.0]]), 1, 3, "f").tolist() == [[0.0, 3.0, 4.0]]
+    assert from_caller_columns(torch.tensor([5.0]), 1, 3, "f").tolist() == [[5.0, 5.0, 5.0]]
+    out = RoleOutput(x, x > 1, x < 0)
+    full = out.response(4)
+    assert full.logprobs.tolist() == [[0.0, 1.0, 2.0, 3.0]] and full.valid_mask.tolist() == [[False, False, True, True]]
+    assert out.response(1).logprobs.tolist() == [[3.0]]
+
+
+def test_position_ids_any_padding():
+    am = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0]])
+    assert position_ids(am).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 0, 0], [0, 0, 1, 2, 0]]
+    assert [t.tolist() for t in real_runs(am)] == [[2, 0, 1], [5, 3, 4]]

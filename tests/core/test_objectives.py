@@ -115,3 +115,143 @@ def test_group_advantages_against_loop():
 def test_group_advantages_errors(rewards, size):
     with pytest.raises(ValueError, match=rf"cannot be split into groups of {size}; expected a 1-D tensor"):
         group_advantages(rewards, size)
+
+
+# ------------------------------------------------------------------ the objective plug point
+
+from types import SimpleNamespace  # noqa: E402
+
+from nemo_replay.objectives import SequenceRatioObjective, TokenRatioObjective, TruncatedISObjective  # noqa: E402
+
+
+def _naive_gspo(lp, old, adv, mask, low, high, kl_coef=0.0, ref=None):
+    """Sequence loop: -mean_i mean_t min(s A_it, clip(s) A_it), s_i = exp(mean_t (lp - old)).
+
+    The per-token ratio is s_i * exp(lp_t - sg(lp_t)): value s_i, gradient s_i * d lp_t.
+    """
+    B, A = lp.shape
+    seq_terms, kls = [], []
+    for b in range(B):
+        idx = [a for a in range(A) if mask[b, a]]
+        if not idx:
+            continue
+        s = math.exp(sum(float(lp[b, a].detach() - old[b, a]) for a in idx) / len(idx))
+        toks = []
+        for a in idx:
+            adv_ba = adv[b] if adv.dim() == 1 else adv[b, a]
+            r = s * torch.exp(lp[b, a] - lp[b, a].detach())
+            clipped = min(max(float(s), 1 - low), 1 + high)
+            unclipped_wins = float(s) * float(adv_ba) <= clipped * float(adv_ba)
+            toks.append(r * adv_ba if unclipped_wins else torch.tensor(clipped, dtype=lp.dtype) * adv_ba)
+            if ref is not None:
+                d = ref[b, a] - lp[b, a]
+                kls.append(torch.exp(d) - d - 1)
+        seq_terms.append(sum(toks) / len(toks))
+    loss = -sum(seq_terms) / len(seq_terms)
+    if kl_coef > 0:
+        loss = loss + kl_coef * sum(kls) / len(kls)
+    return loss
+
+
+def _naive_tis(lp, old, rollout, adv, mask, cap, clip_eps):
+    """Token loop: -mean_t min(exp(old - rollout), cap) * min(r A, clip(r) A)."""
+    B, A = lp.shape
+    terms = []
+    for b in range(B):
+        for a in range(A):
+            if not mask[b, a]:
+                continue
+            w = min(float(torch.exp(old[b, a] - rollout[b, a])), cap)
+            r = torch.exp(lp[b, a] - old[b, a])
+            clipped = min(max(float(r.detach()), 1 - clip_eps), 1 + clip_eps)
+            adv_ba = adv[b] if adv.dim() == 1 else adv[b, a]
+            unclipped_wins = float((r * adv_ba).detach()) <= clipped * float(adv_ba)
+            terms.append(w * (r * adv_ba if unclipped_wins else torch.tensor(clipped, dtype=lp.dtype) * adv_ba))
+    return -sum(terms) / len(terms)
+
+
+def _objective_batch(seed, per_token):
+    lp, old, ref, mask, g = _batch(seed, B=5, A=11)
+    adv = torch.randn(lp.shape if per_token else lp.shape[:1], generator=g, dtype=torch.float64)
+    rollout = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.5
+    return lp, SimpleNamespace(old_logprobs=old, ref_logprobs=ref, advantages=adv, rollout_logprobs=rollout), mask
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_token_ratio_objective_is_the_clipped_loss(per_token):
+    lp, batch, mask = _objective_batch(5, per_token)
+    obj = TokenRatioObjective(clip_eps=0.2, kl_coef=0.1)
+    loss, metrics = obj(lp, batch, mask)
+    naive = _naive_loss(lp, batch.old_logprobs, batch.advantages, mask, 0.2, 0.1, batch.ref_logprobs)
+    assert abs(float(loss.detach()) - float(naive.detach())) < 1e-12
+    torch.testing.assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(naive, lp)[0], atol=1e-12, rtol=0)
+    assert 0 < metrics["clip_fraction"] < 1
+    # Without old log-probs the objective is on-policy: ratio 1 in value.
+    on_policy, m = obj(lp, SimpleNamespace(**{**vars(batch), "old_logprobs": None}), mask)
+    assert m["ratio_max_dev"] == 0.0 and torch.isfinite(on_policy)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_sequence_ratio_objective_against_a_sequence_loop(per_token, kl_coef):
+    lp, batch, mask = _objective_batch(6, per_token)
+    # A clip range the sequence ratios straddle: some sequences clip, others do not.
+    obj = SequenceRatioObjective(clip_eps=0.05, clip_eps_high=0.08, kl_coef=kl_coef)
+    loss, metrics = obj(lp, batch, mask)
+    naive = _naive_gspo(lp, batch.old_logprobs, batch.advantages, mask, 0.05, 0.08, kl_coef, batch.ref_logprobs)
+    assert abs(float(loss.detach()) - float(naive.detach())) < 1e-12
+    (g1,) = torch.autograd.grad(loss, lp)
+    (g2,) = torch.autograd.grad(naive, lp)
+    torch.testing.assert_close(g1, g2, atol=1e-12, rtol=0)
+    assert g1.abs().sum() > 0 and (g1[~mask] == 0).all()
+    seq = torch.exp(((lp.detach() - batch.old_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1))[mask.any(1)]
+    assert metrics["ratio_mean"] == pytest.approx(float(seq.mean()))
+    assert 0 < metrics["clip_fraction"] < 1
+
+
+def test_sequence_ratio_with_sequence_advantages_is_gspo():
+    """With advantages (B,) the loss is -mean_i min(s_i A_i, clip(s_i) A_i) and its gradient GSPO's."""
+    lp, batch, mask = _objective_batch(7, per_token=False)
+    obj = SequenceRatioObjective(clip_eps=0.05, clip_eps_high=0.05)
+    loss, _ = obj(lp, batch, mask)
+    n = mask.sum(1)
+    active = n > 0
+    s = torch.exp(((lp - batch.old_logprobs) * mask).sum(1) / n.clamp(min=1))  # differentiable s_i
+    adv = batch.advantages
+    gspo = -(torch.minimum(s * adv, s.clamp(0.95, 1.05) * adv)[active]).mean()
+    assert abs(float(loss.detach()) - float(gspo.detach())) < 1e-12
+    torch.testing.assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(gspo, lp)[0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_truncated_is_objective_against_a_token_loop(per_token):
+    lp, batch, mask = _objective_batch(8, per_token)
+    obj = TruncatedISObjective(cap=1.5, clip_eps=0.2)
+    loss, metrics = obj(lp, batch, mask)
+    naive = _naive_tis(lp, batch.old_logprobs, batch.rollout_logprobs, batch.advantages, mask, 1.5, 0.2)
+    assert abs(float(loss.detach()) - float(naive.detach())) < 1e-12
+    torch.testing.assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(naive, lp)[0], atol=1e-12, rtol=0)
+    w = torch.exp(batch.old_logprobs - batch.rollout_logprobs)[mask]
+    assert metrics["tis_truncated_fraction"] == pytest.approx(float((w >= 1.5).double().mean()))
+    assert 0 < metrics["tis_truncated_fraction"] < 1
+    # Rollout log-probs equal to the old ones (what replay gives): weight 1, the token objective.
+    same = SimpleNamespace(**{**vars(batch), "rollout_logprobs": batch.old_logprobs})
+    plain, _ = TokenRatioObjective(clip_eps=0.2)(lp, same, mask)
+    assert float(obj(lp, same, mask)[0].detach()) == pytest.approx(float(plain.detach()), abs=1e-15)
+
+
+def test_objectives_name_what_they_need():
+    empty = SimpleNamespace(advantages=None, old_logprobs=None, ref_logprobs=None, rollout_logprobs=None)
+    assert TokenRatioObjective().check(empty) == ["advantages"]
+    assert TokenRatioObjective(kl_coef=0.1).check(empty) == ["advantages", "ref_logprobs"]
+    assert SequenceRatioObjective().check(empty) == ["advantages"]
+    assert TruncatedISObjective().check(empty) == ["advantages", "old_logprobs", "rollout_logprobs"]
+    with pytest.raises(ValueError, match=r"TruncatedISObjective: cap must be > 0"):
+        TruncatedISObjective(cap=0.0)
+    with pytest.raises(ValueError, match=r"TokenRatioObjective: clip_eps must be > 0, got 0.0; kl_coef must be >= 0"):
+        TokenRatioObjective(clip_eps=0.0, kl_coef=-1.0)
+    lp = torch.zeros(2, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"the policy objective needs batch.advantages"):
+        TokenRatioObjective()(lp, empty, torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"logprobs and mask of one shape \(B, A\), got \(2, 3\) and \(2, 2\)"):
+        SequenceRatioObjective()(lp, empty, torch.ones(2, 2, dtype=torch.bool))

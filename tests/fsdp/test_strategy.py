@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nemo_replay import get_strategy
+from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.strategies.fsdp import FSDPStrategy
 from tests.fsdp.fixtures import (
@@ -133,3 +134,102 @@ def test_replay_needs_support_and_policy_needs_advantages(model):
     batch.advantages = None
     with pytest.raises(ValueError, match="advantages"):
         FSDPStrategy().run_role("policy", model, [batch], RoleSettings())
+
+
+# ------------------------------------------------------------------ the loss plug point, other paddings
+
+
+def _split_padded(batch):
+    """Left-padded prompts ending at one column, right-padded completions; token-aligned [B, S'] fields.
+
+    The layout of a generation buffer: ``_ p0 p1 | r0 r1 r2 _`` with ``|`` at a fixed column.
+    """
+    B, S = batch.sequences.shape
+    A = batch.response_width
+    L = batch.attention_mask.sum(1)
+    R = batch.response_lengths
+    P = L - R
+    cut, width = int(P.max()), int(P.max() + R.max()) + 1
+    seq = torch.zeros(B, width, dtype=torch.int64)
+    am = torch.zeros(B, width, dtype=torch.bool)
+    fields = {n: torch.zeros(B, width, dtype=torch.float64) for n in ("old_logprobs", "ref_logprobs", "rollout_logprobs")}
+    lm = torch.zeros(B, width, dtype=torch.bool)
+    for i in range(B):
+        s, n = cut - int(P[i]), int(L[i])
+        seq[i, s : s + n] = batch.sequences[i, S - n :]
+        am[i, s : s + n] = True
+        # Response column a of the left-padded [B, A] window is token S - A + a there, s + n - A + a here.
+        lo = max(A - n, 0)
+        lm[i, s + n - A + lo : s + n] = batch.loss_mask[i, lo:]
+        for name in fields:
+            fields[name][i, s + n - A + lo : s + n] = getattr(batch, name)[i, lo:]
+    return ReplayBatch(seq, am, R.clone(), lm, support=batch.support, advantages=batch.advantages, **fields)
+
+
+def _tis_batches(ref):
+    out = []
+    for spec in (BATCH_A, BATCH_B):
+        b = with_old_and_ref(ref, make_batch(**spec), TEMPERATURE)
+        b.rollout_logprobs = b.old_logprobs + 0.4 * torch.cos(torch.arange(b.old_logprobs.numel(), dtype=torch.float64)).view_as(b.old_logprobs)
+        out.append(b)
+    return out
+
+
+def test_caller_objective_on_split_padding_matches_its_naive_reference(model, reference_model):
+    from nemo_replay.objectives import TruncatedISObjective
+
+    batches = _tis_batches(reference_model)
+    tis = TruncatedISObjective(cap=1.3, clip_eps=0.2, kl_coef=0.1)
+    reference_model.zero_grad(set_to_none=True)
+    for b in batches:
+        lp, _, _ = reference_scores(reference_model, b, temperature=TEMPERATURE)
+        loss, metrics = tis(lp, b, b.loss_mask)
+        (loss / len(batches)).backward()
+        assert 0 < metrics["tis_truncated_fraction"] < 1  # the cap binds on some tokens, not all
+    want = {n: p.grad.detach().clone() for n, p in reference_model.named_parameters()}
+    reference_model.zero_grad(set_to_none=True)
+    split = [_split_padded(b) for b in batches]
+    settings = RoleSettings(temperature=TEMPERATURE)
+    for remove_padding in (True, False):
+        model.zero_grad(set_to_none=True)
+        outs = FSDPStrategy(remove_padding=remove_padding).run_role("policy", model, split, settings, loss_fn=tis)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], **TOL, msg=lambda m: f"{name}: {m}")
+        assert all("tis_weight_mean" in o.metrics and o.loss is not None for o in outs)
+    # Token-aligned outputs: each loss-active token's log-prob in its own column.
+    out = FSDPStrategy().run_role("recompute", model, split, settings)
+    for b, sb, o in zip(batches, split, out):
+        with torch.no_grad():
+            want_lp, _, _ = reference_scores(reference_model, b, temperature=TEMPERATURE)
+        view = o.response(sb.response_width)
+        assert view.logprobs.shape == sb.sequences.shape
+        for i in range(b.batch_size):
+            torch.testing.assert_close(view.logprobs[i][sb.loss_mask[i]], want_lp[i][b.loss_mask[i]], **TOL)
+    model.zero_grad(set_to_none=True)
+
+
+def test_score_hands_out_differentiable_logprobs_for_the_callers_backward(model, reference_model):
+    from nemo_replay.objectives import SequenceRatioObjective
+
+    batches = _batches(reference_model)
+    gspo = SequenceRatioObjective(clip_eps=0.1, kl_coef=0.05)
+    settings = RoleSettings(temperature=TEMPERATURE)
+    strategy = FSDPStrategy()
+    model.zero_grad(set_to_none=True)
+    strategy.run_role("policy", model, batches, settings, loss_fn=gspo)
+    inside = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    for b in batches:  # the trainer owns the loss and the backward
+        out = strategy.score(model, b, settings)
+        assert out.logprobs.requires_grad
+        loss, _ = gspo(out.response(b.response_width).logprobs, b, b.loss_mask)
+        (loss / len(batches)).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, inside[name], **TOL)
+    assert max(float(g.abs().max()) for g in inside.values()) > 0
+    assert not strategy.score(model, batches[0], settings, role="recompute").logprobs.requires_grad
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match="loss_fn applies to the policy role only; the recompute role runs forward only"):
+        strategy.run_role("recompute", model, batches, settings, loss_fn=gspo)
+    with pytest.raises(ValueError, match=r"loss_fn must be callable as loss_fn\(logprobs \[B, A\], batch, mask \[B, A\]\)"):
+        strategy.run_role("policy", model, batches, settings, loss_fn="gspo")

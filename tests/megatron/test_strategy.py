@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from nemo_replay.layout.canonical import ReplayBatch
-from nemo_replay.objectives import clipped_policy_loss
+from nemo_replay.objectives import SequenceRatioObjective, clipped_policy_loss
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.support.packed import PackedTensor
 from tests.spawn import run_workers
@@ -38,6 +38,7 @@ PROMPTS = [3, 5, 4, 2]
 RESPONSES = [4, 3, 5, 6]
 ADVANTAGES = [torch.tensor([0.5, -1.0]), torch.tensor([1.5, -0.25])]
 POLICY = RoleSettings(temperature=TEMPERATURE, kl_coef=0.1, clip_eps=0.2)
+GSPO = SequenceRatioObjective(clip_eps=0.05, clip_eps_high=0.08, kl_coef=0.1)
 
 
 # ---------------------------------------------------------------------------- batches
@@ -71,6 +72,40 @@ def with_policy_inputs(batch: ReplayBatch, old: torch.Tensor, advantages: torch.
         batch.sequences, batch.attention_mask, batch.response_lengths, batch.loss_mask, support=batch.support,
         old_logprobs=old, advantages=advantages, ref_logprobs=old + shift,
     )
+
+
+def right_padded(batch: ReplayBatch) -> ReplayBatch:
+    """The same trajectories right-padded (NeMo-RL's layout), with token-aligned [B, S] per-token fields."""
+    B, S = batch.sequences.shape
+    A = batch.loss_mask.shape[1]
+    L = batch.attention_mask.sum(1)
+    seq = torch.zeros_like(batch.sequences)
+    am = torch.zeros_like(batch.attention_mask)
+    fields = {n: getattr(batch, n) for n in ("old_logprobs", "ref_logprobs") if getattr(batch, n) is not None}
+    out = {n: torch.zeros(B, S, dtype=v.dtype) for n, v in fields.items()}
+    lm = torch.zeros(B, S, dtype=torch.bool)
+    for i in range(B):
+        n = int(L[i])
+        seq[i, :n] = batch.sequences[i, S - n :]
+        am[i, :n] = True
+        # Left-padded token column S - A + a -> right-padded column n - A + a (shift by S - n).
+        lm[i, max(n - A, 0) : n] = batch.loss_mask[i, max(A - n, 0) :]
+        for name, v in fields.items():
+            out[name][i, max(n - A, 0) : n] = v[i, max(A - n, 0) :]
+    return ReplayBatch(seq, am, batch.response_lengths.clone(), lm, support=batch.support, advantages=batch.advantages, **out)
+
+
+def naive_policy_logprobs(model, b: ReplayBatch) -> torch.Tensor:
+    """(B, A) differentiable float64 log-probs of plain single-trajectory forwards (left-padded batch)."""
+    from tests.megatron.harness import naive_scores
+
+    B, A = b.loss_mask.shape
+    lp = torch.zeros(B, A, dtype=torch.float64)
+    for i in range(B):
+        seq = b.sequences[i][b.attention_mask[i]]
+        R = int(b.response_lengths[i])
+        lp = lp.index_put((torch.tensor([i]), torch.arange(A - R, A)), naive_scores(model, seq, response_rows(b, i), R, TEMPERATURE))
+    return lp
 
 
 def response_rows(batch: ReplayBatch, i: int) -> torch.Tensor:
@@ -142,16 +177,22 @@ def _phase_tp1(out):
     # Autograd reference of the same objective: plain forwards, float64 scoring, 1/num_microbatches.
     _zero_grads(model)
     for b in policy_batches:
-        B, A = b.loss_mask.shape
-        lp = torch.zeros(B, A, dtype=torch.float64)
-        for i in range(B):
-            seq = b.sequences[i][b.attention_mask[i]]
-            R = int(b.response_lengths[i])
-            lp = lp.index_put((torch.tensor([i]), torch.arange(A - R, A)), H.naive_scores(model, seq, response_rows(b, i), R, TEMPERATURE))
-        loss, _ = clipped_policy_loss(lp, b.old_logprobs, b.advantages, b.loss_mask, clip_eps=POLICY.clip_eps,
-                                      kl_coef=POLICY.kl_coef, ref_logprobs=b.ref_logprobs)
+        loss, _ = clipped_policy_loss(naive_policy_logprobs(model, b), b.old_logprobs, b.advantages, b.loss_mask,
+                                      clip_eps=POLICY.clip_eps, kl_coef=POLICY.kl_coef, ref_logprobs=b.ref_logprobs)
         (loss / len(policy_batches)).backward()
     out["naive_grads"] = H.full_grads(model, 1, None)
+    # A caller-supplied objective (GSPO) on the same trajectories right-padded, token-aligned.
+    right = [right_padded(b) for b in policy_batches]
+    out["right_batches"] = right
+    _zero_grads(model)
+    out["tp1_gspo_right"] = _outputs(strategy.run_role("policy", model, right, POLICY, loss_fn=GSPO), right)
+    out["tp1_gspo_grads"] = H.full_grads(model, 1, None)
+    _zero_grads(model)
+    for b in policy_batches:
+        loss, _ = GSPO(naive_policy_logprobs(model, b), b, b.loss_mask)
+        (loss / len(policy_batches)).backward()
+    out["naive_gspo_grads"] = H.full_grads(model, 1, None)
+    out["tp1_right_recompute"] = _outputs(strategy.run_role("recompute", model, right, RoleSettings(temperature=TEMPERATURE)), right)
     return batches, policy_batches
 
 
@@ -176,6 +217,10 @@ def _phase_tp2(out, rank, batches, policy_batches):
         policy = RoleSettings(temperature=TEMPERATURE, kl_coef=POLICY.kl_coef, clip_eps=POLICY.clip_eps, source=source)
         out[f"tp2_{source}_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, policy), policy_batches)
         out[f"tp2_{source}_grads"] = H.full_grads(model, 2, ps.get_tensor_model_parallel_group())
+    _zero_grads(model)
+    right = [right_padded(b) for b in policy_batches]
+    out["tp2_gspo_right"] = _outputs(strategy.run_role("policy", model, right, POLICY, loss_fn=GSPO), right)
+    out["tp2_gspo_grads"] = H.full_grads(model, 2, ps.get_tensor_model_parallel_group())
     # Tied embeddings: hidden mode must project against the shared embedding shard.
     tied = H.build_model(H.make_config(tp=2), share=True)
     H.load_full_weights(tied, 2, tp_rank)
@@ -200,6 +245,20 @@ def _phase_tp2(out, rank, batches, policy_batches):
     real = b.attention_mask[:, :-1] & b.attention_mask[:, 1:]
     out["cp_gather"] = (lay.to_canonical(lay.align_logits(x, 0.0), -1.0, cp_group=world), x, b.attention_mask)
     out["cp_gather_bool"] = (lay.to_canonical(lay.align_logits(real, False), False, cp_group=world), real)
+    # The policy path's differentiable gather: forward = to_canonical, backward = its adjoint, no collective.
+    from nemo_replay.strategies.megatron.steps import gather_logits_to_canonical
+
+    local = torch.randn(lay.local_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+    local.requires_grad_()
+    g = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(99))  # same on both ranks
+    y = gather_logits_to_canonical(local, lay, world)
+    (y * g).sum().backward()
+    inner = (local.detach() * local.grad).sum().reshape(1)
+    dist.all_reduce(inner, group=world)
+    out["cp_gather_grad"] = dict(
+        y=y.detach(), plain=lay.to_canonical(local.detach(), 0.0, cp_group=world), grad=local.grad,
+        aligned=lay.align_logits(g, 0.0), y_dot_g=float((y.detach() * g).sum()), x_dot_grad=float(inner),
+    )
     cp = MegatronParallel(cp_group=world, cp_size=2, cp_rank=rank, pp_last_rank=rank)
     try:
         get_strategy("megatron").factory(parallel=cp).run_role("recompute", model, batches, RoleSettings())
@@ -397,6 +456,40 @@ def test_hidden_mode_with_tied_embeddings(ranks):
             assert (lo["logprobs"] - untied["logprobs"]).abs().max() > 1e-3  # other weights, other numbers
 
 
+def test_a_caller_objective_on_right_padded_batches_matches_its_autograd_reference(ranks):
+    r = ranks[0]
+    # Right-padded batches score the same numbers, in token-aligned [B, S] columns.
+    for k, (left, right) in enumerate(zip(r["tp1_recompute"], r["tp1_right_recompute"])):
+        b, rb = r["batches"][k], r["right_batches"][k]
+        for i in range(b.batch_size):
+            n = int(rb.attention_mask[i].sum())
+            got = right["logprobs"][i][rb.loss_mask[i]]
+            want = left["logprobs"][i][b.loss_mask[i]]
+            _close(got, want, atol=1e-6)
+            assert got.numel() == int(b.loss_mask[i].sum()) and n == int(b.attention_mask[i].sum())
+    grads, ref = r["tp1_gspo_grads"], r["naive_gspo_grads"]
+    scale = max(float(g.abs().max()) for g in ref.values())
+    assert scale > 1e-3
+    for name in ref:
+        _close(grads[name], ref[name], atol=2e-5 * scale, rtol=1e-4)
+    # GSPO's gradient is not the token objective's: the caller's loss is the one that ran.
+    assert max(float((grads[n] - r["tp1_grads"][n]).abs().max()) for n in ref) > 1e-3 * scale
+    for rk in ranks:  # TP=2 equals TP=1 under the caller's objective too
+        for name, g in rk["tp2_gspo_grads"].items():
+            _close(g, ref[name], atol=2e-5 * scale, rtol=1e-4)
+        for o1, o2 in zip(r["tp1_gspo_right"], rk["tp2_gspo_right"]):
+            _close(o2["loss"], o1["loss"], atol=1e-6)
+            assert "ratio_mean" in o2["metrics"] and "kl" in o2["metrics"]
+
+
+def test_the_cp_gather_of_the_policy_path_is_the_adjoint_of_align_logits(ranks):
+    for r in ranks:
+        c = r["cp_gather_grad"]
+        assert torch.equal(c["y"], c["plain"])
+        assert torch.equal(c["grad"], c["aligned"])
+        assert c["y_dot_g"] == pytest.approx(c["x_dot_grad"], rel=1e-12)  # <gather(x), g> = sum_r <x_r, grad_r>
+
+
 def test_the_explicit_tp_group_is_the_one_used(ranks):
     for r in ranks:
         assert "holds an id >= vocab_size=32" in r["tp2_wrong_group"]
@@ -470,6 +563,7 @@ def test_moe_route_replay_reproduces_the_recording_forward(ranks):
 
 
 def test_missing_support_and_policy_inputs_are_refused():
+    from nemo_replay.strategies.base import check_policy_batches, policy_loss
     from nemo_replay.strategies.megatron.batch import prepare_micro_batch
 
     seq = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
@@ -482,8 +576,11 @@ def test_missing_support_and_policy_inputs_are_refused():
     with pytest.raises(ValueError, match="reference_full_vocab=True"):
         prepare_micro_batch(0, batch, role="reference", settings=RoleSettings(), **common)
     prepare_micro_batch(0, batch, role="reference", settings=RoleSettings(reference_full_vocab=True), **common)
-    with pytest.raises(ValueError, match="policy role needs old_logprobs, advantages"):
-        prepare_micro_batch(0, batch, role="policy", settings=RoleSettings(replay=False), **common)
+    # The objective names what it reads, before any forward (run_role calls this first).
+    with pytest.raises(ValueError, match=r"micro-batch 0: the policy objective TokenRatioObjective needs advantages, "
+                                         r"ref_logprobs on the batch"):
+        check_policy_batches([batch], policy_loss(RoleSettings(replay=False, kl_coef=0.1)))
+    prepare_micro_batch(0, batch, role="policy", settings=RoleSettings(replay=False), **common)
     with pytest.raises(ValueError, match="route replay is on but the batch carries no routes"):
         prepare_micro_batch(0, batch, role="recompute", settings=RoleSettings(replay=False), with_routes=True, **common)
     # One synthetic EOS per trajectory (its last token) is fine.

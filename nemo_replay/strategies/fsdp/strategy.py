@@ -30,9 +30,16 @@ import torch.distributed as dist
 
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.layout.ulysses import sp_size_rank
-from nemo_replay.objectives import clipped_policy_loss
+from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.scorer import SupportScores, check_synthetic_eos, has_support_row, score_aligned_support, score_full_vocabulary
-from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings, check_role
+from nemo_replay.strategies.base import (
+    ReplayStrategy,
+    RoleOutput,
+    RoleSettings,
+    check_policy_batches,
+    check_role,
+    policy_loss,
+)
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
 from nemo_replay.strategies.fsdp.layout import FSDPLayout, build_layout
 
@@ -111,9 +118,11 @@ class FSDPStrategy(ReplayStrategy):
         sp_grad_scale: multiplies the gradient of this rank's log-prob slice; default the
             SP size, which undoes FSDP's average over the SP ranks of one batch.
 
-    The ``policy`` role needs ``batch.advantages``; without ``batch.old_logprobs`` it is
-    on-policy (the detached current log-probs, ratio 1); ``batch.ref_logprobs`` feeds the
-    KL term when ``kl_coef > 0``.
+    The ``policy`` role runs ``loss_fn`` (default: the clipped token-ratio objective of
+    the settings, which reads ``batch.advantages``, ``batch.old_logprobs`` -- None is
+    on-policy, ratio 1 -- and ``batch.ref_logprobs`` when ``kl_coef > 0``) on log-probs in
+    the caller's columns, then runs backward. :meth:`score` hands out the differentiable
+    log-probs instead, for a trainer that runs its own loss and backward.
     """
 
     name = "fsdp"
@@ -125,41 +134,59 @@ class FSDPStrategy(ReplayStrategy):
         self.sp_grad_scale = float(self.sp_size if sp_grad_scale is None else sp_grad_scale)
 
     # ------------------------------------------------------------------ roles
-    def run_role(self, role, model, batches: Sequence[ReplayBatch], settings: RoleSettings) -> list[RoleOutput]:
-        check_role(role)
-        if not isinstance(settings, RoleSettings):
-            raise ValueError(
-                f"settings must be a RoleSettings, got {type(settings).__name__}; build one with "
-                f"nemo_replay.strategies.base.RoleSettings(...)"
-            )
+    def run_role(
+        self, role, model, batches: Sequence[ReplayBatch], settings: RoleSettings, *, loss_fn: Optional[PolicyLoss] = None
+    ) -> list[RoleOutput]:
+        check_role(role, loss_fn)
+        self._check_settings(settings)
+        if role == "policy":
+            loss_fn = policy_loss(settings, loss_fn)
+            check_policy_batches(batches, loss_fn)
         if self.sp_size > 1:
             use_ulysses_attention(model)
         outputs = []
         for batch in batches:
             if role == "policy":
-                outputs.append(self._policy(model, batch, settings, 1.0 / len(batches)))
+                outputs.append(self._policy(model, batch, settings, 1.0 / len(batches), loss_fn))
             else:
                 with torch.no_grad():
                     outputs.append(self._forward(model, batch, settings, role, grad=False)[0])
         return outputs
 
-    def _policy(self, model, batch: ReplayBatch, settings: RoleSettings, scale: float) -> RoleOutput:
-        if batch.advantages is None:
-            raise ValueError("the policy role needs batch.advantages (B,) or (B, A); compute them before training")
-        out, layout = self._forward(model, batch, settings, "policy", grad=True)
-        A = batch.response_width
-        logprobs = out.logprobs[:, -A:]
-        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-        loss, metrics = clipped_policy_loss(
-            logprobs, old.to(logprobs), batch.advantages.to(logprobs), layout.canonical.loss_mask[:, -A:],
-            clip_eps=settings.clip_eps, kl_coef=settings.kl_coef,
-            ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(logprobs),
-        )
+    def score(self, model, batch: ReplayBatch, settings: RoleSettings, *, role="policy") -> RoleOutput:
+        """One micro-batch, ``[B, S - 1]`` logit columns; differentiable for ``role="policy"``.
+
+        Under SP every rank returns the whole micro-batch; the gradient of this rank's
+        slice is scaled by ``sp_grad_scale`` as in :meth:`run_role`. Forward-only roles run
+        under ``torch.no_grad``.
+        """
+        check_role(role)
+        self._check_settings(settings)
+        if self.sp_size > 1:
+            use_ulysses_attention(model)
+        if role == "policy":
+            return self._forward(model, batch, settings, role, grad=True)[0]
+        with torch.no_grad():
+            return self._forward(model, batch, settings, role, grad=False)[0]
+
+    @staticmethod
+    def _check_settings(settings) -> None:
+        if not isinstance(settings, RoleSettings):
+            raise ValueError(
+                f"settings must be a RoleSettings, got {type(settings).__name__}; build one with "
+                f"nemo_replay.strategies.base.RoleSettings(...)"
+            )
+
+    def _policy(self, model, batch: ReplayBatch, settings: RoleSettings, scale: float, loss_fn: PolicyLoss) -> RoleOutput:
+        out, _ = self._forward(model, batch, settings, "policy", grad=True)
+        view = out.response(batch.response_width)
+        mask = batch.loss_mask.to(view.logprobs.device) != 0
+        loss, metrics = loss_fn(view.logprobs, batch, mask)
         (loss * scale).backward()
         detach = lambda t: None if t is None else t.detach()  # noqa: E731
         return RoleOutput(
             out.logprobs.detach(), out.valid_mask, out.fallback_mask, detach(out.entropy),
-            detach(out.support_logmass), loss.detach(), metrics,
+            detach(out.support_logmass), loss.detach(), dict(metrics),
         )
 
     # ------------------------------------------------------------------ one forward

@@ -1,9 +1,11 @@
-"""One canonical micro-batch turned into Megatron inputs and aligned channels.
+"""One micro-batch turned into Megatron inputs and aligned channels.
 
 Every channel starts from :func:`~nemo_replay.layout.canonical.canonical_channels` (logit
-coordinates ``[B, S - 1]``) and moves through the micro-batch's
-:class:`~nemo_replay.strategies.megatron.layout.TokenMetadataLayout`; the support row ids are
-taken from the canonical channels too, so the layout never re-derives where a row sits.
+coordinates ``[B, S - 1]`` of the batch, whatever its padding) and moves through the
+micro-batch's :class:`~nemo_replay.strategies.megatron.layout.TokenMetadataLayout`; the
+support row ids are taken from the canonical channels too, so the layout never re-derives
+where a row sits. The policy objective reads its inputs (advantages, old and reference
+log-probs) from the batch in the caller's columns, so none of them is laid out here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ __all__ = [
     "prepare_micro_batch",
     "role_replays",
     "check_rowless_positions",
-    "response_to_logit_columns",
 ]
 
 
@@ -51,7 +52,6 @@ class PreparedMicroBatch:
         loss_mask: ``local_shape`` bool.
         trajectory_ids: ``local_shape`` int64, -1 where no logit is predicted.
         support: the batch's support on the model's device, or None.
-        old_logprobs, ref_logprobs, advantages: ``local_shape`` float32 or None (policy role).
         routes: ``(*local_shape, layers, topk)`` int64 recorded MoE routes (-1 on padding), or None.
     """
 
@@ -68,9 +68,6 @@ class PreparedMicroBatch:
     loss_mask: torch.Tensor
     trajectory_ids: torch.Tensor
     support: Optional[object] = None
-    old_logprobs: Optional[torch.Tensor] = None
-    ref_logprobs: Optional[torch.Tensor] = None
-    advantages: Optional[torch.Tensor] = None
     routes: Optional[torch.Tensor] = None
 
 
@@ -84,20 +81,6 @@ def check_rowless_positions(channels: CanonicalChannels, support) -> None:
         channels.trajectory_ids.reshape(-1),
         channels.loss_mask.shape,
     )
-
-
-def response_to_logit_columns(x: torch.Tensor, B: int, W: int, name: str) -> torch.Tensor:
-    """(B,) or (B, A) response-aligned values -> (B, W) logit coordinates (last A columns)."""
-    x = torch.as_tensor(x)
-    if x.dim() == 1:
-        if x.shape[0] != B:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({B},) or ({B}, A)")
-        return x[:, None].expand(B, W).to(torch.float32)
-    if x.dim() != 2 or x.shape[0] != B or not 1 <= x.shape[1] <= W:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({B}, A) with A <= S - 1 = {W}, right-aligned")
-    out = torch.zeros(B, W, dtype=torch.float32, device=x.device)
-    out[:, W - x.shape[1] :] = x.to(torch.float32)
-    return out
 
 
 def prepare_micro_batch(
@@ -119,10 +102,10 @@ def prepare_micro_batch(
     """Lay out ``batch`` for this rank and align every channel the role needs.
 
     Raises:
-        ValueError: replay on without support; policy role without ``old_logprobs`` /
-            ``advantages``; KL without ``ref_logprobs``; route replay without routes; the
+        ValueError: replay on without support; route replay without routes; the
             synthetic-EOS rule broken; and the layout's own errors (CP without packing, a
-            row holding several trajectories).
+            row holding several trajectories). The objective's own inputs are checked by
+            the strategy (:func:`~nemo_replay.strategies.base.check_policy_batches`).
     """
     replay = role_replays(role, settings)
     if replay and batch.support is None:
@@ -132,15 +115,6 @@ def prepare_micro_batch(
             f"(support=None). Record supports at rollout (replay.sample_support.enabled) or run with "
             f"RoleSettings(replay=False){hint}"
         )
-    if role == "policy":
-        missing = [n for n in ("old_logprobs", "advantages") if getattr(batch, n) is None]
-        if settings.kl_coef > 0 and batch.ref_logprobs is None:
-            missing.append("ref_logprobs (kl_coef > 0)")
-        if missing:
-            raise ValueError(
-                f"micro-batch {index}: the policy role needs {', '.join(missing)} on the batch; run the recompute "
-                f"(and reference) roles first and store their log-probs, or set kl_coef=0"
-            )
     if with_routes and batch.routes is None:
         raise ValueError(
             f"micro-batch {index}: MoE route replay is on but the batch carries no routes; record routes at "
@@ -153,7 +127,6 @@ def prepare_micro_batch(
         batch.attention_mask, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, fp8=fp8, packed=packed,
         min_length=min_length,
     )
-    B, W = channels.sampled_ids.shape
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     prepared = PreparedMicroBatch(
         index=index,
@@ -170,14 +143,8 @@ def prepare_micro_batch(
         trajectory_ids=to(layout.logit_trajectory_ids()),
         support=batch.support.to(device) if replay else None,
     )
-    if role == "policy":
-        for name in ("old_logprobs", "advantages", "ref_logprobs"):
-            value = getattr(batch, name)
-            if value is not None:
-                columns = response_to_logit_columns(value, B, W, name)
-                setattr(prepared, name, to(layout.align_logits(columns, 0.0)))
     if with_routes:
         # Routes are token-aligned over the whole trajectory: offset 0, no next-token shift.
-        starts = torch.zeros(B, dtype=torch.int64)
+        starts = torch.zeros(batch.batch_size, dtype=torch.int64)
         prepared.routes = to(layout.align_packed(batch.routes, starts, shift=False, fill=-1)).to(torch.int64)
     return prepared

@@ -7,9 +7,18 @@ divides it by the number of micro-batches and (unless ``forward_only``) back-pro
 
 :class:`RoleForwardStep` is that ``forward_step_func`` for one role:
 
-- ``policy``: scores with gradients and returns the clipped objective (plus the KL term);
+- ``policy``: scores with gradients, brings the log-probs to the caller's ``[B, A]``
+  columns (a differentiable gather over CP) and returns the loss of the step's
+  ``loss_fn`` (a :class:`~nemo_replay.objectives.PolicyLoss`; default the clipped
+  token-ratio objective of the settings);
 - ``recompute`` / ``reference``: score under ``torch.no_grad`` (the caller runs the schedule
   with ``forward_only=True``) and return a zero loss.
+
+CP normalisation. Every CP rank computes the objective of the whole micro-batch from the
+gathered log-probs; the gather's backward keeps this rank's slots of the gradient (no
+collective), so each rank's parameters receive the gradient through its own tokens only.
+The schedule's ``x cp_size`` and the DDP average over ``dp x cp`` then cancel: the summed
+gradient is that of the micro-batch's objective, as without CP.
 
 Each closure also stores the micro-batch's results, scattered back to canonical
 ``[B, S - 1]`` coordinates, in :attr:`RoleForwardStep.results`. A trainer with its own
@@ -26,17 +35,20 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-import torch
-import torch.distributed as dist
+from typing import Optional
 
-from nemo_replay.objectives import clipped_policy_loss
+import torch
+
+from nemo_replay.layout.canonical import to_caller_columns
+from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
-from nemo_replay.strategies.base import RoleSettings
-from nemo_replay.strategies.megatron.batch import PreparedMicroBatch, response_to_logit_columns
+from nemo_replay.strategies.base import RoleSettings, policy_loss
+from nemo_replay.strategies.megatron.batch import PreparedMicroBatch
+from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
 from nemo_replay.strategies.megatron.routing import install_routes
 
-__all__ = ["RoleForwardStep", "unwrap_gpt_model"]
+__all__ = ["RoleForwardStep", "unwrap_gpt_model", "gather_logits_to_canonical"]
 
 
 def unwrap_gpt_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -54,6 +66,37 @@ def output_weight(inner: torch.nn.Module) -> torch.Tensor:
     if getattr(inner, "share_embeddings_and_output_weights", False):
         return inner.shared_embedding_or_output_weight()
     return inner.output_layer.weight
+
+
+class _GatherToCanonical(torch.autograd.Function):
+    """Local per-logit values ``(*local_shape)`` -> canonical ``(B, S - 1)``, differentiable.
+
+    Forward: :meth:`TokenMetadataLayout.to_canonical` (one all-gather over CP; 0 where no
+    rank predicts). Backward: :meth:`TokenMetadataLayout.align_logits` of the incoming
+    gradient, its exact adjoint -- each local slot takes the gradient of the canonical
+    position it fills, padding slots 0 -- and no collective (module doc, CP normalisation).
+    """
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, layout: TokenMetadataLayout, cp_group) -> torch.Tensor:
+        ctx.layout = layout
+        return layout.to_canonical(local.detach(), 0.0, cp_group=cp_group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.layout.align_logits(grad, 0.0).to(grad.dtype), None, None
+
+
+def gather_logits_to_canonical(local: torch.Tensor, layout: TokenMetadataLayout, cp_group=None) -> torch.Tensor:
+    """Differentiable :meth:`TokenMetadataLayout.to_canonical` (see :class:`_GatherToCanonical`).
+
+    Args:
+        local: ``layout.local_shape``, float: one value per local logit slot.
+        cp_group: the CP group (required when ``layout.cp_size > 1``).
+    Returns:
+        (B, S - 1), same dtype, every CP rank the whole micro-batch.
+    """
+    return _GatherToCanonical.apply(local, layout, cp_group)
 
 
 @contextlib.contextmanager
@@ -79,15 +122,21 @@ class RoleForwardStep:
         parallel: explicit process groups (never read from ``parallel_state`` here).
         config: the model's TransformerConfig.
         routers: routers for MoE route replay, or None.
+        loss_fn: the ``policy`` role's objective (default :func:`~nemo_replay.strategies.base.policy_loss`
+            of ``settings``); forward-only roles ignore it.
 
     Attributes:
         results: micro-batch index -> dict of RoleOutput fields in canonical coordinates
             (filled on the last pipeline stage).
     """
 
-    def __init__(self, role: str, settings: RoleSettings, parallel: MegatronParallel, config, routers=None):
+    def __init__(
+        self, role: str, settings: RoleSettings, parallel: MegatronParallel, config, routers=None,
+        loss_fn: Optional[PolicyLoss] = None,
+    ):
         self.role = role
         self.settings = settings
+        self.loss_fn = policy_loss(settings, loss_fn) if role == "policy" else None
         self.parallel = parallel
         self.config = config
         self.routers = routers
@@ -163,33 +212,11 @@ class RoleForwardStep:
         if self.role != "policy":
             self.results[mb.index] = result
             return torch.zeros((), device=source.device), {}
-        s = self.settings
-        loss, _ = clipped_policy_loss(
-            scores.logprobs.float(), mb.old_logprobs, mb.advantages, mb.loss_mask,
-            clip_eps=s.clip_eps, kl_coef=s.kl_coef, ref_logprobs=mb.ref_logprobs,
-        )
-        if p.cp_size > 1:
-            # The local loss is normalised by local tokens; rescale so the CP ranks' losses sum
-            # to the objective (the schedule multiplies by cp_size, DDP averages over dp x cp).
-            local = mb.loss_mask.sum().to(torch.float32)
-            total = local.clone()
-            dist.all_reduce(total, group=p.cp_group)
-            loss = loss * local / total.clamp(min=1)
-        result["loss"], result["metrics"] = self._canonical_objective(mb, result["logprobs"])
+        batch = mb.batch
+        logprobs = gather_logits_to_canonical(scores.logprobs.float(), lay, p.cp_group)
+        view = to_caller_columns(logprobs, batch.response_width)
+        mask = batch.loss_mask.to(view.device) != 0
+        loss, metrics = self.loss_fn(view, batch, mask)
+        result["loss"], result["metrics"] = loss.detach(), dict(metrics)
         self.results[mb.index] = result
         return loss.clone(), {}
-
-    def _canonical_objective(self, mb: PreparedMicroBatch, logprobs: torch.Tensor):
-        """The objective and its diagnostics recomputed (no grad) over the whole micro-batch."""
-        s, batch = self.settings, mb.batch
-        B, W = logprobs.shape
-        dev = logprobs.device
-        col = lambda x, n: response_to_logit_columns(x, B, W, n).to(dev)  # noqa: E731
-        ref = None if batch.ref_logprobs is None else col(batch.ref_logprobs, "ref_logprobs")
-        with torch.no_grad():
-            loss, metrics = clipped_policy_loss(
-                logprobs, col(batch.old_logprobs, "old_logprobs"), col(batch.advantages, "advantages"),
-                mb.canonical.loss_mask.to(dev), clip_eps=s.clip_eps, kl_coef=s.kl_coef, ref_logprobs=ref,
-            )
-        return loss.detach(), metrics
-

@@ -24,7 +24,15 @@ import torch.distributed as dist
 
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
-from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings, check_role
+from nemo_replay.objectives import PolicyLoss
+from nemo_replay.strategies.base import (
+    ReplayStrategy,
+    RoleOutput,
+    RoleSettings,
+    check_policy_batches,
+    check_role,
+    policy_loss,
+)
 from nemo_replay.strategies.megatron.batch import prepare_micro_batch
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
 from nemo_replay.strategies.megatron.routing import check_recorded_routes, check_route_replay, clear_routes
@@ -64,13 +72,18 @@ class MegatronReplayStrategy(ReplayStrategy):
         self.route_replay = bool(route_replay)
         self.parallel = parallel
 
-    def run_role(self, role, model, batches: Sequence[ReplayBatch], settings: RoleSettings) -> list[RoleOutput]:
-        check_role(role)
+    def run_role(
+        self, role, model, batches: Sequence[ReplayBatch], settings: RoleSettings, *, loss_fn: Optional[PolicyLoss] = None
+    ) -> list[RoleOutput]:
+        check_role(role, loss_fn)
         if not isinstance(settings, RoleSettings):
             raise ValueError(f"settings must be a RoleSettings, got {type(settings).__name__}")
         batches = list(batches)
         if not batches:
             return []
+        if role == "policy":
+            loss_fn = policy_loss(settings, loss_fn)
+            check_policy_batches(batches, loss_fn)
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_model_config
 
@@ -98,7 +111,7 @@ class MegatronReplayStrategy(ReplayStrategy):
             )
             for i, b in enumerate(batches)
         ]
-        step = RoleForwardStep(role, settings, parallel, config, routers=routers)
+        step = RoleForwardStep(role, settings, parallel, config, routers=routers, loss_fn=loss_fn)
         forward_backward = get_forward_backward_func(pp_size=parallel.pp_size, vp_size=parallel.vpp_size)
         iterators = [iter(prepared) for _ in chunks] if len(chunks) > 1 else iter(prepared)
         forward_only = role != "policy"
