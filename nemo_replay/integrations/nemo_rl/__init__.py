@@ -1,0 +1,59 @@
+"""Replay inside NeMo-RL: its Megatron and DTensor policy workers, its losses, its batches.
+
+NeMo-RL (github NVIDIA-NeMo/RL) needs Python >= 3.13 and is not a dependency: this package
+imports without it and follows its conventions as of the commit in :data:`NEMO_RL_COMMIT`
+(right padding, temperature-divided vocab-parallel logits, CP chunks r and 2 cp - 1 - r,
+per-sequence packing; :mod:`.layout`). The pieces:
+
+- :func:`replay_prepare_fn` -- a ``prepare_fn`` for the Megatron ``LossPostProcessor``:
+  ``next_token_logprobs`` over the recorded supports read from ``data["generation_support"]``
+  (int32 ``[B, S, k]``, token-aligned, -1 padded); NeMo-RL's own loss
+  (``ClippedPGLossFn``...) runs on them unchanged;
+- :class:`ReplayLogprobsPostProcessor` (Megatron) and :class:`ReplayAutomodelLogprobsPostProcessor`
+  (DTensor v2) for the old-policy and reference log-probs, same support (full vocabulary
+  selectable, :func:`reference_pass`); :class:`ReplayAutomodelLossPostProcessor` for the
+  DTensor policy loss;
+- :func:`vllm_support_request` and :func:`generation_support_from_vllm` for the vLLM worker;
+- :func:`check_nemo_rl_recipe` for the recipe options replay depends on.
+
+The recipe overlay and the guide (which NeMo-RL options to set, and why) are in
+``configs/nemo_rl/`` and the README; the contract is docs/design.md §9.
+"""
+
+from nemo_replay.integrations.nemo_rl.hooks import (
+    ReplayAutomodelLogprobsPostProcessor,
+    ReplayAutomodelLossPostProcessor,
+    ReplayLogprobsPostProcessor,
+    ReplayLossPostProcessor,
+    make_replay_prepare_fn,
+    reference_pass,
+    replay_prepare_fn,
+)
+from nemo_replay.integrations.nemo_rl.layout import NEMO_RL_COMMIT
+from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
+from nemo_replay.integrations.nemo_rl.rollout import (
+    GenerationSupport,
+    generation_support_from_vllm,
+    padding_rows,
+    vllm_support_request,
+)
+from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY, ReplayScores, next_token_logprobs
+
+__all__ = [
+    "NEMO_RL_COMMIT",
+    "SUPPORT_KEY",
+    "ReplayScores",
+    "next_token_logprobs",
+    "replay_prepare_fn",
+    "make_replay_prepare_fn",
+    "reference_pass",
+    "ReplayLossPostProcessor",
+    "ReplayLogprobsPostProcessor",
+    "ReplayAutomodelLossPostProcessor",
+    "ReplayAutomodelLogprobsPostProcessor",
+    "GenerationSupport",
+    "generation_support_from_vllm",
+    "padding_rows",
+    "vllm_support_request",
+    "check_nemo_rl_recipe",
+]

@@ -1,0 +1,231 @@
+"""NeMo-RL's token coordinates, as its Megatron and DTensor workers lay them out (docs/design.md §9).
+
+Read from NeMo-RL at commit ``7ea279abfbeb698b092856d0dab61e7cf39bc909`` (github NVIDIA-NeMo/RL):
+
+- batches are right-padded: row i's ``input_lengths[i]`` tokens sit at columns ``[0, L_i)``
+  of ``input_ids [B, W]``; per-token fields are token-aligned ``[B, W]`` (``token_mask``,
+  ``generation_logprobs``), and ``generation_support [B, W, k]`` holds the support row of
+  token t at column t (``-1`` padded; all ``-1`` where nothing was sampled);
+- ``next_token_logprobs [B, W - 1]``: column c scores token c + 1
+  (``distributed/model_utils.py`` ``from_parallel_logits_to_logprobs``: targets rolled by
+  -1, last column dropped);
+- context parallel: a padded sequence of P tokens (a multiple of 2 cp) is cut into 2 cp
+  chunks and rank r holds chunks r and 2 cp - 1 - r, in that order
+  (``_get_tokens_on_this_cp_rank``); logits are ``[.., P / cp, V / tp]``;
+- packed: one row ``[1, T / cp]`` of sequences, each padded to its
+  ``cu_seqlens_padded`` length and CP-chunked on its own (``models/megatron/data.py``
+  ``_pack_sequences_for_megatron``).
+
+Worked example, cp = 2, one sequence of L = 6 tokens ``a0 .. a5`` padded to P = 8
+(chunks of 2):
+
+    position        0   1   2   3   4   5   6   7
+    token           a0  a1  a2  a3  a4  a5  _   _
+    chunk           0   0   1   1   2   2   3   3
+    rank 0 holds positions 0 1 6 7, rank 1 holds 2 3 4 5 (local order)
+    the logit at position q predicts a_{q+1} when q + 1 < L: rank 0's slots predict
+    a1 a2 - -, rank 1's a3 a4 a5 -; next_token_logprobs column q <- slot of position q.
+
+Every local logit slot is (data row i, padded position q); everything else follows from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "NEMO_RL_COMMIT",
+    "cp_positions",
+    "LocalSlots",
+    "local_slots",
+    "NextTokenChannels",
+    "next_token_channels",
+    "gather_slots",
+    "check_width",
+]
+
+#: The NeMo-RL commit whose conventions this module and its tests follow.
+NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
+
+
+def cp_positions(padded_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Positions of a padded sequence that CP rank ``cp_rank`` holds, in its local order.
+
+    Example: P = 8, cp = 2: rank 0 -> [0, 1, 6, 7], rank 1 -> [2, 3, 4, 5].
+
+    Returns:
+        (P / cp,), int64.
+    """
+    P = int(padded_length)
+    if cp_size == 1:
+        return torch.arange(P)
+    if P % (2 * cp_size):
+        raise ValueError(
+            f"a padded sequence of {P} tokens cannot be cut into 2 * cp = {2 * cp_size} chunks; NeMo-RL pads each "
+            f"sequence to a multiple of 2 * cp (policy.make_sequence_length_divisible_by)"
+        )
+    c = P // (2 * cp_size)
+    r = cp_rank
+    return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * cp_size - 1 - r) * c, (2 * cp_size - r) * c)])
+
+
+@dataclass(frozen=True)
+class LocalSlots:
+    """This rank's logit slots, flattened in the logits' order.
+
+    Attributes:
+        row: (n,), int64. Data row (trajectory) of each slot.
+        position: (n,), int64. Position within its padded sequence.
+        shape: the position shape of the local logits (``logits.shape[:-1]``).
+    """
+
+    row: torch.Tensor
+    position: torch.Tensor
+    shape: tuple
+
+
+def local_slots(padded_lengths: Sequence[int], cp_size: int, cp_rank: int, *, packed: bool) -> LocalSlots:
+    """The slots of rank ``cp_rank``: unpacked ``[N, P / cp]`` rows, or one packed ``[1, sum(P_i) / cp]`` row.
+
+    Args:
+        padded_lengths: P_i per data row (unpacked: all equal to the padded row width).
+        packed: sequences follow one another in one row (NeMo-RL's THD packing).
+    """
+    lengths = [int(p) for p in padded_lengths]
+    parts = [cp_positions(p, cp_size, cp_rank) for p in lengths]
+    counts = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+    position = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    shape = (1, int(counts.sum())) if packed else (len(lengths), int(counts[0]) if len(lengths) else 0)
+    return LocalSlots(row, position, shape)
+
+
+@dataclass(frozen=True)
+class NextTokenChannels:
+    """Scorer channels of a set of slots, each (n,) in slot order.
+
+    Attributes:
+        sampled_ids: int64, the token each slot's logit predicts (0 where none).
+        row_ids: int64, row of the flattened ``generation_support`` (``i * W + t``), -1 where none.
+        loss_mask: bool, ``token_mask * sample_mask`` of the predicted token.
+        trajectory_ids: int64, data row, -1 where the logit predicts no real token.
+        out_index: int64, flat index into ``[N, W - 1]`` next-token columns, -1 where none.
+    """
+
+    sampled_ids: torch.Tensor
+    row_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    trajectory_ids: torch.Tensor
+    out_index: torch.Tensor
+
+
+def next_token_channels(
+    slots: LocalSlots,
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+) -> NextTokenChannels:
+    """Channels of ``slots``: the logit at position q of row i predicts token q + 1 when q + 1 < L_i.
+
+    Args:
+        input_ids: (N, W), int. Right-padded tokens.
+        input_lengths: (N,), int. ``L_i <= W``.
+        token_mask: (N, W), bool/int/float, token-aligned.
+        sample_mask: (N,), bool/int/float.
+    """
+    device = input_ids.device
+    N, W = input_ids.shape
+    i = slots.row.to(device)
+    t = slots.position.to(device) + 1
+    L = input_lengths.to(device=device, dtype=torch.int64)
+    valid = t < L[i]
+    tt = t.clamp(max=W - 1)
+    active = (token_mask.to(device)[i, tt] != 0) & (sample_mask.to(device)[i] != 0)
+    return NextTokenChannels(
+        sampled_ids=torch.where(valid, input_ids[i, tt].to(torch.int64), 0),
+        row_ids=torch.where(valid, i * W + tt, -1),
+        loss_mask=valid & active,
+        trajectory_ids=torch.where(valid, i, -1),
+        out_index=torch.where(valid, i * (W - 1) + t - 1, -1),
+    )
+
+
+class _GatherSlots(torch.autograd.Function):
+    """Every CP rank's slot values scattered into ``[N, W - 1]``; NeMo-RL's CP gather semantics.
+
+    Forward: one all-gather over ``cp_group`` of this rank's ``(n,)`` values (none when
+    cp = 1), then a scatter of every rank's slots (0 where no slot predicts). Backward: the
+    gradient is summed over the CP ranks (one all-reduce) and this rank's slots take theirs --
+    the backward of NeMo-RL's ``allgather_cp_sharded_tensor``, which its ``LossPostProcessor``
+    balances by dividing the loss by the CP size.
+    """
+
+    @staticmethod
+    def forward(ctx, local, indices, numel: int, cp_group, cp_rank: int):
+        ctx.own = indices[cp_rank]
+        ctx.cp_group = cp_group
+        ctx.n = local.shape[0]
+        if len(indices) == 1:
+            parts = [local]
+        else:
+            wire = local.detach().contiguous()
+            parts = [torch.empty_like(wire) for _ in indices]
+            dist.all_gather(parts, wire, group=cp_group)
+        out = torch.zeros(numel, dtype=local.dtype, device=local.device)
+        for part, index in zip(parts, indices):
+            keep = torch.nonzero(index >= 0).flatten()
+            out[index[keep]] = part[keep]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.cp_group is not None and dist.get_world_size(ctx.cp_group) > 1:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.cp_group)
+        own = ctx.own
+        keep = own >= 0
+        local = torch.where(keep, grad[own.clamp(min=0)], torch.zeros((), dtype=grad.dtype, device=grad.device))
+        return local, None, None, None, None
+
+
+def gather_slots(
+    local: torch.Tensor, indices: list[torch.Tensor], out_shape: tuple, cp_group=None, cp_rank: int = 0
+) -> torch.Tensor:
+    """Differentiable gather of slot values into ``out_shape`` (see :class:`_GatherSlots`).
+
+    Args:
+        local: (n,), float. This rank's slot values.
+        indices: one (n_r,) int64 flat output index per CP rank, -1 for a slot that fills nothing.
+        cp_group: the CP group (None when ``len(indices) == 1``).
+    """
+    numel = 1
+    for d in out_shape:
+        numel *= int(d)
+    return _GatherSlots.apply(local, indices, numel, cp_group, cp_rank).view(out_shape)
+
+
+def check_width(name: str, input_lengths: torch.Tensor, width: int, padded: Optional[Sequence[int]] = None) -> None:
+    """Each ``L_i`` fits the data width W and its padded length P_i."""
+    L = input_lengths.to(torch.int64).cpu()
+    bad = torch.nonzero((L < 1) | (L > width)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"{name}: data row {i} has input_lengths {int(L[i])}, outside [1, {width}] (the width of input_ids); "
+            f"pass the unpadded lengths of the right-padded rows"
+        )
+    if padded is not None:
+        P = torch.as_tensor(list(padded), dtype=torch.int64)
+        bad = torch.nonzero(L > P).flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"{name}: data row {i} has {int(L[i])} tokens but its logits cover {int(P[i])} positions; the logits "
+                f"and the data dict belong to different micro-batches (or cu_seqlens_padded is not this one's)"
+            )

@@ -1,0 +1,130 @@
+"""The vLLM-worker side: what NeMo-RL's generation worker must request, and its supports as rows.
+
+NeMo-RL's vLLM worker (``nemo_rl/models/generation/vllm/vllm_worker.py``) asks every
+request for ``logprobs=0`` (``_build_sampling_params``) and keeps only the sampled token's
+log-prob, in a ``[B, total_length]`` tensor: row i holds the prompt's ``input_lengths[i]``
+tokens, then the generated ones from column ``input_lengths[i]``, right-padded to
+``padded_input_length + max generated length`` (its output loop, ``full_logprobs``).
+The rollout manager then slices ``[input_len:total_len]`` into the assistant message's
+``generation_logprobs`` (``nemo_rl/experience/rollout_manager.py``).
+
+For replay the worker must see each token's whole support:
+
+- processed log-probs: engine ``vllm_cfg.logprobs_mode: processed_logprobs`` (NeMo-RL's
+  default) and ``max_logprobs >= top_k + 1``; each request ``logprobs = top_k + 1``
+  (:func:`vllm_support_request`), so every position's list ends with a filtered entry;
+- or vLLM's sampling masks (``return_sampling_mask`` on a Model Runner V2 engine), exact
+  sets of any width.
+
+:func:`generation_support_from_vllm` turns the worker's outputs into ``generation_support``
+rows laid out exactly like its ``logprobs`` tensor (int32 ``[B, total_length, k]``, the row
+of token t at column t, ``-1`` on prompt and padding), through the engine adapters of
+:mod:`nemo_replay.rollout.vllm`. Slice it like ``logprobs`` into each message, give
+non-generated messages all ``-1`` rows (:func:`padding_rows`) and pad batches with -1
+(``batched_message_log_to_flat_message(..., pad_value_dict={"generation_support": -1})``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from nemo_replay.rollout.vllm import support_from_vllm_output
+
+__all__ = ["vllm_support_request", "generation_support_from_vllm", "padding_rows", "GenerationSupport"]
+
+
+def vllm_support_request(top_k: int, *, path: str = "logprobs") -> dict:
+    """The ``SamplingParams`` fields the worker must set on top of its own for ``path``.
+
+    ``"logprobs"``: ``{"logprobs": top_k + 1}`` (NeMo-RL asks 0). ``"mask"``: ``{}`` -- the
+    engine returns masks itself when started with ``return_sampling_mask``; ``logprobs=0``
+    still gives the sampled token's log-prob.
+
+    Raises:
+        ValueError when ``top_k`` is not an int > 1 (an unbounded or single-token support
+        cannot be replayed) or ``path`` is unknown.
+    """
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 2:
+        raise ValueError(
+            f"replay needs policy.generation.top_k set to an int > 1 (vLLM returns a whole support only for a bounded "
+            f"top-k), got {top_k!r}"
+        )
+    if path == "logprobs":
+        return {"logprobs": top_k + 1}
+    if path == "mask":
+        return {}
+    raise ValueError(f"path must be 'logprobs' or 'mask', got {path!r}")
+
+
+class GenerationSupport:
+    """Support rows of one generate call, laid out like NeMo-RL's ``logprobs`` output.
+
+    Attributes:
+        rows: (B, total_length, width), int32. The row of token t at column t; -1 padded.
+        flagged: (B, total_length), bool. Generated tokens whose support could not be
+            recorded exactly (their rows are all -1): leave them out of ``token_mask``.
+        logprobs: (B, total_length), float32. The engine's processed log-prob of each
+            generated token (0 elsewhere), the value NeMo-RL stores as ``generation_logprobs``.
+    """
+
+    def __init__(self, rows: torch.Tensor, flagged: torch.Tensor, logprobs: torch.Tensor):
+        self.rows, self.flagged, self.logprobs = rows, flagged, logprobs
+
+
+def generation_support_from_vllm(
+    completions: Sequence[Any],
+    input_lengths: Sequence[int] | torch.Tensor,
+    total_length: int,
+    *,
+    width: int,
+    vocab_size: Optional[int] = None,
+    sampling_params: Any = None,
+) -> GenerationSupport:
+    """``generation_support`` of one batch from the vLLM worker's outputs.
+
+    Args:
+        completions: ``[o.outputs[0] for o in llm.generate(...)]``, one vLLM
+            ``CompletionOutput`` per request, in batch order.
+        input_lengths: (B,), int. The prompt lengths NeMo-RL's worker used.
+        total_length: the width of its ``output_ids`` / ``logprobs`` (padded input length
+            plus the longest generation).
+        width: the row width k (the requests' ``top_k``).
+        vocab_size: ids must be below it when given.
+        sampling_params: the requests' ``SamplingParams``, checked for the support path.
+
+    Raises:
+        ValueError naming the request when its tokens do not fit ``total_length``, and the
+        adapters' errors (misaligned log-probs, a raw log-prob mode, missing log-probs).
+    """
+    lengths = torch.as_tensor(input_lengths, dtype=torch.int64).cpu()
+    B = len(completions)
+    if lengths.shape != (B,):
+        raise ValueError(f"input_lengths has shape {tuple(lengths.shape)} for {B} completions; pass one prompt length per request")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be the row width k (an int >= 1, the requests' top_k), got {width!r}")
+    rows = torch.full((B, int(total_length), width), -1, dtype=torch.int32)
+    flagged = torch.zeros(B, int(total_length), dtype=torch.bool)
+    logprobs = torch.zeros(B, int(total_length), dtype=torch.float32)
+    for i, completion in enumerate(completions):
+        got = support_from_vllm_output(completion, width=width, vocab_size=vocab_size, sampling_params=sampling_params)
+        n = got.support.num_rows
+        start = int(lengths[i])
+        if start < 0 or start + n > total_length:
+            raise ValueError(
+                f"request {i}: {start} prompt tokens + {n} generated tokens do not fit total_length={total_length}; pass "
+                f"the width of the worker's output_ids"
+            )
+        rows[i, start : start + n] = got.support.values.to(torch.int32)
+        flagged[i, start : start + n] = got.flagged
+        if got.logprobs is not None:
+            logprobs[i, start : start + n] = got.logprobs
+    return GenerationSupport(rows, flagged, logprobs)
+
+
+def padding_rows(num_tokens: int, width: int) -> torch.Tensor:
+    """All -1 rows ``(num_tokens, width)`` int32 for tokens nobody sampled (prompt, tool output)."""
+    if num_tokens < 0 or width < 1:
+        raise ValueError(f"padding_rows needs num_tokens >= 0 and width >= 1, got {num_tokens}, {width}")
+    return torch.full((int(num_tokens), int(width)), -1, dtype=torch.int32)
