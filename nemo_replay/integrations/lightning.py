@@ -18,6 +18,7 @@ Add the callback; the module finds the role callbacks at ``self.replay``
             opt.step()
 
     trainer = lightning.Trainer(callbacks=[ReplayCallback("fsdp", settings=RoleSettings(temperature=0.7))])
+    # another objective: ReplayCallback("fsdp", loss_fn=SequenceRatioObjective(kl_coef=0.01))
 
 What the callback does:
 
@@ -40,6 +41,7 @@ from typing import Optional, Union
 from lightning.pytorch.callbacks import Callback
 
 from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.objectives import PolicyLoss
 from nemo_replay.strategies.base import ReplayStrategy, RoleSettings
 from nemo_replay.roles import ReplayRoles
 
@@ -60,6 +62,8 @@ class ReplayCallback(Callback):
     Args:
         strategy: registered strategy name (``fsdp``, ``megatron``, a plugin) or a built strategy.
         settings: role settings; ``replay`` is overridden by ``enabled``.
+        loss_fn: the policy objective (:mod:`nemo_replay.objectives`; default the clipped
+            token-ratio objective of ``settings``).
         enabled: score over the recorded support (True) or the full vocabulary (False).
         attribute: the module attribute that receives the role callbacks.
         **strategy_options: forwarded to the strategy's factory.
@@ -70,6 +74,7 @@ class ReplayCallback(Callback):
         strategy: Union[str, ReplayStrategy] = "fsdp",
         *,
         settings: Optional[RoleSettings] = None,
+        loss_fn: Optional[PolicyLoss] = None,
         enabled: bool = True,
         attribute: str = "replay",
         **strategy_options,
@@ -78,6 +83,7 @@ class ReplayCallback(Callback):
         self.settings = dataclasses.replace(settings or RoleSettings(), replay=bool(enabled))
         self.strategy = strategy
         self.strategy_options = strategy_options
+        self.loss_fn = loss_fn
         self.attribute = attribute
         self.roles: Optional[ReplayRoles] = None
 
@@ -87,7 +93,7 @@ class ReplayCallback(Callback):
                 f"{type(pl_module).__name__} uses automatic optimization, but the replay policy role runs backward "
                 f"itself; set self.automatic_optimization = False in __init__ and step the optimizer in training_step"
             )
-        self.roles = ReplayRoles(self.strategy, settings=self.settings, **self.strategy_options)
+        self.roles = ReplayRoles(self.strategy, settings=self.settings, loss_fn=self.loss_fn, **self.strategy_options)
         setattr(pl_module, self.attribute, self.roles)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:

@@ -101,3 +101,29 @@ def test_callback_refuses_automatic_optimization_and_batches_without_support():
     batches[0][1].support = None
     with pytest.raises(ValueError, match="training batch 0, micro-batch 1: replay is on but"):
         _fit(TinyRL(policy), batches, ReplayCallback())
+
+
+def test_callback_hands_the_policy_role_the_modules_objective():
+    from nemo_replay.objectives import SequenceRatioObjective
+
+    calls = []
+
+    class Recorded:
+        """GSPO, recording what the policy role hands it."""
+
+        objective = SequenceRatioObjective(clip_eps=0.1, kl_coef=0.05)
+
+        def check(self, batch):
+            return self.objective.check(batch)
+
+        def __call__(self, logprobs, batch, mask):
+            calls.append((tuple(logprobs.shape), tuple(batch.loss_mask.shape), logprobs.requires_grad, bool(mask.any())))
+            return self.objective(logprobs, batch, mask)
+
+    policy = _policy()
+    batches = _rollouts(policy, 1)
+    module = TinyRL(policy)
+    _fit(module, batches, ReplayCallback("fsdp", settings=RoleSettings(kl_coef=0.1), loss_fn=Recorded()))
+    assert len(calls) == 2  # one call per micro-batch
+    assert all(shape == mask_shape and grad and active for shape, mask_shape, grad, active in calls)
+    assert module.records[0]["kl"] >= 0 and module.records[0]["mismatch_max"] < 1e-5
