@@ -100,7 +100,7 @@ def _runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(
                 f"attention_mask row {b} holds value {int(am[b, c])} at column {c}: a packed row with several "
                 f"trajectories (segment ids) cannot be expressed by the layout. Pass one trajectory per row "
-                f"(0/1 mask, left-padded as in ReplayBatch); packed=True packs them into THD sequences itself"
+                f"(0/1 mask, padded on either side as in ReplayBatch); packed=True packs them into THD sequences itself"
             )
     real = am.bool()
     B, S = real.shape
@@ -177,7 +177,7 @@ class TokenMetadataLayout:
 
         Args:
             attention_mask: (B, S), bool or 0/1 integer. One contiguous run of real tokens
-                per row (canonical batches are left-padded).
+                per row (left-, right- or both-side padding, as ReplayBatch allows).
             tp_size, cp_size, cp_rank: tensor / context parallel sizes and this rank's CP index.
             fp8: FP8 alignment (multiples of 16 tokens per rank).
             packed: THD packing; required when ``cp_size > 1``.
