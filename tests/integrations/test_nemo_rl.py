@@ -365,6 +365,14 @@ def test_post_processors_refuse_the_paths_that_skip_replay():
         ReplayAutomodelLogprobsPostProcessor({}, cp_size=2)
     with pytest.raises(ValueError, match=r"nemo_rl is not importable here; outside NeMo-RL call replay_prepare_fn"):
         ReplayLossPostProcessor(ClippedPGStyleLoss(), {})
+    post = ReplayLogprobsPostProcessor({"sequence_packing": {"enabled": True}})
+    with pytest.raises(ValueError, match=r"sequence_packing.enabled is true but no cu_seqlens_padded came"):
+        post({"input_ids": torch.zeros(1, 4, dtype=torch.int64)}, None, None)
+    # CP-local logits without their CP group: the logits cover fewer positions than the tokens.
+    data, raw, _ = make_batch(seed=0)
+    half = cp_chunks(raw / TEMPERATURE, 2, 0, 1)[:, : raw.shape[1] // 2]
+    with pytest.raises(ValueError, match=r"logits are CP-local and context_parallel_group is missing"):
+        _prepare(data, half)
 
 
 def test_post_processors_subclass_nemo_rls_classes_when_it_is_importable(tmp_path):

@@ -6,10 +6,12 @@ parallel state between phases (building megatron is the slow part, so it happens
 A. TP=1: rollouts sampled from the model's own logits (top-k capture); ``recompute``
    reproduces the sampler's log-probs; every role against float64 references from
    plain single-trajectory forwards; ``policy`` (first ratio 1) and its gradients
-   against an autograd reference of the same objective.
+   against an autograd reference of the same objective; a caller-supplied objective
+   (GSPO) on the same trajectories right-padded, token-aligned, against its own reference.
 B. TP=2, same full weights sharded: log-probs and gathered gradients equal TP=1's, in
    logits and hidden mode (untied and tied embeddings); explicit groups are the ones
-   used; a real CP all-gather of the layout's outputs; CP without packing refused.
+   used; a real CP all-gather of the layout's outputs, and the policy path's
+   differentiable gather (its backward the adjoint of the scatter); CP without packing refused.
 C. PP=2: megatron's 1F1B schedule on gloo; log-probs on both stages and gradients equal TP=1's.
 D. MoE with routing replay: recorded routes installed through megatron's RouterReplay
    reproduce the recording forward; under changed gate weights the routers still take

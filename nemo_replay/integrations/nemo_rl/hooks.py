@@ -203,6 +203,12 @@ class ReplayLogprobsPostProcessor(_MegatronLogprobs):
     def __call__(self, data_dict, input_ids=None, cu_seqlens_padded=None):
         packed = bool((self.cfg.get("sequence_packing") or {}).get("enabled", False))
 
+        if packed and cu_seqlens_padded is None:
+            raise ValueError(
+                "ReplayLogprobsPostProcessor: policy.sequence_packing.enabled is true but no cu_seqlens_padded came; "
+                "call it as NeMo-RL's forward step does, post(data_dict, input_ids, cu_seqlens_padded)"
+            )
+
         def processor_fn_inner(output_tensor):
             tp_group, tp_rank, cp_group = _megatron_groups(*self.groups)
             scores = next_token_logprobs(

@@ -227,5 +227,6 @@ def check_width(name: str, input_lengths: torch.Tensor, width: int, padded: Opti
             i = int(bad[0])
             raise ValueError(
                 f"{name}: data row {i} has {int(L[i])} tokens but its logits cover {int(P[i])} positions; the logits "
-                f"and the data dict belong to different micro-batches (or cu_seqlens_padded is not this one's)"
+                f"and the data dict belong to different micro-batches, cu_seqlens_padded is not this one's, or the "
+                f"logits are CP-local and context_parallel_group is missing"
             )
