@@ -19,6 +19,7 @@ from nemo_replay.strategies.registry import (
     get_strategy,
     register_strategy,
 )
+from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -31,6 +32,7 @@ __all__ = [
     "PackedTensor",
     "RaggedSupport",
     "SupportScores",
+    "SupportAlignmentError",
     "VocabShard",
     "score_aligned_support",
     "score_full_vocabulary",

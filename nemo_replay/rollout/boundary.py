@@ -9,7 +9,9 @@ applies the §2 invariants to either support form:
   below, vectorised the same way (one pass, no loop over rows).
 
 An empty row (all ``-1``, or no CSR members) means "no support recorded" and is exempt
-from the membership check.
+from the membership check. A support that passes records it on itself, with the vocabulary
+size it was checked against (:mod:`nemo_replay.support.checked`), so the scorer does not
+check the same rows again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Optional, Union
 
 import torch
 
+from nemo_replay.support.checked import record_checked
+from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import describe_row, validate_support_rows
@@ -51,7 +55,7 @@ def check_ragged_members(support: RaggedSupport, sampled_ids: torch.Tensor, *, w
     missing = (lengths > 0) & ~found
     if missing.any():
         r = int(torch.nonzero(missing)[0])
-        raise ValueError(
+        raise SupportAlignmentError(
             f"{where}: {describe_row(support.cu_seqlens, r)}: sampled token {int(sampled[r])} is not a member "
             f"of its support row {support.row(r).tolist()[:16]}; rows and tokens are misaligned"
         )
@@ -72,6 +76,10 @@ def validate_support(
             segments, in buffer order); checks membership when given.
         vocab_size: ids must be below it when given.
         where: names the boundary in error messages.
+
+    Raises:
+        ValueError naming the trajectory and row; SupportAlignmentError (a ValueError) when a
+        sampled token is not a member of its row.
     """
     if not isinstance(support, (PackedTensor, RaggedSupport, torch.Tensor)):
         raise ValueError(
@@ -87,8 +95,9 @@ def validate_support(
         support.validate(vocab_size=vocab_size, where=where)
         if sampled_ids is not None:
             check_ragged_members(support, sampled_ids, where=where)
-        return
-    values, cu = (support.values, support.cu_seqlens) if isinstance(support, PackedTensor) else (support, None)
-    if sampled_ids is not None:
-        sampled_ids = torch.as_tensor(sampled_ids).to(values.device)
-    validate_support_rows(values, vocab_size=vocab_size, cu_seqlens=cu, sampled_ids=sampled_ids, where=where)
+    else:
+        values, cu = (support.values, support.cu_seqlens) if isinstance(support, PackedTensor) else (support, None)
+        if sampled_ids is not None:
+            sampled_ids = torch.as_tensor(sampled_ids).to(values.device)
+        validate_support_rows(values, vocab_size=vocab_size, cu_seqlens=cu, sampled_ids=sampled_ids, where=where)
+    record_checked(support, vocab_size)

@@ -71,6 +71,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from nemo_replay.support.checked import record_checked
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -301,4 +302,7 @@ def sample(
         members = cand_ids[keep].to(torch.int32)  # row-major: rank order inside each row
         row_offsets = lengths_to_cu_seqlens(keep.sum(1).cpu()).to(torch.int64)
         support = RaggedSupport(members, row_offsets.to(logits.device), torch.tensor([0, N], dtype=torch.int32))
+    # Correct by construction (docs/design.md §2): distinct ranked candidates below V, padding
+    # trailing, the draw one of them. Recorded, so the scorer does not sort the rows again.
+    record_checked(support, logits.shape[-1])
     return CaptureResult(ids, logprobs, support)

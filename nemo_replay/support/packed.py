@@ -12,7 +12,9 @@ Worked example: three trajectories with 2, 0 and 3 response rows of width k=2
     pt.repeat_interleave(2)  -> segments 0, 0, 1, 1, 2, 2   (GRPO groups)
     pt.repeat(2)             -> segments 0, 1, 2, 0, 1, 2
 
-Every batch operation addresses whole segments; no operation mutates its inputs.
+Every batch operation addresses whole segments; no operation mutates its inputs. Rows
+that passed the docs/design.md §2 checks keep that record through every batch operation
+(:mod:`nemo_replay.support.checked`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from nemo_replay.support.checked import Checked, carry_checked, checked
 from nemo_replay.support.validate import check_cu_seqlens
 
 __all__ = ["PackedTensor", "Segmented", "lengths_to_cu_seqlens", "segment_row_index"]
@@ -150,6 +153,11 @@ class PackedTensor(Segmented):
     def dtype(self) -> torch.dtype:
         return self.values.dtype
 
+    @property
+    def checked(self) -> Checked | None:
+        """The record of a passed docs/design.md §2 check (and its vocabulary), or None."""
+        return checked(self)
+
     def segment(self, i: int) -> torch.Tensor:
         """The rows of trajectory ``i`` (a view)."""
         if not -self.batch_size <= i < self.batch_size:
@@ -192,7 +200,7 @@ class PackedTensor(Segmented):
         """A new batch holding the chosen segments in the given order (repeats allowed)."""
         segments = self._normalise_index(segments)
         rows, lengths = segment_row_index(self.cu_seqlens.cpu(), segments)
-        return PackedTensor(self.values[rows.to(self.device)], lengths_to_cu_seqlens(lengths))
+        return carry_checked([self], PackedTensor(self.values[rows.to(self.device)], lengths_to_cu_seqlens(lengths)))
 
     def repeat(self, n: int) -> "PackedTensor":
         """The whole batch ``n`` times: segments 0..B-1, 0..B-1, ..."""
@@ -218,11 +226,11 @@ class PackedTensor(Segmented):
             raise ValueError(f"cannot concatenate batches with different dtypes: {sorted(map(str, dtypes))}")
         values = torch.cat([p.values for p in items], 0)
         lengths = torch.cat([p.lengths.cpu() for p in items])
-        return PackedTensor(values, lengths_to_cu_seqlens(lengths))
+        return carry_checked(items, PackedTensor(values, lengths_to_cu_seqlens(lengths)))
 
     def to(self, *args, **kwargs) -> "PackedTensor":
         """Move/cast ``values`` like ``Tensor.to``; ``cu_seqlens`` follows the device, stays int32."""
-        return PackedTensor(self.values.to(*args, **kwargs), self.cu_seqlens)
+        return carry_checked([self], PackedTensor(self.values.to(*args, **kwargs), self.cu_seqlens))
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, PackedTensor):

@@ -7,7 +7,9 @@ form vLLM's and SGLang's sampling masks return:
     row_offsets  (num_rows + 1,)  int64   row r = member_ids[row_offsets[r]:row_offsets[r+1]]
     cu_seqlens   (batch_size + 1,) int32  trajectory i = rows [cu_seqlens[i], cu_seqlens[i+1])
 
-An empty row means "no support recorded" (the CSR counterpart of an all -1 row).
+An empty row means "no support recorded" (the CSR counterpart of an all -1 row). Rows that
+passed the docs/design.md §2 checks keep that record through every batch operation
+(:mod:`nemo_replay.support.checked`).
 
 Worked example: trajectory 0 has rows {4, 9} and {} ; trajectory 1 has row {2, 3, 7}
 
@@ -23,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from nemo_replay.support.checked import Checked, carry_checked, checked, tensor_version
 from nemo_replay.support.packed import PackedTensor, Segmented, lengths_to_cu_seqlens, segment_row_index
 from nemo_replay.support.validate import check_cu_seqlens, describe_row
 
@@ -38,7 +41,7 @@ class RaggedSupport(Segmented):
         cu_seqlens: (batch_size + 1,), int32.
     """
 
-    __slots__ = ("member_ids", "row_offsets", "cu_seqlens")
+    __slots__ = ("member_ids", "row_offsets", "cu_seqlens", "_width")
 
     def __init__(self, member_ids: torch.Tensor, row_offsets: torch.Tensor, cu_seqlens: torch.Tensor):
         member_ids = torch.as_tensor(member_ids)
@@ -53,6 +56,7 @@ class RaggedSupport(Segmented):
         self.member_ids = member_ids.to(torch.int32)
         self.row_offsets = row_offsets.to(device=member_ids.device, dtype=torch.int64)
         self.cu_seqlens = cu_seqlens.to(device=member_ids.device, dtype=torch.int32)
+        self._width = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -69,7 +73,9 @@ class RaggedSupport(Segmented):
         values = support.values
         keep = values >= 0
         row_offsets = lengths_to_cu_seqlens(keep.sum(1).cpu()).to(torch.int64)
-        return cls(values[keep].to(torch.int32), row_offsets.to(values.device), support.cu_seqlens)
+        out = cls(values[keep].to(torch.int32), row_offsets.to(values.device), support.cu_seqlens)
+        out._set_width(max(int(values.shape[1]), 1))
+        return carry_checked([support], out)
 
     # ------------------------------------------------------------------ views
     @property
@@ -84,6 +90,40 @@ class RaggedSupport(Segmented):
     def row_lengths(self) -> torch.Tensor:
         """(num_rows,), int64 members per row."""
         return self.row_offsets[1:] - self.row_offsets[:-1]
+
+    @property
+    def checked(self) -> Checked | None:
+        """The record of a passed docs/design.md §2 check (and its vocabulary), or None."""
+        return checked(self)
+
+    @property
+    def width_bound(self) -> int:
+        """An upper bound on the members of any row (at least 1): the width of a padded copy.
+
+        Computed from the rows on first use (one host read) and kept while ``row_offsets``
+        is not edited in place; batches taken from this one (``gather``, slices, ``repeat``,
+        ``to``) inherit it, ``cat`` takes the largest.
+        """
+        if self._cached_width() is None:
+            lengths = self.row_lengths
+            self._set_width(max(int(lengths.max()) if lengths.numel() else 0, 1))
+        return self._width[0]
+
+    def _cached_width(self) -> int | None:
+        w = self._width
+        if w is None or w[1] is not self.row_offsets or w[2] != tensor_version(self.row_offsets):
+            return None
+        return w[0]
+
+    def _set_width(self, width: int) -> None:
+        self._width = (int(width), self.row_offsets, tensor_version(self.row_offsets))
+
+    def _derived(self, out: "RaggedSupport", sources: Sequence["RaggedSupport"]) -> "RaggedSupport":
+        """``out`` built from the rows of ``sources``: their check record and width bound carry over."""
+        widths = [s._cached_width() for s in sources]
+        if all(w is not None for w in widths):
+            out._set_width(max(widths))
+        return carry_checked(sources, out)
 
     def row(self, r: int) -> torch.Tensor:
         return self.member_ids[int(self.row_offsets[r]) : int(self.row_offsets[r + 1])]
@@ -123,11 +163,12 @@ class RaggedSupport(Segmented):
         index = PackedTensor(torch.empty(self.num_rows, 0), self.cu_seqlens.cpu())._normalise_index(segments)
         rows, seg_lengths = segment_row_index(self.cu_seqlens.cpu(), index)
         members, row_lengths = segment_row_index(self.row_offsets.cpu(), rows)
-        return RaggedSupport(
+        out = RaggedSupport(
             self.member_ids[members.to(self.device)],
             lengths_to_cu_seqlens(row_lengths).to(torch.int64),
             lengths_to_cu_seqlens(seg_lengths),
         )
+        return self._derived(out, [self])
 
     def __getitem__(self, index) -> "RaggedSupport":
         if isinstance(index, int):
@@ -147,14 +188,16 @@ class RaggedSupport(Segmented):
         items = list(items)
         if not items:
             raise ValueError("RaggedSupport.cat needs at least one batch")
-        return RaggedSupport(
+        out = RaggedSupport(
             torch.cat([s.member_ids for s in items]),
             lengths_to_cu_seqlens(torch.cat([s.row_lengths.cpu() for s in items])).to(torch.int64),
             lengths_to_cu_seqlens(torch.cat([s.lengths.cpu() for s in items])),
         )
+        return items[0]._derived(out, items)
 
     def to(self, device) -> "RaggedSupport":
-        return RaggedSupport(self.member_ids.to(device), self.row_offsets.to(device), self.cu_seqlens.to(device))
+        out = RaggedSupport(self.member_ids.to(device), self.row_offsets.to(device), self.cu_seqlens.to(device))
+        return self._derived(out, [self])
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, RaggedSupport):
@@ -174,12 +217,36 @@ class RaggedSupport(Segmented):
         return f"RaggedSupport(batch_size={self.batch_size}, rows={self.num_rows}, members={self.member_ids.numel()})"
 
     # ------------------------------------------------------------------ invariants
+    def _sorted_members(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Members in (row, id) order: (ids int64, row of each member, order), by two stable sorts."""
+        ids = self.member_ids.to(torch.int64)
+        row_of = torch.repeat_interleave(
+            torch.arange(self.num_rows, device=self.device), self.row_lengths, output_size=ids.numel()
+        )
+        order = torch.sort(ids, stable=True).indices
+        order = order[torch.sort(row_of[order], stable=True).indices]
+        return ids, row_of, order
+
+    def invalid_flag(self, *, vocab_size: int | torch.Tensor | None = None) -> torch.Tensor:
+        """0-d bool, True when :meth:`validate` would raise; no host sync.
+
+        ``vocab_size``: an int or a 0-d integer tensor on the members' device.
+        """
+        if self.member_ids.numel() == 0:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        ids, row_of, order = self._sorted_members()
+        lowest, highest = torch.aminmax(ids)
+        bad = lowest < 0
+        if vocab_size is not None:
+            bad = bad | (highest >= vocab_size)
+        same = (ids[order][1:] == ids[order][:-1]) & (row_of[order][1:] == row_of[order][:-1])
+        return bad | same.any()
+
     def validate(self, *, vocab_size: int | None = None, where: str = "support") -> None:
         """Members in ``[0, vocab_size)`` and no duplicate id in a row (vectorised)."""
-        ids = self.member_ids.to(torch.int64)
-        if ids.numel() == 0:
+        if self.member_ids.numel() == 0:
             return
-        row_of = torch.repeat_interleave(torch.arange(self.num_rows, device=self.device), self.row_lengths)
+        ids, row_of, order = self._sorted_members()
 
         def fail(bad: torch.Tensor, what: str) -> None:
             r = int(row_of[torch.nonzero(bad)[0]])
@@ -189,9 +256,7 @@ class RaggedSupport(Segmented):
             fail(ids < 0, "holds a negative id (CSR rows carry members only, no -1 padding)")
         if vocab_size is not None and (ids >= vocab_size).any():
             fail(ids >= vocab_size, f"holds an id >= vocab_size={vocab_size}")
-        # Sort by (row, id) with two stable sorts, then compare neighbours.
-        order = torch.sort(ids, stable=True).indices
-        order = order[torch.sort(row_of[order], stable=True).indices]
+        # Sorted by (row, id): a duplicate sits next to its twin.
         same = (ids[order][1:] == ids[order][:-1]) & (row_of[order][1:] == row_of[order][:-1])
         if same.any():
             bad = torch.zeros_like(ids, dtype=torch.bool)

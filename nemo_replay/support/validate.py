@@ -3,13 +3,62 @@
 Every boundary where support data enters the package (capture, wire decode, collation,
 the scorer) calls these. They are vectorised: one pass over the buffer, no Python loop
 over rows, and they only index into the data to build the error message.
+
+:func:`support_row_flags` is the same check as a device flag, with no host sync, for
+callers that combine it with other guards and read them all at once (the scorer);
+:func:`validate_support_rows` then names the failure.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["check_cu_seqlens", "validate_support_rows", "describe_row"]
+from nemo_replay.support.errors import SupportAlignmentError
+
+__all__ = ["check_cu_seqlens", "validate_support_rows", "support_row_flags", "describe_row", "SORT_BLOCK"]
+
+# Duplicate members are found by sorting each row and comparing neighbours. Blocks of
+# 2**17 entries bound the sort's temporaries (values and int64 indices) at 1 MiB while
+# leaving each sort enough rows to run on every thread.
+SORT_BLOCK = 1 << 17
+
+
+def _wide(values: torch.Tensor) -> torch.Tensor:
+    """int32 / int64 rows as they are, any other integer dtype widened to int64.
+
+    A comparison with a Python int happens in the tensor's dtype: for uint8 rows ``-1``
+    wraps to 255 and a vocabulary of 300 to 44, for int16 40000 wraps too.
+    """
+    return values if values.dtype in (torch.int32, torch.int64) else values.to(torch.int64)
+
+
+def support_row_flags(values: torch.Tensor, *, vocab_size: int | torch.Tensor | None = None) -> torch.Tensor:
+    """True when some fixed-width row breaks docs/design.md §2; no host sync.
+
+    Args:
+        values: (num_rows, k), integer (validated as such by the caller).
+        vocab_size: ids must be below it when given (an int, or a 0-d integer tensor on
+            ``values``' device, e.g. the result of a collective).
+
+    Returns:
+        0-d bool on ``values``' device: an id below -1, an id >= vocab_size, a member after
+        padding, or a duplicate id in a row. :func:`validate_support_rows` names which.
+    """
+    values = _wide(values)
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=values.device)
+    lowest, highest = torch.aminmax(values)
+    bad = lowest < -1
+    if vocab_size is not None:
+        bad = bad | (highest >= vocab_size)
+    if values.shape[1] > 1:
+        pad = values < 0
+        bad = bad | (pad[:, :-1] > pad[:, 1:]).any()
+        block = max(1, SORT_BLOCK // values.shape[1])
+        for start in range(0, values.shape[0], block):
+            ordered, _ = torch.sort(values[start : start + block], dim=1)
+            bad = bad | ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
+    return bad
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, num_rows: int, *, name: str = "cu_seqlens") -> None:
@@ -71,7 +120,8 @@ def validate_support_rows(
         where: names the boundary in error messages ("wire decode", "collation", ...).
 
     Raises:
-        ValueError naming the first offending trajectory and row.
+        ValueError naming the first offending trajectory and row;
+        SupportAlignmentError (a ValueError) when a sampled token is not in its row.
     """
     if not isinstance(values, torch.Tensor):
         raise ValueError(f"{where}: support rows must be a torch.Tensor, got {type(values).__name__}")
@@ -100,10 +150,8 @@ def validate_support_rows(
         late_member = pad[:, :-1] > pad[:, 1:]
         if late_member.any():
             fail(late_member.any(1), "has a member after -1 padding (padding must be trailing)")
-        # Duplicate members: sort each row, compare neighbours, ignore padding. Blocks of
-        # 2**17 entries bound the sort's temporaries (values and int64 indices) at 1 MiB
-        # while leaving each sort enough rows to run on every thread.
-        block = max(1, (1 << 17) // values.shape[1])
+        # Duplicate members: sort each row, compare neighbours, ignore padding.
+        block = max(1, SORT_BLOCK // values.shape[1])
         for start in range(0, values.shape[0], block):
             ordered, _ = torch.sort(values[start : start + block], dim=1)
             dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
@@ -117,11 +165,12 @@ def validate_support_rows(
                 f"{where}: sampled_ids has shape {tuple(sampled_ids.shape)}, expected ({values.shape[0]},)"
             )
         has_row = ~pad[:, 0]
-        member = (values == sampled_ids.to(values.dtype)[:, None]).any(1)
+        # Compared in int64: a sampled id cast down to a narrow row dtype could wrap onto a member.
+        member = (_wide(values).to(torch.int64) == sampled_ids.to(device=values.device, dtype=torch.int64)[:, None]).any(1)
         missing = has_row & ~member
         if missing.any():
             row = int(torch.nonzero(missing)[0])
-            raise ValueError(
+            raise SupportAlignmentError(
                 f"{where}: {describe_row(cu_seqlens, row)}: sampled token {int(sampled_ids[row])} is not a "
                 f"member of its support row {values[row].tolist()[:16]}; rows and tokens are misaligned "
                 f"(or the engine dropped the sampled token: repair it at capture)"

@@ -1,0 +1,131 @@
+"""Which support batches already passed the docs/design.md §2 checks, and against which vocabulary.
+
+Rows are checked where they enter the package (capture, engine adapters, wire decode,
+traces, collation: all through ``rollout.boundary.validate_support``). A batch that passed
+records it, so the scorer does not sort every row again on every call.
+
+Where the record lives. On the support's id tensor itself (``values`` of a
+:class:`PackedTensor`, ``member_ids`` of a :class:`RaggedSupport`, which also pins its
+``row_offsets``), with the tensors' version counters at the time of the check. So:
+
+- re-wrapping the same rows with other segment offsets (``PackedTensor(values, cu)``)
+  keeps the record: validity does not depend on the segmentation;
+- an in-place edit of the rows (through any view: views share the version counter)
+  bumps the version and voids the record, so a stale record is never trusted;
+- batch operations that build new tensors from checked rows (slicing, ``gather``,
+  ``repeat``, ``cat``, ``to``) copy the record over with :func:`carry_checked`: rows taken
+  from checked rows are checked rows.
+
+Worked example::
+
+    sup = PackedTensor(rows, cu)            # checked(sup) is None
+    validate_support(sup, vocab_size=V, where="collation")
+    checked(sup)                            # Checked(vocab_size=V)
+    checked(sup[[1, 0]].to(device))         # Checked(vocab_size=V): carried
+    sup.values[0, 0] = 7; checked(sup)      # None: edited after the check
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["Checked", "checked", "record_checked", "carry_checked", "tensor_version"]
+
+_ATTR = "_nemo_replay_checked"
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A support batch passed the docs/design.md §2 row checks.
+
+    Attributes:
+        vocab_size: every id is below it; None when the check had no vocabulary size
+            (the ids are then known to be >= -1, trailing-padded and distinct per row,
+            and the scorer still checks them against its vocabulary).
+    """
+
+    vocab_size: Optional[int]
+
+    def covers(self, vocab_size: Optional[int]) -> bool:
+        """True when the record already implies ``ids < vocab_size``."""
+        return vocab_size is None or (self.vocab_size is not None and self.vocab_size <= vocab_size)
+
+
+@dataclass(frozen=True)
+class _Record:
+    check: Checked
+    version: Optional[int]
+    offsets: Optional[weakref.ref]  # RaggedSupport: the row_offsets checked with the members
+    offsets_version: Optional[int]
+
+
+def tensor_version(t: torch.Tensor) -> Optional[int]:
+    """The tensor's version counter; None for an inference tensor, which has none (and which
+    cannot be edited in place outside ``torch.inference_mode``)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _parts(support) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(id tensor, row offsets or None) of a PackedTensor (``values``), a RaggedSupport or bare rows."""
+    if isinstance(support, torch.Tensor):
+        return support, None
+    if hasattr(support, "member_ids"):
+        return support.member_ids, support.row_offsets
+    return support.values, None
+
+
+def checked(support) -> Optional[Checked]:
+    """The support's record, or None when it was never checked or its rows changed since."""
+    ids, offsets = _parts(support)
+    rec = getattr(ids, _ATTR, None)
+    if not isinstance(rec, _Record) or rec.version != tensor_version(ids):
+        return None
+    if offsets is not None and (
+        rec.offsets is None or rec.offsets() is not offsets or rec.offsets_version != tensor_version(offsets)
+    ):
+        return None
+    return rec.check
+
+
+def record_checked(support, vocab_size: Optional[int]) -> None:
+    """Record that ``support`` passed the §2 checks (ids < ``vocab_size`` when given)."""
+    ids, offsets = _parts(support)
+    rec = _Record(
+        Checked(None if vocab_size is None else int(vocab_size)),
+        tensor_version(ids),
+        None if offsets is None else weakref.ref(offsets),
+        None if offsets is None else tensor_version(offsets),
+    )
+    setattr(ids, _ATTR, rec)
+
+
+def _keeps_ids(old: torch.dtype, new: torch.dtype) -> bool:
+    """A dtype change that cannot alter an id: signed integer at least as wide."""
+    if new == old:
+        return True
+    if new.is_floating_point or new.is_complex or new == torch.bool or not new.is_signed:
+        return False
+    return torch.iinfo(new).bits >= torch.iinfo(old).bits
+
+
+def carry_checked(sources: Sequence, result):
+    """Give ``result`` (built from the rows of ``sources``) their record when every source has one.
+
+    The vocabulary bound is the loosest of the sources' (None if any has none). Returns ``result``.
+    """
+    checks = [checked(s) for s in sources]
+    if not checks or any(c is None for c in checks):
+        return result
+    ids, _ = _parts(result)
+    if not all(_keeps_ids(_parts(s)[0].dtype, ids.dtype) for s in sources):
+        return result
+    sizes = [c.vocab_size for c in checks]
+    record_checked(result, None if any(v is None for v in sizes) else max(sizes))
+    return result
