@@ -1,32 +1,50 @@
 """Hidden-state mode: project only the (position, id) pairs a support needs.
 
 Legend: N positions, H hidden size, V vocabulary rows held by this rank, n scored
-positions, w support width, e positions scored over the whole (local) vocabulary
-(synthetic EOS), P present pairs, U distinct ids among them.
+positions, w support width, P present pairs (the members this rank holds), e positions
+scored over the whole (local) vocabulary (synthetic EOS), U distinct ids among the pairs.
 
-    z[i, j]  = hidden[pos[i]] . weight[ids[i, j]]      for present[i, j], else 0
-    ze[i, v] = hidden[eos[i]] . weight[v]
+    z[i, j]  = hidden[pos[i]] . weight[ids[i, j]] / T      for present pairs, else ``fill``
+    ze[i, v] = hidden[eos[i]] . weight[v] / T
+
+(``fill`` is written after the division, so a fill of the dtype's lowest value never
+overflows to -inf.)
 
 Naive equivalent (what it never builds): ``full = hidden @ weight.T`` (an ``[N, V]``
-matrix), ``z = full[pos[:, None], ids] * present``, ``ze = full[eos]``.
+matrix), ``z = torch.where(present, full[pos[:, None], ids], fill)``, ``ze = full[eos]``.
 
-Forward, in chunks of at most ``chunk_size`` pairs:
-    each pair is one H-long dot product of a hidden row and a weight row read in place
-    (a sampled dense-dense product over a CSR pattern, ``torch.sparse.sampled_addmm``):
-    no ``[pairs, H]`` copy of weight rows. A bf16/fp16 weight first has the chunk's
-    distinct rows converted to the compute dtype (``[U_chunk, H]``).
+Pairs. Only present pairs are projected: ``flat`` lists them as indices into the
+``n * w`` grid, row-major, so their rows never decrease. Rows cut by top-p / min-p (a few
+members in a width of 64) and, under tensor parallelism, the members of other ranks'
+shards cost nothing. Worked example, w = 3::
+
+    ids   = [[4, 1, -1], [2, -1, -1]]    present = [[T, T, F], [T, F, F]]
+    flat  = [0, 1, 3]   ->  pair rows flat // w = [0, 0, 1], pair ids [4, 1, 2]
+
+Chunks. The caller cuts the pairs into chunks of at most ``chunk_size`` pairs
+(:class:`PairChunk`: pairs ``[p0, p1)`` of ``flat``, rows ``[r0, r1)`` of ``pos``); a row
+whose pairs straddle two chunks is simply in both. Each chunk converts only its own
+hidden rows to the compute dtype (``[r1 - r0, H]``) and, for a weight not in the compute
+dtype, only its own distinct weight rows (``[U_chunk, H]``, at most ``chunk_size``).
+
+Forward, per chunk: each pair is one H-long dot product. On the CPU a sampled
+dense-dense product over a CSR pattern (``torch.sparse.sampled_addmm``) reads each weight
+row in place: no ``[pairs, H]`` copy. Its pattern keeps repeated columns in a row (ids of
+other shards, rows that name one table row twice), which it only accepts when the table
+has at least ``nnz / rows`` rows (it sizes its output as a dense ``rows x table_rows``
+matrix first), so a short table is padded with zero rows. On other devices the chunk's
+weight rows are gathered (``[pairs_chunk, H]``) and multiplied.
+
 Backward, recomputing from ``hidden`` and ``weight`` (nothing ``[pairs, H]`` is kept):
     grad hidden[pos[i]] = sum_j g[i, j] weight[ids[i, j]]
-        an ``embedding_bag`` with per-sample weights ``g`` (one bag per position);
+        per chunk an ``embedding_bag`` with per-sample weights ``g`` (one bag per row);
     grad weight[u] = sum over pairs (i, j) with ids[i, j] = u of g[i, j] hidden[pos[i]]
         pairs sorted by id, one ``embedding_bag`` over hidden rows (one bag per distinct
         id), so every gradient row is summed completely in the compute dtype before it is
         written: a bf16 weight gradient is rounded once;
-    plus ``ge.T @ hidden[eos]`` for the full-vocabulary rows,
-    all written into ONE weight-sized gradient in the weight's dtype (no float32 copy of a
-    bf16 weight): without full-vocabulary rows and with a weight in the compute dtype, one
-    ``embedding_bag`` with a bag per vocabulary row writes every row exactly once (zeros
-    included); otherwise vocabulary chunk by vocabulary chunk.
+    plus ``ge.T @ hidden[eos]`` for the full-vocabulary rows, all written into ONE
+    weight-sized gradient in the weight's dtype (vocabulary chunk by vocabulary chunk when
+    the weight is not in the compute dtype or full-vocabulary rows exist).
 
 No collectives (the caller all-reduces the hidden gradient under tensor parallelism).
 Inputs are not modified.
@@ -35,86 +53,120 @@ Inputs are not modified.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["project_support"]
+__all__ = ["PairChunk", "project_support"]
 
 
-def _rows_per_chunk(width: int, chunk_size: int) -> int:
-    return max(1, chunk_size // max(width, 1))
+class PairChunk(NamedTuple):
+    """Pairs ``flat[p0:p1]`` (at most ``chunk_size``) whose rows lie in ``pos[r0:r1]``."""
+
+    p0: int
+    p1: int
+    r0: int
+    r1: int
 
 
-def _table(weight: torch.Tensor, ids: torch.Tensor, cd: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows to read and indices into them: the weight itself when it is already in the compute
-    dtype, else the chunk's distinct rows converted (``[U, H]``) and the inverse indices."""
-    if weight.dtype == cd and weight.is_contiguous():
-        return weight, ids
-    uniq, inv = torch.unique(ids, return_inverse=True)
-    return weight.index_select(0, uniq).to(cd), inv
+def _table(weight: torch.Tensor, ids: torch.Tensor, cd: torch.dtype, min_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows to read and indices into them.
 
-
-def _pair_dots(h: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``out[i, j] = h[i] . table[idx[i, j]]`` for h (r, H), table (R, H), idx (r, w) -> (r, w).
-
-    A sampled dense-dense product: the CSR pattern has row i = the w columns idx[i]
-    (order and repeats kept), so each value is one dot product with a table row read in place.
+    The weight itself when it is already in the compute dtype, else the chunk's distinct
+    rows converted (``[U, H]``) and the inverse indices. Padded with zero rows up to
+    ``min_rows`` (the sampled product's requirement, see the module docstring).
     """
-    r, w = idx.shape
-    crow = torch.arange(0, r * w + 1, w, dtype=torch.int64, device=idx.device)
+    if weight.dtype == cd and weight.is_contiguous():
+        table, idx = weight, ids
+    elif ids.device.type != "cpu":
+        return weight, ids  # the gather path converts the rows it reads
+    else:
+        uniq, idx = torch.unique(ids, return_inverse=True)
+        table = weight.index_select(0, uniq).to(cd)
+    if table.shape[0] < min_rows:
+        table = torch.cat([table, table.new_zeros(min_rows - table.shape[0], table.shape[1])])
+    return table, idx
+
+
+def _crow(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """CSR row offsets (num_rows + 1,) of non-decreasing pair rows: pairs of row i are crow[i]:crow[i+1]."""
+    return torch.searchsorted(rows, torch.arange(num_rows + 1, device=rows.device, dtype=rows.dtype))
+
+
+def _pair_dots(h: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[p] = h[rows[p]] . table[idx[p]]`` for h (r, H), table (R, H), idx and rows (p,) -> (p,).
+
+    ``rows`` never decreases. On the CPU: a sampled dense-dense product over the CSR
+    pattern whose row i holds the columns ``idx`` of the pairs of row i (order and repeats
+    kept), each value one dot product with a table row read in place.
+    """
+    if idx.device.type != "cpu":
+        return (table[idx].to(h.dtype) * h[rows]).sum(-1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
         pattern = torch.sparse_csr_tensor(
-            crow, idx.reshape(-1), torch.zeros(r * w, dtype=h.dtype, device=h.device),
-            size=(r, table.shape[0]), check_invariants=False,
+            _crow(rows, h.shape[0]), idx, torch.zeros(idx.numel(), dtype=h.dtype, device=h.device),
+            size=(h.shape[0], table.shape[0]), check_invariants=False,
         )
         out = torch.sparse.sampled_addmm(pattern, h, table.t())
-    return out.values().view(r, w)
+    return out.values()
+
+
+def _chunk_pairs(weight, ids, flat, c: PairChunk, cd):
+    """(table, table index of each pair (p,), row of each pair within the chunk (p,))."""
+    w = ids.shape[1]
+    f = flat[c.p0 : c.p1]
+    rows = torch.div(f, w, rounding_mode="floor") - c.r0
+    table, idx = _table(weight, ids.reshape(-1)[f], cd, min_rows=-(-(c.p1 - c.p0) // max(c.r1 - c.r0, 1)))
+    return table, idx, rows
 
 
 class _SupportProjection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, pos, ids, present, eos, chunk_size, compute_dtype):
+    def forward(ctx, hidden, weight, pos, ids, flat, eos, chunks, fill, temperature, chunk_size, compute_dtype):
         cd = compute_dtype
         n, w = ids.shape
-        out = torch.zeros(n, w, dtype=cd, device=hidden.device)
-        if n and w:
-            step = _rows_per_chunk(w, chunk_size)
-            for start in range(0, n, step):
-                sl = slice(start, start + step)
-                table, idx = _table(weight, ids[sl], cd)
-                out[sl] = _pair_dots(hidden[pos[sl]].to(cd), table, idx)
-            out.masked_fill_(~present, 0)
-        ctx.save_for_backward(hidden, weight, pos, ids, present, eos)
-        ctx.chunk_size = chunk_size
-        ctx.compute_dtype = cd
-        return out, _full_rows(hidden[eos].to(cd), weight, chunk_size, cd)
+        values = torch.empty(flat.numel(), dtype=cd, device=hidden.device)
+        for c in chunks:
+            table, idx, rows = _chunk_pairs(weight, ids, flat, c, cd)
+            values[c.p0 : c.p1] = _pair_dots(hidden[pos[c.r0 : c.r1]].to(cd), table, idx, rows)
+        if temperature != 1.0:
+            values.div_(temperature)
+        out = torch.full((n * w,), fill, dtype=cd, device=hidden.device).index_copy_(0, flat, values).view(n, w)
+        ctx.save_for_backward(hidden, weight, pos, ids, flat, eos)
+        ctx.chunks, ctx.chunk_size, ctx.compute_dtype, ctx.temperature = chunks, chunk_size, cd, temperature
+        ze = _full_rows(hidden[eos].to(cd), weight, chunk_size, cd)
+        return out, ze.div_(temperature) if temperature != 1.0 else ze
 
     @staticmethod
     def backward(ctx, grad_out, grad_eos):
-        hidden, weight, pos, ids, present, eos = ctx.saved_tensors
+        hidden, weight, pos, ids, flat, eos = ctx.saved_tensors
         cd, chunk_size = ctx.compute_dtype, ctx.chunk_size
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g = torch.where(present, grad_out.to(cd), torch.zeros((), dtype=cd, device=grad_out.device))
-        ge = grad_eos.to(cd)
-        h_eos = hidden[eos].to(cd)
+        g = grad_out.reshape(-1)[flat].to(cd) / ctx.temperature  # (P,): absent entries get no gradient
+        ge = grad_eos.to(cd) / ctx.temperature
         grad_h = grad_w = None
-        if need_h:
-            grad_h = torch.zeros(hidden.shape, dtype=cd, device=hidden.device)
-            n, w = ids.shape
-            if n and w:
-                step = _rows_per_chunk(w, chunk_size)
-                for start in range(0, n, step):
-                    sl = slice(start, start + step)
-                    table, idx = _table(weight, ids[sl], cd)
-                    grad_h.index_add_(0, pos[sl], F.embedding_bag(idx, table, per_sample_weights=g[sl], mode="sum"))
-            if eos.numel():
-                grad_h.index_add_(0, eos, _rows_times_weight(ge, weight, chunk_size, cd))
-            grad_h = grad_h.to(hidden.dtype)
-        if need_w:
-            grad_w = _weight_grad(hidden, weight, pos, ids, present, g, h_eos, ge, chunk_size, cd)
-        return grad_h, grad_w, None, None, None, None, None, None
+        if ctx.needs_input_grad[0]:
+            grad_h = _hidden_grad(hidden, weight, pos, ids, flat, eos, g, ge, ctx.chunks, chunk_size, cd)
+        if ctx.needs_input_grad[1]:
+            grad_w = _weight_grad(hidden, weight, pos, ids, flat, g, hidden[eos].to(cd), ge, chunk_size, cd)
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
+
+
+def _hidden_grad(hidden, weight, pos, ids, flat, eos, g, ge, chunks, chunk_size, cd) -> torch.Tensor:
+    """(N, H) in the hidden states' dtype: the pairs' weight rows weighted by g, plus the EOS rows'."""
+    grad_h = torch.zeros(hidden.shape, dtype=cd, device=hidden.device)
+    for c in chunks:
+        table, idx, rows = _chunk_pairs(weight, ids, flat, c, cd)
+        gc = g[c.p0 : c.p1]
+        if idx.device.type == "cpu":
+            bags = F.embedding_bag(idx, table, _crow(rows, c.r1 - c.r0)[:-1], mode="sum", per_sample_weights=gc)
+            grad_h.index_add_(0, pos[c.r0 : c.r1], bags)
+        else:
+            grad_h.index_add_(0, pos[c.r0 : c.r1][rows], table[idx].to(cd) * gc[:, None])
+    if eos.numel():
+        grad_h.index_add_(0, eos, _rows_times_weight(ge, weight, chunk_size, cd))
+    return grad_h.to(hidden.dtype)
 
 
 def _full_rows(h_eos: torch.Tensor, weight: torch.Tensor, chunk_size: int, cd: torch.dtype) -> torch.Tensor:
@@ -140,60 +192,62 @@ def _rows_times_weight(ge: torch.Tensor, weight: torch.Tensor, chunk_size: int, 
     return acc
 
 
-def _weight_grad(hidden, weight, pos, ids, present, g, h_eos, ge, chunk_size, cd) -> torch.Tensor:
-    """The one weight-sized gradient (V, H) in the weight's dtype.
+class _IdSums(NamedTuple):
+    """Per distinct id u: ``sum of g * hidden row`` over its pairs, summed in the compute dtype."""
 
-    Worked example (V = 6, two positions, w = 2, pairs (row, id, g)):
+    uniq: torch.Tensor  # (U,), int64 local ids, increasing
+    sums: torch.Tensor  # (U, H), compute dtype
+
+
+def _id_sums(hidden, pos, ids, flat, g, cd) -> _IdSums:
+    """Sort the pairs by id and sum each id's ``g * hidden[pos[row]]`` in one ``embedding_bag``.
+
+    Worked example (w = 2, pairs as (row, id, g)):
         pairs  (0, 4, a) (0, 1, b) (1, 4, c) (1, 2, d)
         sorted by id:  ids [1, 2, 4, 4]  rows [0, 1, 0, 1]  g [b, d, a, c]
         bags (distinct ids) [1, 2, 4] with offsets [0, 1, 2]
-        grad[1] = b h0,  grad[2] = d h1,  grad[4] = a h0 + c h1,  other rows 0
-    Without full-vocabulary rows and with the weight in the compute dtype, one
-    ``embedding_bag`` with a bag per vocabulary row (empty bags give zero rows) writes every
-    gradient row exactly once. Otherwise, vocabulary chunk [v0, v1) starts as the EOS rows'
-    ``ge.T @ h_eos`` (or zeros) and adds the bags whose id falls in it, a contiguous run of
-    the sorted pairs found by ``searchsorted``.
+        sums[1] = b h0,  sums[2] = d h1,  sums[4] = a h0 + c h1
+    """
+    w = ids.shape[1]
+    pair_ids = ids.reshape(-1)[flat]
+    order = torch.argsort(pair_ids, stable=True)
+    ids_s = pair_ids[order]
+    rows_s = torch.div(flat[order], w, rounding_mode="floor")  # row of the pair in ``pos``
+    uniq, counts = torch.unique_consecutive(ids_s, return_counts=True)
+    if uniq.numel() == 0:
+        return _IdSums(uniq, torch.zeros(0, hidden.shape[1], dtype=cd, device=hidden.device))
+    starts = torch.cumsum(counts, 0) - counts
+    sums = F.embedding_bag(rows_s, hidden[pos].to(cd), starts, mode="sum", per_sample_weights=g[order])
+    return _IdSums(uniq, sums)
+
+
+def _weight_grad(hidden, weight, pos, ids, flat, g, h_eos, ge, chunk_size, cd) -> torch.Tensor:
+    """The one weight-sized gradient (V, H) in the weight's dtype.
+
+    Vocabulary chunk [v0, v1) starts as the EOS rows' ``ge.T @ h_eos`` (or zeros) and adds
+    the id sums that fall in it, then is written once (converted, for a weight not in the
+    compute dtype, from a chunk-sized scratch buffer).
     """
     V, H = weight.shape
-    device = weight.device
+    s = _id_sums(hidden, pos, ids, flat, g, cd)
     direct = weight.dtype == cd
-    keep = torch.nonzero(present.reshape(-1)).flatten()
-    w = ids.shape[1]
-    flat_ids = ids.reshape(-1)[keep]
-    order = torch.argsort(flat_ids, stable=True)
-    ids_s = flat_ids[order]
-    rows_s = torch.div(keep[order], max(w, 1), rounding_mode="floor")  # row of the pair in ``pos``
-    g_s = g.reshape(-1)[keep][order]
-    uniq, counts = torch.unique_consecutive(ids_s, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts  # first sorted pair of each bag
-    h_sel = hidden[pos].to(cd) if uniq.numel() else None
     if direct and ge.shape[0] == 0:
-        if h_sel is None:
-            return torch.zeros(V, H, dtype=weight.dtype, device=device)
-        per_row = torch.bincount(ids_s, minlength=V)
-        return F.embedding_bag(rows_s, h_sel, torch.cumsum(per_row, 0) - per_row, mode="sum", per_sample_weights=g_s)
-    grad_w = torch.empty(V, H, dtype=weight.dtype, device=device)
+        grad_w = torch.zeros(V, H, dtype=cd, device=weight.device)
+        return grad_w.index_copy_(0, s.uniq, s.sums)
+    grad_w = torch.empty(V, H, dtype=weight.dtype, device=weight.device)
     vchunk = max(chunk_size, 1)
-    edges = torch.arange(0, V + vchunk, vchunk, device=device).clamp_(max=V)
-    bag_edges = torch.searchsorted(uniq, edges).tolist()
-    pair_edges = torch.cat([starts, counts.sum().reshape(1)])  # sorted-pair bounds of the bags
-    scratch = None if direct else torch.empty(min(vchunk, V), H, dtype=cd, device=device)
-    for c in range(len(bag_edges) - 1):
-        v0, v1 = int(edges[c]), int(edges[c + 1])
-        if v1 <= v0:
-            continue
+    edges = list(range(0, V, vchunk)) + [V]
+    bounds = torch.searchsorted(s.uniq, torch.tensor(edges, device=s.uniq.device)).tolist()
+    scratch = None if direct else torch.empty(min(vchunk, V), H, dtype=cd, device=weight.device)
+    for c in range(len(edges) - 1):
+        v0, v1, b0, b1 = edges[c], edges[c + 1], bounds[c], bounds[c + 1]
         dst = grad_w[v0:v1] if direct else scratch[: v1 - v0]
         if ge.shape[0]:
             torch.mm(ge[:, v0:v1].t(), h_eos, out=dst)
         else:
             dst.zero_()
-        b0, b1 = bag_edges[c], bag_edges[c + 1]
         if b1 > b0:
-            p0, p1 = int(pair_edges[b0]), int(pair_edges[b1])
-            sums = F.embedding_bag(
-                rows_s[p0:p1], h_sel, starts[b0:b1] - p0, mode="sum", per_sample_weights=g_s[p0:p1]
-            )  # (b1 - b0, H): complete per-id sums
-            dst.index_add_(0, uniq[b0:b1] - v0, sums)
+            dst.index_add_(0, s.uniq[b0:b1] - v0, s.sums[b0:b1])
         if not direct:
             grad_w[v0:v1].copy_(dst)
     return grad_w
@@ -204,27 +258,35 @@ def project_support(
     weight: torch.Tensor,
     pos: torch.Tensor,
     ids: torch.Tensor,
-    present: torch.Tensor,
+    flat: torch.Tensor,
     eos: torch.Tensor,
+    chunks: Sequence[PairChunk],
     *,
+    fill: float,
+    temperature: float = 1.0,
     chunk_size: int,
     compute_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of the support pairs, and full local-vocabulary scores of a few rows, from hidden states.
+    """Scores of the present support pairs, and full local-vocabulary scores of a few rows.
 
     Args:
         hidden: (N, H), float. Not modified.
         weight: (V, H), float, this rank's LM-head rows. Not modified.
-        pos: (n,), int64 rows of ``hidden`` scored over a support.
-        ids: (n, w), int64 local rows of ``weight`` (any valid index where not present).
-        present: (n, w), bool.
+        pos: (n,), int64 rows of ``hidden`` scored over a support, increasing.
+        ids: (n, w), int64 local rows of ``weight`` (anything where not present).
+        flat: (P,), int64 increasing indices into the ``n * w`` grid: the present pairs.
         eos: (e,), int64 rows of ``hidden`` scored over the whole local vocabulary.
-        chunk_size: pairs per chunk (rows per chunk = chunk_size // w, at least 1); also
-            the vocabulary rows per chunk of the backward.
+        chunks: host-side bounds covering ``flat`` in order, each at most ``chunk_size``
+            pairs (see :class:`PairChunk`).
+        fill: the score of an absent pair.
+        temperature: divides every score.
+        chunk_size: also the vocabulary rows per step of the full-vocabulary rows.
         compute_dtype: float32 or float64.
 
     Returns:
-        z: (n, w), compute_dtype; 0 where not present.
+        z: (n, w), compute_dtype; ``fill`` where not present.
         ze: (e, V), compute_dtype.
     """
-    return _SupportProjection.apply(hidden, weight, pos, ids, present, eos, chunk_size, compute_dtype)
+    return _SupportProjection.apply(
+        hidden, weight, pos, ids, flat, eos, tuple(chunks), float(fill), float(temperature), int(chunk_size), compute_dtype
+    )

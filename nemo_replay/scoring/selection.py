@@ -27,20 +27,17 @@ __all__ = ["select_scores"]
 def _flat_index(pos: torch.Tensor, ids: torch.Tensor, vocab_start: int, shape: tuple[int, int]) -> torch.Tensor:
     """Offsets of ``src[pos[i], ids[i, j] - vocab_start]`` in the flattened (N * V) buffer.
 
-    int32 when every offset fits (half the bytes of the largest temporary), else int64.
-    Entries that are not present (-1 padding, ids of another rank's shard) land somewhere
-    in range and are masked by the caller. Example: N = 3, V = 5, vocab_start = 10,
-    pos = [0, 2], ids = [[14, 11], [10, -1]] -> [[4, 1], [10, 0]]: -1 - 10 + 10 = -1,
-    clamped to 0.
+    Ids are first clamped into this rank's shard, so entries that are not present (-1
+    padding, another shard's ids) land on their own row (its first or last entry, one
+    cache line) and are masked by the caller, and no offset can overflow: they lie in
+    ``[0, N * V)``, int32 when that fits (half the bytes of the largest temporary), else
+    int64. No host sync. Example: N = 3, V = 5, vocab_start = 10, pos = [0, 2],
+    ids = [[14, 11], [10, -1]] -> local [[4, 1], [0, 0]] -> [[4, 1], [10, 10]].
     """
     N, V = shape
-    small = ids.dtype in (torch.int32, torch.int16, torch.uint8, torch.int8) and N * V < 2**31
-    if small and ids.numel():  # no int32 overflow for any entry, present or not
-        low, high = (int(x) for x in torch.aminmax(ids))
-        small = (N - 1) * V + high - vocab_start < 2**31 and low - vocab_start > -(2**31)
-    index_dtype = torch.int32 if small else torch.int64
-    offsets = (pos * V - vocab_start).to(index_dtype)[:, None]
-    return (ids.to(index_dtype) + offsets).clamp_(0, max(N * V - 1, 0))
+    index_dtype = torch.int32 if N * V < 2**31 and ids.dtype in (torch.int32, torch.int16, torch.int8) else torch.int64
+    local = ids.to(index_dtype).clamp(vocab_start, vocab_start + V - 1) - vocab_start
+    return local + (pos * V).to(index_dtype)[:, None]
 
 
 class _SelectScores(torch.autograd.Function):

@@ -12,6 +12,9 @@ Worked example, V = 423 split unevenly over two ranks as 200 / 223:
 ``VocabShard.from_group(group, local_size)`` learns that split with one all-gather of the
 local sizes (call it once per model, not per step); ``VocabShard.even(vocab_size, group)``
 is Megatron's split (the padded vocabulary divides by the TP size) and needs no collective.
+Both also record the global vocabulary size (423 above), which lets the scorer check ids
+against it before its first collective; a shard built by hand without it learns the size
+from the scorer's MAX all-reduce and checks the ids after it.
 """
 
 from __future__ import annotations
@@ -39,14 +42,17 @@ class VocabShard:
         start: first global id held by this rank (>= 0).
         end: one past the last global id held by this rank (> start).
         group: the tensor-parallel process group, or None when the vocabulary is whole.
+        vocab_size: the global vocabulary size (>= end), or None when unknown; without a
+            group it is ``end``.
     """
 
     start: int
     end: int
     group: Optional[object] = None
+    vocab_size: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("start", "end"):
+        for name in ("start", "end") + (("vocab_size",) if self.vocab_size is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"VocabShard.{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -54,6 +60,19 @@ class VocabShard:
             raise ValueError(
                 f"VocabShard(start={self.start}, end={self.end}) must satisfy 0 <= start < end: it is this rank's "
                 f"slice [start, end) of the global vocabulary"
+            )
+        if self.group is None:
+            if self.start != 0:
+                raise ValueError(
+                    f"VocabShard(start={self.start}, end={self.end}) has no group, so it must hold the whole "
+                    f"vocabulary [0, end); pass the tensor-parallel group the vocabulary is sharded over"
+                )
+            if self.vocab_size is None:
+                object.__setattr__(self, "vocab_size", self.end)
+        if self.vocab_size is not None and self.vocab_size < self.end:
+            raise ValueError(
+                f"VocabShard(start={self.start}, end={self.end}, vocab_size={self.vocab_size}): the global vocabulary "
+                f"size must be >= end"
             )
 
     @property
@@ -84,7 +103,7 @@ class VocabShard:
                 f"pad the vocabulary to a multiple of {tp} or use VocabShard.from_group(group, local_size)"
             )
         per = vocab_size // tp
-        return cls(rank * per, (rank + 1) * per, group)
+        return cls(rank * per, (rank + 1) * per, group, vocab_size)
 
     @classmethod
     def from_group(cls, group, local_size: int, *, device=None) -> "VocabShard":
@@ -96,10 +115,10 @@ class VocabShard:
         """
         tp, rank = _size_rank(group)
         if tp == 1:
-            return cls(0, int(local_size), group)
+            return cls(0, int(local_size), group, int(local_size))
         mine = torch.tensor([int(local_size)], dtype=torch.int64, device=device)
         sizes = [torch.zeros_like(mine) for _ in range(tp)]
         dist.all_gather(sizes, mine, group=group)
         sizes = [int(s) for s in sizes]
         start = sum(sizes[:rank])
-        return cls(start, start + sizes[rank], group)
+        return cls(start, start + sizes[rank], group, sum(sizes))

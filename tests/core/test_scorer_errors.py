@@ -78,7 +78,9 @@ def test_bad_lm_head_weight(case):
     "make_shard, match",
     [
         (lambda: VocabShard(0, 60), r"VocabShard\(start=0, end=60\) holds 60 vocabulary rows but the local vocabulary size is 61"),
-        (lambda: VocabShard(10, 72), r"holds 62 vocabulary rows but the local vocabulary size is 61"),
+        (lambda: VocabShard(0, 62), r"holds 62 vocabulary rows but the local vocabulary size is 61"),
+        (lambda: VocabShard(10, 71), r"VocabShard\(start=10, end=71\) has no group, so it must hold the whole vocabulary"),
+        (lambda: VocabShard(0, 61, None, 60), r"the global vocabulary size must be >= end"),
         (lambda: VocabShard(-1, 60), r"must satisfy 0 <= start < end"),
         (lambda: VocabShard(10, 10), r"must satisfy 0 <= start < end"),
         (lambda: VocabShard(0, 61.0), r"VocabShard.end must be an int, got 61.0"),
@@ -105,8 +107,9 @@ def test_bad_temperature(case, temperature):
 
 
 def test_bad_chunk_size(case):
-    with pytest.raises(ValueError, match=r"chunk_size must be >= 1, got 0"):
-        _score(case, source=case.hidden, lm_head_weight=case.weight, chunk_size=0)
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=rf"chunk_size must be an int >= 1 \(pairs per chunk\), got {bad!r}"):
+            _score(case, source=case.hidden, lm_head_weight=case.weight, chunk_size=bad)
 
 
 def test_support_mass_needs_logits(case):
@@ -262,3 +265,52 @@ def test_full_vocabulary_shape_errors(case):
         score_full_vocabulary(case.logits, case.sampled_ids[:, 1:])
     with pytest.raises(ValueError, match=r"loss_mask has shape \(3,\)"):
         score_full_vocabulary(case.logits, case.sampled_ids, loss_mask=case.loss_mask[:, 0])
+
+
+# ------------------------------------------------------------------ required arguments and error classes
+
+
+@pytest.mark.parametrize("name", ["source", "sampled_ids", "row_ids", "loss_mask", "support"])
+def test_every_required_argument_refuses_none(case, name):
+    """None for a required argument is a ValueError naming it (loss_mask=None was an AttributeError)."""
+    with pytest.raises(ValueError, match=rf"{name if name != 'support' else 'support must be'}.*(None|NoneType)"):
+        _score(case, **{name: None})
+
+
+def test_full_vocabulary_required_arguments(case):
+    with pytest.raises(ValueError, match=r"sampled_ids is required.*got None"):
+        score_full_vocabulary(case.logits, None)
+    with pytest.raises(ValueError, match=r"lm_head_weight must be a floating-point tensor"):
+        score_full_vocabulary(case.hidden, case.sampled_ids, lm_head_weight=case.weight.long())
+
+
+@pytest.mark.parametrize("sampled", [-1, 61])
+def test_full_vocabulary_sampled_id_outside_vocab(case, sampled):
+    ids = case.sampled_ids.clone()
+    ids[2, 4] = sampled
+    with pytest.raises(ValueError, match=rf"trajectory 2, logit position 4: sampled id {sampled} outside the vocabulary \[0, 61\)"):
+        score_full_vocabulary(case.logits, ids)
+
+
+def test_alignment_failures_are_support_alignment_errors(case):
+    """A misaligned batch raises SupportAlignmentError (a ValueError); a bad argument does not."""
+    from nemo_replay import SupportAlignmentError
+
+    t = _valid_positions(case, 1)[2]
+    sampled = case.sampled_ids.clone()
+    sampled[1, t] = next(v for v in range(61) if v not in case.sets[int(case.row_ids[1, t])])
+    with pytest.raises(SupportAlignmentError, match=rf"trajectory 1, logit position {t}: sampled token"):
+        _score(case, sampled_ids=sampled)
+    rows = case.row_ids.clone()
+    rows[2, _valid_positions(case, 2)[0]] = -1
+    with pytest.raises(SupportAlignmentError, match=r"trajectory 2, logit position \d+: loss-active with no support row"):
+        _score(case, row_ids=rows)
+    rows = case.row_ids.clone()
+    rows[1, _valid_positions(case, 1)[-1]] = -1
+    with pytest.raises(SupportAlignmentError, match=r"trajectories \[1\] have \[2\] loss-active positions"):
+        _score(case, row_ids=rows)
+    assert issubclass(SupportAlignmentError, ValueError)
+    for bad in (dict(temperature=0), dict(row_ids=case.row_ids.float())):
+        with pytest.raises(ValueError) as info:
+            _score(case, **bad)
+        assert not isinstance(info.value, SupportAlignmentError)

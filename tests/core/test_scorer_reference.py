@@ -368,3 +368,22 @@ def test_no_grad_roles_and_nothing_to_score():
     for t in (nothing.logprobs, nothing.entropy, nothing.support_logmass):
         assert t.shape == case.loss_mask.shape and torch.all(t == 0)
     assert not nothing.valid_mask.any() and not nothing.fallback_mask.any()
+
+
+def test_float64_weight_sets_the_compute_dtype_on_both_paths():
+    """float32 hidden states with a float64 LM head: both entry points compute in float64.
+
+    score_full_vocabulary used to ignore the weight's dtype (its float32 product failed
+    outright); both paths now follow docs/design.md §4 and match the float64 loop.
+    """
+    case = make_case(eos=(), seed=17)
+    h32 = case.hidden.float()
+    lmask = case.loss_mask
+    truth = torch.log_softmax(h32.double() @ case.weight.T / 0.8, -1).gather(-1, case.sampled_ids[..., None]).squeeze(-1)
+    full = score_full_vocabulary(h32, case.sampled_ids, loss_mask=lmask, lm_head_weight=case.weight, temperature=0.8)
+    assert full.logprobs.dtype == torch.float64
+    torch.testing.assert_close(full.logprobs, torch.where(lmask, truth, 0.0), atol=ATOL, rtol=0)
+    sup = score_aligned_support(h32, *case.channels(), lm_head_weight=case.weight, temperature=0.8)
+    assert sup.logprobs.dtype == torch.float64
+    ref = reference_scores(h32.double() @ case.weight.T, case.sampled_ids, case.row_ids, lmask, case.sets, temperature=0.8)
+    torch.testing.assert_close(sup.logprobs, ref["logprobs"], atol=ATOL, rtol=0)

@@ -4,7 +4,8 @@ One spawn (2 ranks) runs every check: logits and hidden mode, fixed-width and ra
 support, entropy, support mass, the synthetic-EOS fallback, the full-vocabulary path. In
 each rank ``torch.distributed.all_reduce`` is wrapped by a counter that forwards to the
 real collective, so the test also counts the collectives of forward and backward and
-sees which group object they ran on (a subgroup from ``dist.new_group``, never WORLD).
+sees which group object they ran on (a subgroup from ``dist.new_group``, never WORLD), and
+the host reads of each forward (one: benchmarks/syncs.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nemo_replay import RaggedSupport, score_aligned_support, score_full_vocabulary
+from benchmarks.syncs import HostReads
+from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
 from tests.core.batches import make_case
 from tests.spawn import run_workers
@@ -96,7 +98,8 @@ def _tp_worker(rank, world_size):
     try:
         for name, (hidden, call) in _scenarios(case).items():
             calls.clear()
-            out, leaves = _run(case, hidden, call, shard)
+            with HostReads() as reads:
+                out, leaves = _run(case, hidden, call, shard)
             forward = list(calls)
             calls.clear()
             grads = torch.autograd.grad(_loss(out, case.loss_mask.shape), leaves)
@@ -111,10 +114,30 @@ def _tp_worker(rank, world_size):
                 "backward_ops": [op for op, _ in backward],
                 "on_subgroup": all(g is group for _, g in forward + backward),
                 "group_is_world": any(g is None or g is dist.group.WORLD for _, g in forward + backward),
+                "host_reads": reads.total,
             }
     finally:
         dist.all_reduce = real_all_reduce
+    results["hand_built_shard"] = _hand_built_shard(case, VocabShard(lo, hi, group))
     return results
+
+
+def _hand_built_shard(case, shard):
+    """A shard without the global vocabulary size learns it from the MAX all-reduce: the ids
+    are still checked against it, after that collective (one more host read)."""
+    z = case.logits[..., shard.start : shard.end]
+    with HostReads() as reads:
+        out = score_aligned_support(z, case.sampled_ids, case.row_ids, case.loss_mask, case.support, shard=shard)
+    vals = case.support.values.clone()
+    unused = next(r for r, members in enumerate(case.sets) if not members and r not in case.row_ids[case.loss_mask])
+    vals[unused, 0] = V  # an id one past the vocabulary (no rank holds it) in a row no position scores
+    try:
+        score_aligned_support(z, case.sampled_ids, case.row_ids, case.loss_mask, PackedTensor(vals, case.support.cu_seqlens),
+                              shard=shard)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"logprobs": out.logprobs, "host_reads": reads.total, "error": error}
 
 
 def test_tp2_uneven_split_equals_tp1_and_counts_collectives():
@@ -145,3 +168,11 @@ def test_tp2_uneven_split_equals_tp1_and_counts_collectives():
             assert r["forward_ops"] == ["MAX", "SUM"], (where, r["forward_ops"])
             assert r["backward_ops"] == (["SUM"] if hidden else []), (where, r["backward_ops"])
             assert r["on_subgroup"] and not r["group_is_world"], where
+            # The shard knows the global vocabulary size (from_group): one host read per call.
+            assert r["host_reads"] == 1, (where, r["host_reads"])
+    whole = score_aligned_support(case.logits, case.sampled_ids, case.row_ids, case.loss_mask, case.support)
+    for rank, res in enumerate(ranks):
+        r = res["hand_built_shard"]
+        torch.testing.assert_close(r["logprobs"], whole.logprobs, atol=1e-10, rtol=0)
+        assert r["host_reads"] == 2, r["host_reads"]
+        assert r["error"] is not None and f"holds an id >= vocab_size={V}" in r["error"], (rank, r["error"])

@@ -63,7 +63,7 @@ class MegatronParallel:
 
     def vocab_shard(self, local_size: int) -> VocabShard:
         """This rank's slice of Megatron's vocab-parallel output layer (an even split of ``local_size`` rows each)."""
-        return VocabShard(self.tp_rank * local_size, (self.tp_rank + 1) * local_size, self.tp_group)
+        return VocabShard(self.tp_rank * local_size, (self.tp_rank + 1) * local_size, self.tp_group, local_size * self.tp_size)
 
     @classmethod
     def from_parallel_state(cls) -> "MegatronParallel":

@@ -1,0 +1,445 @@
+"""The plan phase of a scorer call: arguments checked, channels flattened, guards read once.
+
+:func:`prepare` checks the arguments on the host (types, shapes, the shard, the
+temperature) and flattens the four channels (docs/design.md §3). :func:`plan_support`
+then computes every guard of :mod:`nemo_replay.scoring.guards` as a device flag, together
+with the sizes the later phases need (scored positions, synthetic-EOS positions, present
+pairs, hidden-mode chunk bounds), and reads them all with ONE host read. Only then does
+it select the scored positions, whose count it now knows.
+
+The row of every position (``ids_all``, ``[N, w]``) is read before the selection, so the
+membership guard runs over all N positions; positions that are not scored are masked
+out. That costs one ``[N, w]`` integer gather, a sequential read, against the scorer's
+random reads of ``n * w`` scores.
+
+Legend: N positions, n positions scored over a row, e positions scored over the
+vocabulary, w support width, P present pairs (ids this rank holds), C chunk size.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from nemo_replay.scoring.collectives import group_size
+from nemo_replay.scoring.guards import (
+    GUARDS,
+    check_synthetic_eos,
+    raise_membership,
+    raise_row_range,
+    raise_sampled_vocab,
+    synthetic_eos_flag,
+)
+from nemo_replay.scoring.projection import PairChunk
+from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.checked import checked, record_checked
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.validate import support_row_flags, validate_support_rows
+
+__all__ = ["Call", "Plan", "prepare", "plan_support", "plan_full", "nonzero", "check_guards"]
+
+SupportArg = Union[PackedTensor, RaggedSupport, torch.Tensor]
+DEFAULT_CHUNK_SIZE = 8192
+
+
+@dataclass
+class Call:
+    """One call's arguments, checked and flattened to the N positions.
+
+    src: (N, V_local) logits or (N, H) hidden states; weight: (V_local, H) or None.
+    sampled, traj: (N,) int64; lmask: (N,) bool; rows: (N,) int64 or None (full path).
+    """
+
+    pos_shape: torch.Size
+    src: torch.Tensor
+    weight: Optional[torch.Tensor]
+    sampled: torch.Tensor
+    rows: Optional[torch.Tensor]
+    lmask: torch.Tensor
+    traj: torch.Tensor
+    shard: VocabShard
+    tp: int
+    cd: torch.dtype
+    temperature: float
+    chunk_size: int
+
+    @property
+    def N(self) -> int:
+        return self.src.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.src.device
+
+    @property
+    def lowest(self) -> float:
+        """The score of an absent entry: ``exp`` gives exactly 0 and no ``0 * inf`` reaches a gradient."""
+        return torch.finfo(self.cd).min
+
+
+@dataclass
+class Plan:
+    """What the local-score phase needs, all selections done.
+
+    sel: (n,) int64 and eos: (e,) int64 positions; scored, fallback: (N,) bool.
+    ids: (n, w) global ids of each scored row; col: (n,) int64 the sampled member's column.
+    local: (n, w) bool (present and held by this rank) or None when every entry is.
+    flat, chunks: hidden mode's present pairs (indices into the n * w grid) and chunk bounds.
+    vocab_size: the global vocabulary size, None under TP until the MAX all-reduce says.
+    """
+
+    call: Call
+    sel: torch.Tensor
+    eos: torch.Tensor
+    scored: torch.Tensor
+    fallback: torch.Tensor
+    ids: Optional[torch.Tensor] = None
+    col: Optional[torch.Tensor] = None
+    local: Optional[torch.Tensor] = None
+    flat: Optional[torch.Tensor] = None
+    chunks: tuple = ()
+    vocab_size: Optional[int] = None
+    support: Optional[Union[PackedTensor, RaggedSupport]] = None
+    deferred_support_check: bool = False
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def _check_channel(name: str, t, pos_shape, *, integer: bool) -> None:
+    if t is None:
+        raise ValueError(
+            f"{name} is required: a tensor shaped like the source positions {tuple(pos_shape)} (source.shape[:-1]), got None"
+        )
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.shape != pos_shape:
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)} but source positions are {tuple(pos_shape)}; every channel must be "
+            f"aligned to the source positions (source.shape[:-1])"
+        )
+    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def _check_source(source, lm_head_weight, temperature) -> None:
+    if not isinstance(source, torch.Tensor) or not source.is_floating_point():
+        raise ValueError(f"source must be a floating-point tensor [*, V_local] or [*, H], got {type(source).__name__}")
+    if source.dim() < 2:
+        raise ValueError(f"source must have a position dimension and a last vocab/hidden dimension, got {tuple(source.shape)}")
+    if lm_head_weight is not None:
+        if not isinstance(lm_head_weight, torch.Tensor) or not lm_head_weight.is_floating_point():
+            raise ValueError(f"lm_head_weight must be a floating-point tensor [V_local, H], got {type(lm_head_weight).__name__}")
+        if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != source.shape[-1]:
+            raise ValueError(
+                f"lm_head_weight must be [V_local, H={source.shape[-1]}] to match the hidden states, "
+                f"got {tuple(lm_head_weight.shape)}"
+            )
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0 (the policy's sampling temperature), got {temperature!r}")
+
+
+def _shard(shard: Optional[VocabShard], v_local: int) -> VocabShard:
+    if shard is None:
+        return VocabShard.whole(v_local)
+    if not isinstance(shard, VocabShard):
+        raise ValueError(
+            f"shard must be a nemo_replay.VocabShard(start, end, group) describing this rank's vocabulary slice, "
+            f"got {type(shard).__name__}"
+        )
+    if shard.size != v_local:
+        raise ValueError(
+            f"shard=VocabShard(start={shard.start}, end={shard.end}) holds {shard.size} vocabulary rows but the local "
+            f"vocabulary size is {v_local} (source.shape[-1], or lm_head_weight.shape[0] in hidden mode); build the "
+            f"shard from this rank's real slice (VocabShard.from_group(group, {v_local}))"
+        )
+    return shard
+
+
+def compute_dtype(source: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.dtype:
+    """float64 when the source or the LM-head weight is float64, else float32 (docs/design.md §4)."""
+    if source.dtype == torch.float64 or (weight is not None and weight.dtype == torch.float64):
+        return torch.float64
+    return torch.float32
+
+
+def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, lm_head_weight, temperature,
+            chunk_size, needs_rows: bool) -> Call:
+    """Check every argument (host only, no device read) and flatten the channels."""
+    _check_source(source, lm_head_weight, temperature)
+    pos_shape = source.shape[:-1]
+    _check_channel("sampled_ids", sampled_ids, pos_shape, integer=True)
+    if needs_rows:
+        _check_channel("row_ids", row_ids, pos_shape, integer=True)
+    if needs_rows or loss_mask is not None:
+        _check_channel("loss_mask", loss_mask, pos_shape, integer=False)
+    if trajectory_ids is not None:
+        _check_channel("trajectory_ids", trajectory_ids, pos_shape, integer=True)
+    given = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+    try:
+        chunk_size = -1 if isinstance(given, bool) else operator.index(given)
+    except TypeError:
+        chunk_size = -1
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1 (pairs per chunk), got {given!r}")
+    v_local = lm_head_weight.shape[0] if lm_head_weight is not None else source.shape[-1]
+    shard = _shard(shard, v_local)
+    device = source.device
+    src = source.reshape(-1, source.shape[-1])
+    N = src.shape[0]
+    if trajectory_ids is not None:
+        traj = trajectory_ids.reshape(-1).to(device=device, dtype=torch.int64)
+    elif len(pos_shape) >= 2:  # [B, T]: trajectory b is row b
+        traj = torch.arange(pos_shape[0], device=device).repeat_interleave(N // max(pos_shape[0], 1))
+    else:
+        traj = torch.zeros(N, dtype=torch.int64, device=device)
+    lmask = torch.ones(N, dtype=torch.bool, device=device) if loss_mask is None else (loss_mask.reshape(-1) != 0).to(device)
+    return Call(
+        pos_shape=pos_shape,
+        src=src,
+        weight=lm_head_weight,
+        sampled=sampled_ids.reshape(-1).to(device=device, dtype=torch.int64),
+        rows=None if row_ids is None else row_ids.reshape(-1).to(device=device, dtype=torch.int64),
+        lmask=lmask,
+        traj=traj,
+        shard=shard,
+        tp=group_size(shard.group),
+        cd=compute_dtype(source, lm_head_weight),
+        temperature=float(temperature),
+        chunk_size=chunk_size,
+    )
+
+
+def normalise_support(support: SupportArg, device) -> Union[PackedTensor, RaggedSupport]:
+    """A PackedTensor of int32/int64 [rows, k] rows or a RaggedSupport, on ``device``."""
+    if isinstance(support, torch.Tensor):
+        if support.dim() != 2:
+            raise ValueError(f"support rows must be [rows, k], got shape {tuple(support.shape)}")
+        support = PackedTensor(support, [0, support.shape[0]])
+    elif isinstance(support, PackedTensor):
+        if support.values.dim() != 2:
+            raise ValueError(f"fixed-width support values must be [rows, k], got {tuple(support.values.shape)}")
+    elif not isinstance(support, RaggedSupport):
+        raise ValueError(
+            f"support must be a PackedTensor of [rows, k] int rows, a RaggedSupport or a [rows, k] tensor, got "
+            f"{type(support).__name__}"
+        )
+    if isinstance(support, PackedTensor):
+        dtype = support.values.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise ValueError(f"support rows must be integer (int32), got {dtype}")
+        if dtype not in (torch.int32, torch.int64):
+            support = support.to(torch.int64)  # narrow ids would wrap in comparisons (uint8: -1 is 255)
+    return support if support.device == device else support.to(device)
+
+
+# ---------------------------------------------------------------------------- the one host read
+
+
+def nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """(count,) int64 indices of the True entries of a 1-D mask whose count was read: no host sync
+    (``torch.nonzero`` would wait for the device to learn the output size)."""
+    return torch.nonzero_static(mask, size=count).flatten()
+
+
+def check_guards(got: dict, raisers: dict) -> None:
+    """Raise for the first guard whose flag was read set, in :data:`GUARDS` order.
+
+    ``got``: the host read (name -> value); ``raisers``: name -> function that raises.
+    """
+    for name in GUARDS:
+        if got.get(name):
+            raisers[name]()
+
+
+# ---------------------------------------------------------------------------- support plan
+
+
+def _rows_of_positions(call: Call, support) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_all (N, w), has_row (N,) bool): every position's row (clamped row ids), no host sync.
+
+    A row id outside ``[0, rows)`` reads row 0 and counts as no row (the row_range guard
+    names it). Ragged rows are padded to the support's width bound with -1.
+    """
+    rows, R = call.rows, support.num_rows
+    valid = (rows >= 0) & (rows < R)
+    r = rows.clamp(0, max(R - 1, 0))
+    if isinstance(support, PackedTensor):
+        values = support.values
+        w = values.shape[1]
+        ids = values[r] if R else values.new_full((call.N, w), -1)
+        nonempty = ids[:, 0] >= 0 if w else torch.zeros(call.N, dtype=torch.bool, device=call.device)
+        return ids, valid & nonempty
+    if R == 0 or support.member_ids.numel() == 0:
+        return torch.full((call.N, 1), -1, dtype=torch.int32, device=call.device), torch.zeros_like(valid)
+    width = support.width_bound
+    starts = support.row_offsets[r]
+    lengths = support.row_offsets[r + 1] - starts
+    cols = torch.arange(width, device=call.device)
+    present = cols[None, :] < lengths[:, None]
+    at = (starts[:, None] + cols[None, :]).clamp_(max=support.member_ids.numel() - 1)
+    ids = torch.where(present, support.member_ids[at], torch.full((), -1, dtype=torch.int32, device=call.device))
+    return ids, valid & (lengths > 0)
+
+
+def _support_flag(support, vocab_size: Optional[int], validate: bool):
+    """(flag or None, record afterwards?) for the support invariants.
+
+    Rows recorded as checked against a vocabulary at most ``vocab_size`` skip everything;
+    rows checked without one (or against a larger one) only get the cheap id bound;
+    anything else gets the full check (a sort of every row).
+    """
+    if not validate:
+        return None, False
+    rec = checked(support)
+    if rec is not None and rec.covers(vocab_size):
+        return None, False
+    ids = support.values if isinstance(support, PackedTensor) else support.member_ids
+    if rec is not None:  # invariants known to hold; only the vocabulary bound is new
+        return (ids.amax() >= vocab_size) if ids.numel() else None, True
+    if isinstance(support, PackedTensor):
+        return support_row_flags(ids, vocab_size=vocab_size), True
+    return support.invalid_flag(vocab_size=vocab_size), True
+
+
+def raise_support(support, vocab_size: Optional[int]) -> None:
+    """Name the first row that breaks the §2 invariants."""
+    if isinstance(support, PackedTensor):
+        validate_support_rows(support.values, vocab_size=vocab_size, cu_seqlens=support.cu_seqlens, where="scorer support")
+    else:
+        support.validate(vocab_size=vocab_size, where="scorer support")
+    raise AssertionError("the support flag was set but the row checks pass")  # pragma: no cover
+
+
+def _chunk_rows(local_all: torch.Tensor, scored: torch.Tensor, chunk_size: int):
+    """(pairs per position (N,), scored-row bounds (2, K)) of hidden mode's pair chunks.
+
+    Chunk c holds the present pairs ``[c C, (c + 1) C)`` in row-major order; its rows run
+    from the scored row holding its first pair to the one holding its last (clamped to the
+    last scored row when it ends early). Example, C = 2, present pairs per scored position
+    [3, 1, 2]: cum [3, 4, 6]; chunk starts [0, 2, 4] lie in rows [0, 0, 2], chunk ends
+    [1, 3, 5] in rows [0, 1, 2] -> chunks rows [0, 1), [0, 2), [2, 3).
+    """
+    N, w = local_all.shape
+    counts = (local_all & scored[:, None]).sum(1)
+    cum = torch.cumsum(counts, 0)
+    K = -(-(N * w) // chunk_size)
+    starts = torch.arange(K, device=cum.device, dtype=torch.int64) * chunk_size
+    rank = torch.cumsum(scored, 0) - 1  # scored-row index of each position
+    first = torch.searchsorted(cum, starts, right=True).clamp_(max=max(N - 1, 0))
+    last = torch.searchsorted(cum, starts + (chunk_size - 1), right=True).clamp_(max=max(N - 1, 0))
+    bounds = torch.stack([rank[first], rank[last]]) if N else torch.zeros(2, K, dtype=torch.int64, device=cum.device)
+    return cum, bounds
+
+
+def _chunks_from(bounds: list, num_pairs: int, chunk_size: int, n: int) -> tuple:
+    first, last = bounds
+    chunks = []
+    for c, p0 in enumerate(range(0, num_pairs, chunk_size)):
+        chunks.append(PairChunk(p0, min(p0 + chunk_size, num_pairs), first[c], min(last[c] + 1, n)))
+    return tuple(chunks)
+
+
+def _membership(ids_all: torch.Tensor, sampled: torch.Tensor):
+    """(member (N,) bool, col (N,) int64): whether the sampled id is in the row, and its column.
+
+    Compared in the rows' dtype (max over 0/1 bytes: column 0 when absent), then confirmed
+    in int64 so a sampled id that wraps in that dtype cannot pass as a member.
+    """
+    N, w = ids_all.shape
+    if w == 0:
+        return torch.zeros(N, dtype=torch.bool, device=ids_all.device), torch.zeros(N, dtype=torch.int64, device=ids_all.device)
+    found, col = (ids_all == sampled.to(ids_all.dtype)[:, None]).view(torch.uint8).max(1)
+    exact = ids_all.gather(1, col[:, None]).squeeze(1).to(torch.int64) == sampled
+    return found.bool() & exact, col
+
+
+class _Reads:
+    """Device scalars and vectors gathered into one int64 tensor, read with one ``tolist()``."""
+
+    def __init__(self, device):
+        self.device, self.parts, self.where = device, [], {}
+
+    def add(self, name: str, t) -> None:
+        t = torch.as_tensor(t, device=self.device).reshape(-1).to(torch.int64)
+        self.where[name] = (sum(p.numel() for p in self.parts), t.numel())
+        self.parts.append(t)
+
+    def read(self) -> dict:
+        flat = torch.cat(self.parts).tolist() if self.parts else []
+        return {k: flat[a] if n == 1 else flat[a : a + n] for k, (a, n) in self.where.items()}
+
+
+def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
+    """Guards, sizes and selections of a support call, with one host read (docs/design.md §4)."""
+    shard, N = call.shard, call.N
+    vocab = shard.vocab_size  # None under TP when the shard does not know it
+    ids_all, has_row = _rows_of_positions(call, support)
+    scored, fallback = call.lmask & has_row, call.lmask & ~has_row
+    member, col_all = _membership(ids_all, call.sampled)
+    local_all = ids_all >= 0 if call.tp == 1 else (ids_all >= shard.start) & (ids_all < shard.end)
+
+    reads = _Reads(call.device)
+    reads.add("row_range", ((call.rows < -1) | (call.rows >= support.num_rows)).any())
+    support_flag, record = _support_flag(support, vocab, validate)
+    if support_flag is not None:
+        reads.add("support", support_flag)
+    reads.add("synthetic_eos", synthetic_eos_flag(fallback, call.lmask, call.traj))
+    missing = scored & ~member
+    reads.add("membership", missing.any())
+    bad_sampled = fallback & ((call.sampled < 0) | (call.sampled >= (vocab if vocab is not None else 2**62)))
+    reads.add("sampled_vocab", bad_sampled.any())
+    reads.add("n", scored.sum())
+    reads.add("e", fallback.sum())
+    reads.add("absent", (scored[:, None] & ~local_all).sum())
+    if hidden:
+        cum, bounds = _chunk_rows(local_all, scored, call.chunk_size)
+        reads.add("pairs", cum[-1] if N else 0)
+        reads.add("bounds", bounds)
+    got = reads.read()  # THE host read of this call's guards and sizes
+
+    check_guards(got, {
+        "row_range": lambda: raise_row_range(call.rows, call.traj, support.num_rows, call.pos_shape),
+        "support": lambda: raise_support(support, vocab),
+        "synthetic_eos": lambda: check_synthetic_eos(fallback, call.lmask, call.traj, call.pos_shape),
+        "membership": lambda: raise_membership(missing, ids_all, call.sampled, call.rows, call.traj, call.pos_shape),
+        "sampled_vocab": lambda: raise_sampled_vocab(bad_sampled, call.sampled, call.traj, vocab, call.pos_shape),
+    })
+    if record:
+        record_checked(support, vocab)
+    n, e = got["n"], got["e"]
+    sel, eos = nonzero(scored, n), nonzero(fallback, e)
+    every = n == N
+    ids, col, local = (ids_all, col_all, local_all) if every else (ids_all[sel], col_all[sel], local_all[sel])
+    plan = Plan(call, sel, eos, scored, fallback, ids=ids, col=col, local=None if got["absent"] == 0 else local,
+                vocab_size=vocab, support=support, deferred_support_check=validate and vocab is None)
+    if hidden:
+        P = got["pairs"]
+        w = ids.shape[1]
+        plan.flat = torch.arange(n * w, device=call.device) if plan.local is None else nonzero(local.reshape(-1), P)
+        bounds = got["bounds"]
+        K = len(bounds) // 2
+        plan.chunks = _chunks_from([bounds[:K], bounds[K:]], P, call.chunk_size, n)
+    return plan
+
+
+def plan_full(call: Call) -> Plan:
+    """The full-vocabulary path: every loss-active position is scored over the vocabulary.
+
+    One guard (a sampled id outside the vocabulary) and one host read, as for a support call.
+    """
+    vocab = call.shard.vocab_size
+    reads = _Reads(call.device)
+    bad = call.lmask & ((call.sampled < 0) | (call.sampled >= (vocab if vocab is not None else 2**62)))
+    reads.add("sampled_vocab", bad.any())
+    reads.add("e", call.lmask.sum())
+    got = reads.read()
+    check_guards(got, {"sampled_vocab": lambda: raise_sampled_vocab(bad, call.sampled, call.traj, vocab, call.pos_shape)})
+    empty = torch.zeros(0, dtype=torch.int64, device=call.device)
+    none = torch.zeros(call.N, dtype=torch.bool, device=call.device)
+    return Plan(call, empty, nonzero(call.lmask, got["e"]), none, call.lmask, vocab_size=vocab)

@@ -1,0 +1,127 @@
+"""Rows are checked once, where they enter (docs/design.md §2): the record and its uses.
+
+A support that passed ``rollout.boundary.validate_support`` (capture, engine adapters, wire
+decode, traces, collation all call it) or the scorer's own check records it, with the
+vocabulary size; batch operations carry the record, an in-place edit voids it, and the
+scorer skips the sort of every row for recorded supports while still checking the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from nemo_replay import PackedTensor, RaggedSupport, capture, score_aligned_support
+from nemo_replay.rollout.boundary import validate_support
+from nemo_replay.rollout.collate import collate_support
+from nemo_replay.support.checked import Checked, checked
+from tests.core.batches import make_case
+
+ROWS = torch.tensor([[3, 1, -1], [7, 0, 2], [-1, -1, -1], [4, -1, -1], [8, 6, 5]], dtype=torch.int32)
+CU = [0, 2, 5]
+
+
+class _Sorts(TorchFunctionMode):
+    """Counts sorts of fixed-width rows (2-D: the cost of a full check) made inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("sort", "argsort") and args[0].dim() == 2:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_validation_records_and_batch_operations_carry_it():
+    sup = PackedTensor(ROWS.clone(), CU)
+    assert checked(sup) is None and sup.checked is None
+    validate_support(sup, vocab_size=10, where="test")
+    assert sup.checked == Checked(10)
+    derived = {
+        "slice": sup[1:], "index list": sup[[1, 0, 1]], "gather": sup.gather([1]), "repeat": sup.repeat(2),
+        "repeat_interleave": sup.repeat_interleave(3), "to int64": sup.to(torch.int64), "to device": sup.to("cpu"),
+        "re-wrapped": PackedTensor(sup.values, [0, 5]), "ragged": RaggedSupport.from_padded(sup),
+    }
+    for name, d in derived.items():
+        assert d.checked == Checked(10), name
+    other = PackedTensor(ROWS.clone(), CU)
+    validate_support(other, vocab_size=12, where="test")
+    assert PackedTensor.cat([sup, other]).checked == Checked(12)  # the looser bound
+    assert PackedTensor.cat([sup, PackedTensor(ROWS.clone(), CU)]).checked is None  # one part unchecked
+    assert sup.to(torch.int16).checked is None  # a narrower dtype could change ids
+    validate_support(other, where="test")  # checked without a vocabulary: invariants only
+    assert other.checked == Checked(None)
+
+
+def test_an_in_place_edit_voids_the_record():
+    sup = PackedTensor(ROWS.clone(), CU)
+    validate_support(sup, vocab_size=10, where="test")
+    view = sup.values[1:]
+    view[0, 2] = 7  # through another view: a duplicate 7 in row 1
+    assert sup.checked is None
+    case = make_case(B=1, T=8, V=10, k=3, eos=(), seed=0)
+    with pytest.raises(ValueError, match=r"holds a duplicate id"):
+        score_aligned_support(case.logits[0, :5], torch.tensor([1, 7, 0, 4, 8]), torch.arange(5), torch.ones(5, dtype=torch.bool), sup)
+
+
+def test_ragged_records_and_carries():
+    sup = RaggedSupport.from_rows([[[4, 9], []], [[2, 3, 7]]])
+    validate_support(sup, sampled_ids=torch.tensor([9, 0, 3]), vocab_size=10, where="test")
+    for d in (sup[[1, 0]], sup.repeat(2), sup.to("cpu"), RaggedSupport.cat([sup, sup]),
+              RaggedSupport(sup.member_ids, sup.row_offsets, torch.tensor([0, 3]))):
+        assert d.checked == Checked(10)
+    assert sup.width_bound == 3 and sup[[0]].width_bound == 3  # a bound inherited from the source
+    sup.row_offsets[1] = 1  # rows change: the record and the cached width no longer apply
+    assert sup.checked is None
+
+
+def test_capture_and_collation_outputs_are_recorded():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    fixed = capture.sample(logits, temperature=1.0, top_k=8, top_p=0.9, generator=g)
+    ragged = capture.sample(logits, temperature=1.0, top_k=None, top_p=0.5, generator=g)
+    assert fixed.support.checked == Checked(50) and ragged.support.checked == Checked(50)
+    batch = collate_support([fixed.support.values[:3], fixed.support.values[3:]], response_lengths=[3, 3, 3],
+                            sampled_ids=[fixed.ids[:3], fixed.ids[3:]], index=[1, 0, 1], vocab_size=50)
+    assert batch.checked == Checked(50)
+
+
+def _score(case, support, **kw):
+    return score_aligned_support(case.logits, case.sampled_ids, case.row_ids, case.loss_mask, support, **kw)
+
+
+def test_the_scorer_skips_the_sort_for_recorded_rows_and_records_its_own_check():
+    case = make_case(B=3, T=19, V=61, k=5, eos=(1,), seed=21)
+    fresh = PackedTensor(case.support.values.clone(), case.support.cu_seqlens)
+    with _Sorts() as first:
+        ref = _score(case, fresh)
+    with _Sorts() as second:
+        again = _score(case, fresh)  # the first call recorded its check
+    assert first.n >= 1 and second.n == 0, (first.n, second.n)
+    assert fresh.checked == Checked(61)
+    torch.testing.assert_close(again.logprobs, ref.logprobs, atol=0, rtol=0)
+    entered = PackedTensor(case.support.values.clone(), case.support.cu_seqlens)
+    validate_support(entered, vocab_size=61, where="collation")
+    with _Sorts() as recorded:
+        _score(case, entered)
+    assert recorded.n == 0
+
+
+def test_a_record_for_another_vocabulary_still_gets_the_bound():
+    """Rows checked against a larger vocabulary (or none) skip the sort but not the id bound."""
+    case = make_case(B=3, T=19, V=61, k=5, eos=(1,), seed=21)
+    vals = case.support.values.clone()
+    unused = next(r for r, members in enumerate(case.sets) if not members and r not in case.row_ids[case.loss_mask])
+    vals[unused, 0] = 80
+    for vocab in (100, None):
+        sup = PackedTensor(vals.clone(), case.support.cu_seqlens)
+        validate_support(sup, vocab_size=vocab, where="test")
+        with _Sorts() as sorts, pytest.raises(ValueError, match=r"holds an id >= vocab_size=61"):
+            _score(case, sup)
+        assert sorts.n <= 1  # only the error path's own check sorts
+    sup = PackedTensor(vals.clone(), case.support.cu_seqlens)
+    validate_support(sup, vocab_size=100, where="test")
+    torch.testing.assert_close(_score(case, sup, validate=False).logprobs, _score(case, case.support).logprobs)
