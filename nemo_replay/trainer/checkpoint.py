@@ -1,0 +1,365 @@
+"""Checkpoints of a run: written atomically, resumed bit for bit (docs/design.md §10).
+
+Layout under the run folder::
+
+    checkpoints/
+      step-0000049/            a complete checkpoint: steps 0..49 are done
+        state/                 model and optimizer (format below), the trainer state
+        complete.json          written last; without it the folder is never resumed from
+      .partial-step-0000099-3fa2c1/   a save in progress (or one a crash left behind)
+
+What a checkpoint holds: the policy's weights and the optimizer state; the step; the
+metrics so far; and, per rank, every RNG state (Python, NumPy, torch CPU and CUDA, and the
+trainer's own prompt and sampling generators, which are the data position). The reference
+model is not saved: it is the initial policy, rebuilt from the seed (or
+``model.pretrained``) the same way on resume.
+
+Two formats, chosen by what the model offers, never by a strategy's name:
+
+- ``megatron-dist``: a model with ``sharded_state_dict()`` (megatron-core's
+  ``MegatronModule``) goes through megatron-core's ``dist_checkpointing``: every rank writes
+  its own shards (torch distributed checkpoint underneath); the optimizer's per-parameter
+  tensors are sharded like their parameters (``dist_checkpointing.optimizer``), its scalars
+  (Adam's step count) and groups travel in the rank's trainer state;
+- ``fabric``: any other model through Lightning Fabric's ``save`` / ``load``: one file on a
+  single device; under FSDP2 (DTensor parameters, Fabric's ``ModelParallelStrategy``) a
+  sharded folder written through torch distributed checkpoint.
+
+Atomicity. Every rank writes into ``.partial-step-<n>-<token>``; after a barrier, rank 0
+writes ``complete.json`` (fsynced) and renames the folder to ``step-<n>`` (one ``rename``,
+atomic on POSIX file systems), then prunes. A crash at any point leaves either the old
+latest checkpoint or the new one, never half of one. Old checkpoints are renamed away
+before they are deleted, for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CHECKPOINTS",
+    "MANIFEST",
+    "CheckpointInfo",
+    "Checkpointer",
+    "latest_checkpoint",
+    "capture_rank_rng",
+    "restore_rank_rng",
+]
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "complete.json"
+_COMPLETE = re.compile(r"^step-(\d{7,})$")
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint, as its ``complete.json`` describes it.
+
+    Attributes:
+        path: the ``step-<n>`` folder.
+        step: the last step it holds (steps ``0..step`` are done; the run resumes at ``step + 1``).
+        world_size: processes that wrote it (a resume needs as many).
+        format: ``fabric`` or ``megatron-dist``.
+        config: the recipe of the run that wrote it, as YAML.
+    """
+
+    path: Path
+    step: int
+    world_size: int
+    format: str
+    config: str
+
+
+def _read_manifest(folder: Path) -> Optional[CheckpointInfo]:
+    try:
+        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        return CheckpointInfo(folder, int(data["step"]), int(data["world_size"]), str(data["format"]), str(data["config"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_checkpoint(root: Path) -> Optional[CheckpointInfo]:
+    """The newest complete checkpoint under ``root`` (a ``checkpoints/`` folder), or None."""
+    if not root.is_dir():
+        return None
+    found = []
+    for child in root.iterdir():
+        m = _COMPLETE.match(child.name)
+        if m and child.is_dir():
+            info = _read_manifest(child)
+            if info is not None:
+                found.append(info)
+    return max(found, key=lambda i: i.step, default=None)
+
+
+# ---------------------------------------------------------------------------- RNG states
+def capture_rank_rng(generators: dict[str, torch.Generator]) -> dict:
+    """Every RNG state of this process, as tensors and plain values (loadable with ``weights_only``).
+
+    Args:
+        generators: the trainer's own generators by name (prompt order, sampling).
+    """
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state_all()
+    return {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+        "generators": {k: g.get_state() for k, g in generators.items()},
+    }
+
+
+def restore_rank_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
+    """Put back what :func:`capture_rank_rng` captured (the inverse, field by field)."""
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    missing = set(generators) - set(state["generators"])
+    if missing:
+        raise ValueError(f"the checkpoint has no state for the generators {sorted(missing)}; it was written by another trainer")
+    for k, g in generators.items():
+        g.set_state(state["generators"][k])
+
+
+# ---------------------------------------------------------------------------- formats
+class _FabricFormat:
+    """Lightning Fabric's ``save`` / ``load`` (sharded through torch DCP when the model holds DTensors)."""
+
+    name = "fabric"
+
+    def rank_extra(self, model, optimizer) -> dict:
+        return {}
+
+    def save(self, fabric, folder: Path, model, optimizer, common: dict) -> None:
+        fabric.save(folder / "state", {"model": model, "optimizer": optimizer, "trainer": common})
+
+    def load(self, fabric, folder: Path, model, optimizer) -> dict:
+        state = {"model": model, "optimizer": optimizer, "trainer": {}}
+        fabric.load(folder / "state", state)
+        return state["trainer"]
+
+
+def _optimizer_params(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class _MegatronFormat:
+    """megatron-core ``dist_checkpointing``: model and optimizer tensors sharded like the model."""
+
+    name = "megatron-dist"
+
+    def rank_extra(self, model, optimizer) -> dict:
+        """This rank's optimizer layout: which state entries are parameter-shaped tensors
+        (saved sharded) and the rest (scalars such as Adam's ``step``, the param groups)."""
+        params = _optimizer_params(optimizer)
+        osd = optimizer.state_dict()
+        tensor_keys, other = {}, {}
+        for pid, entry in osd["state"].items():
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == params[pid].shape:
+                    tensor_keys.setdefault(pid, []).append(key)
+                else:
+                    other.setdefault(pid, {})[key] = value
+        return {"param_groups": osd["param_groups"], "tensor_keys": tensor_keys, "other": other}
+
+    def _sharded(self, model, optimizer, tensor_keys: dict, values) -> dict:
+        from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor
+
+        model_sd = model.sharded_state_dict()
+        params = _optimizer_params(optimizer)
+        by_id = get_param_id_to_sharded_param_map(model_sd, params)
+        missing = [pid for pid in tensor_keys if pid not in by_id]
+        if missing:
+            raise ValueError(
+                f"optimizer parameters {missing[:5]} have no entry in the model's sharded_state_dict(); "
+                f"build the optimizer over the model's own parameters"
+            )
+        optim = {
+            str(pid): {key: make_sharded_optimizer_tensor(by_id[pid], values(pid, key), prefix=f"optimizer.state.{key}") for key in keys}
+            for pid, keys in tensor_keys.items()
+        }
+        return {"model": model_sd, "optimizer": optim}
+
+    def save(self, fabric, folder: Path, model, optimizer, common: dict) -> None:
+        from megatron.core import dist_checkpointing
+
+        layout = common["ranks"][dist.get_rank()]["format"]
+        state = optimizer.state_dict()["state"]
+        sharded = self._sharded(model, optimizer, layout["tensor_keys"], lambda pid, key: state[pid][key])
+        sharded["trainer"] = common
+        target = folder / "state"
+        if dist.get_rank() == 0:
+            target.mkdir()
+        dist.barrier()
+        dist_checkpointing.save(sharded, str(target))
+
+    def load(self, fabric, folder: Path, model, optimizer) -> dict:
+        from megatron.core import dist_checkpointing
+
+        target = str(folder / "state")
+        common = dist_checkpointing.load_common_state_dict(target)["trainer"]
+        layout = common["ranks"][dist.get_rank()]["format"]
+        params = _optimizer_params(optimizer)
+        template = self._sharded(model, optimizer, layout["tensor_keys"], lambda pid, key: torch.empty_like(params[pid]))
+        loaded = dist_checkpointing.load(template, target)
+        model.load_state_dict(loaded["model"])
+        restored = {"state": {}, "param_groups": layout["param_groups"]}
+        for pid in set(layout["tensor_keys"]) | set(layout["other"]):
+            entry = dict(layout["other"].get(pid, {}))
+            for key in layout["tensor_keys"].get(pid, []):
+                entry[key] = loaded["optimizer"][str(pid)][key]
+            restored["state"][pid] = entry
+        optimizer.load_state_dict(restored)
+        return common
+
+
+def _format_for(model):
+    return _MegatronFormat() if callable(getattr(model, "sharded_state_dict", None)) else _FabricFormat()
+
+
+# ---------------------------------------------------------------------------- save / load
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Writes and reads the checkpoints of one run (see the module doc).
+
+    Args:
+        root: the run's ``checkpoints/`` folder.
+        fabric: the run's launched Fabric (rank, barrier, broadcast; the ``fabric`` format).
+        every: ``trainer.checkpoint_every``: a checkpoint after every ``every``-th step and
+            after the last; 0 writes one only when the run is stopped by a signal.
+        keep: ``trainer.keep_checkpoints``: complete checkpoints kept (0: all).
+        config: the run's recipe as YAML (stored in ``complete.json``).
+    """
+
+    def __init__(self, root: Path, fabric, *, every: int, keep: int, config: str):
+        self.root = Path(root)
+        self.fabric = fabric
+        self.every = every
+        self.keep = keep
+        self.config = config
+        self.last: Optional[Path] = None
+
+    def due(self, step: int, *, last: bool, stopping: bool) -> bool:
+        """Whether to write a checkpoint after ``step`` (0-based)."""
+        if stopping:
+            return True
+        return self.every > 0 and (last or (step + 1) % self.every == 0)
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def save(self, step: int, model, optimizer, *, history: list, rank_state: dict) -> Path:
+        """Write the checkpoint of steps ``0..step``; collective (every rank calls it). Returns its folder."""
+        fmt = _format_for(model)
+        mine = dict(rank_state, format=fmt.rank_extra(model, optimizer))
+        world = self.fabric.world_size
+        if self._distributed():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        common = {
+            "version": _FORMAT_VERSION, "step": step, "world_size": world, "config": self.config,
+            # JSON text: NaN metrics compare equal across ranks and load under weights_only.
+            "history": json.dumps(history), "ranks": ranks,
+        }
+        token = secrets.token_hex(3) if self.fabric.is_global_zero else None
+        token = self.fabric.broadcast(token, src=0) if world > 1 else token
+        partial = self.root / f".partial-step-{step:07d}-{token}"
+        if self.fabric.is_global_zero:
+            partial.mkdir(parents=True)
+        self.fabric.barrier()
+        fmt.save(self.fabric, partial, model, optimizer, common)
+        self.fabric.barrier()
+        final = self.root / f"step-{step:07d}"
+        if self.fabric.is_global_zero:
+            manifest = {"step": step, "world_size": world, "format": fmt.name, "config": self.config, "written": time.time()}
+            _write_durable(partial / MANIFEST, json.dumps(manifest, indent=1))
+            if final.exists():
+                raise ValueError(
+                    f"checkpoint {final} already exists; this run resumed before it and would replace it. "
+                    f"Move it away to keep it, then resume again"
+                )
+            os.rename(partial, final)
+            _fsync_dir(self.root)
+            self._prune()
+        self.fabric.barrier()
+        self.last = final
+        return final
+
+    def _prune(self) -> None:
+        """Rank 0: drop checkpoints beyond ``keep`` and partial folders left by interrupted saves."""
+        complete = sorted(
+            (info for info in (_read_manifest(p) for p in self.root.iterdir() if _COMPLETE.match(p.name)) if info),
+            key=lambda i: i.step,
+        )
+        doomed = [info.path for info in complete[: -self.keep]] if self.keep > 0 else []
+        doomed += [p for p in self.root.iterdir() if p.name.startswith(".partial-")]
+        for path in doomed:
+            # Renamed first: a folder half deleted must never look complete.
+            trash = path.with_name(f".deleting-{path.name.lstrip('.')}-{secrets.token_hex(2)}")
+            try:
+                os.rename(path, trash)
+            except OSError:
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def load(self, info: CheckpointInfo, model, optimizer) -> tuple[list, dict]:
+        """Restore ``model`` and ``optimizer`` from ``info``; returns (history, this rank's state)."""
+        fmt = _format_for(model)
+        if fmt.name != info.format:
+            raise ValueError(
+                f"checkpoint {info.path} is in the {info.format!r} format but this model saves as {fmt.name!r} "
+                f"(another strategy wrote it); resume with the recipe that wrote it, or use a new trainer.output_dir"
+            )
+        common = fmt.load(self.fabric, info.path, model, optimizer)
+        rank = dist.get_rank() if self._distributed() else 0
+        if common.get("version") != _FORMAT_VERSION or len(common["ranks"]) != self.fabric.world_size:
+            raise ValueError(
+                f"checkpoint {info.path} holds {len(common['ranks'])} rank(s) (format version {common.get('version')}); "
+                f"this run has {self.fabric.world_size}: resume with as many processes as wrote it"
+            )
+        self.last = info.path
+        return json.loads(common["history"]), common["ranks"][rank]
+

@@ -1,0 +1,96 @@
+"""Stop signals: finish the step, checkpoint, write the plot and summary, exit; twice: exit now.
+
+Slurm sends SIGTERM at the time limit and on preemption (and the signal ``--signal`` asks
+for, SIGUSR1 in ``recipes/slurm.py``), a terminal sends SIGINT. While :class:`StopSignals`
+is installed, the first of SIGTERM, SIGUSR1 or SIGINT only sets a flag: the step in flight
+runs to its end, then every rank learns of it through one all-reduce (a signal may reach
+only some ranks, or reach them at different steps), all write the checkpoint together and
+the run ends with :data:`PREEMPTED_EXIT` and a message saying how to resume.
+
+A second signal exits at once (status ``128 + signal``), without a checkpoint: the last
+complete checkpoint stays the one a resume starts from, and the metrics rows already
+written stay. Copies of one request are not a second signal: a signal arriving within
+:data:`REPEAT_WINDOW_S` of the first is ignored, because one Ctrl-C under torchrun reaches a
+worker twice (from the terminal, then torchrun's SIGTERM), and Slurm signals every process
+of a job step, launchers included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StopSignals", "STOP_SIGNALS", "PREEMPTED_EXIT", "REPEAT_WINDOW_S"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry".
+PREEMPTED_EXIT = 75
+REPEAT_WINDOW_S = 1.0
+
+
+class StopSignals:
+    """Turns the first stop signal into a request honoured between steps (see the module doc).
+
+    Args:
+        announce: print a line when a signal arrives (rank 0).
+    """
+
+    def __init__(self, announce: bool = True):
+        self.announce = announce
+        self.received: Optional[int] = None
+        self._first_at = 0.0
+        self._previous: dict = {}
+
+    def install(self) -> bool:
+        """Install the handlers; False (and nothing changed) off the main thread, where Python cannot."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before :meth:`install`."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> "StopSignals":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def _say(self, text: str) -> None:
+        if self.announce:
+            os.write(2, f"\nnemo-replay: {text}\n".encode())
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.received is None:
+            self.received, self._first_at = signum, now
+            self._say(f"{name} received: finishing this step, then writing a checkpoint and stopping "
+                      f"(send it again to stop at once, without a checkpoint)")
+            return
+        if now - self._first_at < REPEAT_WINDOW_S:
+            return  # the same request, delivered twice
+        self._say(f"second signal ({name}): stopping now without a checkpoint; the last complete checkpoint "
+                  f"is where a resume starts")
+        os._exit(128 + signum)
+
+    def agreed(self, device: Optional[torch.device] = None) -> Optional[str]:
+        """The stop signal's name if any rank received one, else None; collective under a process group."""
+        mine = int(self.received or 0)
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([mine], dtype=torch.int64, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            mine = int(flag.item())
+        return signal.Signals(mine).name if mine else None
