@@ -1,0 +1,353 @@
+"""``ReplayGRPOTrainer``: TRL 1.16's ``GRPOTrainer`` with support-conditioned replay (docs/design.md §9).
+
+Where TRL makes log-probs (trl/trainer/grpo_trainer.py): ``_get_per_token_logps_and_entropies``
+scores the old policy and the reference (in ``_generate_and_score_completions``) and the
+policy (in ``_compute_loss``) through a fused full-vocabulary LM head
+(``add_fused_lm_head`` in trl/trainer/utils.py). This subclass changes four methods and
+nothing else:
+
+- ``_generate_single_turn``: records each token's support while TRL's own code samples --
+  around ``model.generate`` with the capture hooks of :mod:`nemo_replay.rollout.hf` (after
+  the temperature / top-k / top-p / min-p warpers), or from vLLM's processed log-probs
+  (``logprobs = top_k + 1``) through the vLLM adapter. It returns the processed log-prob of
+  every sampled token, which TRL keeps as ``sampling_per_token_logps``.
+- ``_generate_and_score_completions``: puts one record per completion into the batch dict
+  (``replay_records``), where TRL's shuffle and split carry it with its row.
+- ``_compute_loss``: makes the batch's records the ones the policy pass scores over.
+- ``_get_per_token_logps_and_entropies``: runs the model forward as TRL does (same inputs,
+  same autocast) and hands the completion positions to
+  :func:`nemo_replay.score_aligned_support`: logits ``(B, C, V)`` in logits mode, or the
+  backbone's hidden states ``(B, C, H)`` with the LM-head weight in hidden mode, which never
+  builds ``(B, C, V)`` logits.
+
+Metrics (in TRL's logs, per logging step, over every process): ``replay/mismatch_mean`` and
+``replay/mismatch_max`` -- ``|rollout - trainer|`` log-prob over the recorded supports with
+the weights that sampled (the engine's numeric gap: kernels, KV cache, precision); in logits
+mode also ``replay/support_mass`` (probability the truncation kept),
+``replay/normalisation_gap_mean`` (``-log`` of it: what scoring over the full vocabulary adds)
+and ``replay/full_vocab_mismatch_mean`` / ``_max`` (``|rollout - trainer|`` had the trainer
+scored over the full vocabulary, as TRL does).
+
+Precision: on CPU ``GRPOConfig`` turns bf16 autocast on for the trainer's forward by default
+while ``generate`` runs the model in its own dtype; that numeric gap shows in
+``replay/mismatch_*``. Pin ``bf16=False`` for an exact comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
+
+from nemo_replay.integrations.trl.records import (
+    RECORDS_KEY,
+    completion_channels,
+    records_from_capture,
+    records_from_vllm,
+)
+from nemo_replay.integrations.trl.settings import ReplaySettings, as_settings
+from nemo_replay.rollout.capture import check_capture_settings
+from nemo_replay.rollout.hf import SupportRecorder, check_generation_config, record_support
+from nemo_replay.scoring.scorer import score_aligned_support
+
+__all__ = ["ReplayGRPOTrainer"]
+
+#: vLLM 0.33's default ``max_logprobs`` (vllm/config/model.py); colocate mode does not raise it.
+_VLLM_MAX_LOGPROBS = 20
+#: Per-process statistics of one measured pass, gathered over processes as one row.
+_STATS = ("abs_sum", "count", "abs_max", "mass_sum", "mass_count", "full_sum", "full_max", "gap_sum")
+
+
+class ReplayGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose log-probs are scored over the supports the sampler drew from.
+
+    Args:
+        *args, **kwargs: exactly ``GRPOTrainer``'s.
+        replay: :class:`ReplaySettings` (or a dict of its fields); default on, logits mode.
+
+    Raises:
+        ValueError listing every setting replay cannot serve (tools, environments,
+        ``rollout_func``, vision inputs, continuous batching, greedy or unbounded sampling,
+        penalties, hidden mode on a model whose logits are not ``hidden @ W.T``).
+    """
+
+    def __init__(self, *args, replay: Optional[ReplaySettings] = None, **kwargs):
+        settings = as_settings(replay)
+        super().__init__(*args, **kwargs)
+        self.replay_settings = settings
+        self._replay_active: Optional[list] = None  # records of the batch being scored
+        self._replay_generated_at: Optional[int] = None  # global step of the last generation
+        self._replay_measure = False
+        self._replay_stats = {"train": torch.zeros(len(_STATS), dtype=torch.float64), "eval": torch.zeros(len(_STATS), dtype=torch.float64)}
+        if not settings.enabled:
+            return
+        problems = self._replay_problems()
+        if problems:
+            raise ValueError("ReplayGRPOTrainer cannot replay this setup:\n  - " + "\n  - ".join(problems))
+        if self.use_vllm:
+            self.vllm_generation.logprobs = settings.vllm_logprobs or self.top_k + 1
+
+    # ------------------------------------------------------------------ checks
+    def _replay_problems(self) -> list[str]:
+        """Every reason the recorded supports could not be replayed (one line each, with the fix)."""
+        out = []
+        unsupported = (
+            (self.tools, "tools: tool results are appended to completions between sampled turns"),
+            (self.environment_factories, "environment_factory: environments append tokens the sampler did not draw"),
+            (self.rollout_func, "rollout_func: a custom rollout returns no supports"),
+            (self._is_vlm, "a vision-language processor: vision inputs are not replayed"),
+            (self.use_transformers_continuous_batching, "use_transformers_continuous_batching: generate_batch builds no logits processors to record from"),
+        )
+        out.extend(f"{why}; use GRPOTrainer (or ReplaySettings(enabled=False)) for this setup" for flag, why in unsupported if flag)
+        top_k = None if self.top_k in (None, 0) else self.top_k
+        try:
+            check_capture_settings(
+                temperature=self.temperature, top_k=top_k, top_p=self.top_p, min_p=self.min_p or 0.0,
+                repetition_penalty=self.repetition_penalty, where="GRPOConfig",
+            )
+        except ValueError as exc:
+            out.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
+        if top_k is None and self.top_p >= 1.0 and not self.min_p:
+            out.append(
+                "GRPOConfig samples from the whole vocabulary (top_k=0, top_p=1.0, no min_p): there is no truncation to "
+                "replay; set top_k, top_p or min_p (e.g. top_k=50, top_p=0.95), or use GRPOTrainer"
+            )
+        if self.use_vllm:
+            out.extend(self._vllm_problems(top_k))
+        elif not self.use_transformers_continuous_batching:
+            try:
+                check_generation_config(self.generation_config, where="GRPOTrainer.generation_config")
+            except ValueError as exc:
+                out.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
+        if self.replay_settings.source == "hidden":
+            out.extend(self._hidden_mode_problems())
+        return out
+
+    def _vllm_problems(self, top_k: Optional[int]) -> list[str]:
+        if top_k is None or top_k < 2:
+            return ["use_vllm=True: vLLM's log-prob lists show a whole support only when top_k > 1 bounds it; set GRPOConfig(top_k=...)"]
+        out = []
+        wanted = self.replay_settings.vllm_logprobs or top_k + 1
+        if wanted < top_k + 1:
+            out.append(f"ReplaySettings(vllm_logprobs={wanted}) must be >= top_k + 1 = {top_k + 1} to show each whole support")
+        if self.vllm_mode == "colocate" and wanted > _VLLM_MAX_LOGPROBS:
+            out.append(f"colocated vLLM returns at most {_VLLM_MAX_LOGPROBS} log-probs per token (max_logprobs); top_k + 1 = {wanted}: lower top_k")
+        if self.vllm_mode == "server" and self.accelerator.is_main_process:
+            mode = self.vllm_generation.vllm_client.get_server_info()["model_config"]["logprobs_mode"]
+            if mode != "processed_logprobs":
+                out.append(f"the vLLM server runs with --logprobs-mode {mode}; restart it with --logprobs-mode processed_logprobs")
+        return out
+
+    def _hidden_mode_problems(self) -> list[str]:
+        model = self._hf_model(self.model)
+        text = model.config.get_text_config()
+        head = model.get_output_embeddings()
+        out = []
+        for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+            value = getattr(text, name, None)
+            if value not in (None, 1.0):
+                out.append(f"source='hidden': the model's {name}={value} makes its logits differ from hidden @ W.T; use source='logits'")
+        if not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear or head.bias is not None:
+            out.append(f"source='hidden' needs a plain bias-free nn.Linear LM head, got {type(head).__name__}; use source='logits'")
+        return out
+
+    def _hf_model(self, model):
+        """The transformers model inside accelerate / PEFT wrappers."""
+        model = self.accelerator.unwrap_model(model)
+        return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+    # ------------------------------------------------------------------ generation
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if not self.replay_settings.enabled:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if self.use_vllm:
+            return self._vllm_single_turn(prompt_ids, images, num_generations)
+        recorder = SupportRecorder(self.temperature)
+        with record_support(self.accelerator.unwrap_model(self.model_wrapped), recorder):
+            completion_ids, _ = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        width = self.replay_settings.row_width or (None if self.top_k in (None, 0) else self.top_k)
+        vocab = self._hf_model(self.model).config.get_text_config().vocab_size
+        captured = recorder.finish(completion_ids, row_width=width, vocab_size=vocab)
+        self._replay_active = records_from_capture(completion_ids, captured)
+        return completion_ids, captured.logprob_lists()
+
+    def _vllm_single_turn(self, prompt_ids, images, num_generations):
+        """TRL's vLLM turn with ``logprobs = top_k + 1``, read into supports by the vLLM adapter."""
+        if self.state.global_step != self._last_loaded_step:
+            with profiling_context(self, "sync_weights"):
+                self.vllm_generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+        _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
+            prompts=prompt_ids, images=images, num_generations=num_generations,
+            profiler=profiling_context(self, "vLLM.generate"),
+        )
+        params = dict(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty, logprobs=self.vllm_generation.logprobs,
+        )
+        params.update(self.args.generation_kwargs or {})
+        vocab = self._hf_model(self.model).config.get_text_config().vocab_size
+        records = records_from_vllm(completion_ids, logprobs, token_ids, width=None, vocab_size=vocab, sampling_params=params)
+        self._replay_active = records
+        return completion_ids, [r.logprobs.tolist() for r in records]
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.replay_settings.enabled:
+            return super()._generate_and_score_completions(inputs)
+        self._replay_active = None
+        try:
+            # _generate_single_turn records the batch; TRL's old-policy and reference passes score over it.
+            output = super()._generate_and_score_completions(inputs)
+            records = self._replay_active
+        finally:
+            self._replay_active = None
+        if records is None:
+            raise ValueError("ReplayGRPOTrainer: generation recorded no supports (was _generate_single_turn bypassed?)")
+        output[RECORDS_KEY] = records
+        self._replay_generated_at = self.state.global_step
+        return output
+
+    # ------------------------------------------------------------------ scoring
+    @contextlib.contextmanager
+    def _scoring(self, records: list, measure: bool):
+        self._replay_active, self._replay_measure = records, measure
+        try:
+            yield
+        finally:
+            self._replay_active, self._replay_measure = None, False
+
+    def _compute_loss(self, model, inputs):
+        if not self.replay_settings.enabled:
+            return super()._compute_loss(model, inputs)
+        records = inputs.get(RECORDS_KEY)
+        if records is None:
+            raise ValueError(
+                f"ReplayGRPOTrainer: the batch has no {RECORDS_KEY!r}; batches must come from this trainer's "
+                f"_generate_and_score_completions (TRL's shuffle and split keep them)"
+            )
+        # With the weights that sampled (no optimizer step since generation): measure the mismatch.
+        measure = self.state.global_step == self._replay_generated_at
+        with self._scoring(records, measure):
+            return super()._compute_loss(model, inputs)
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **vision,
+    ):
+        if not self.replay_settings.enabled:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **vision
+            )
+        if any(v is not None for v in vision.values()):
+            raise ValueError("ReplayGRPOTrainer: vision inputs reached the scorer; replay serves text-only models")
+        if self._replay_active is None:
+            raise ValueError("ReplayGRPOTrainer: a scoring pass ran outside generation or the loss; no supports are active")
+        C = logits_to_keep
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies, aux = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            lp, ent, a = self._score_chunk(
+                model, input_ids[start:end], attention_mask[start:end], C, self._replay_active[start:end],
+                compute_entropy, compute_aux_loss,
+            )
+            logps.append(lp)
+            entropies.append(ent)
+            aux.append(a)
+        return (
+            torch.cat(logps),
+            torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux).mean() if compute_aux_loss else None,
+        )
+
+    def _score_chunk(self, model, input_ids, attention_mask, C, records, compute_entropy, compute_aux_loss):
+        """(log-probs (b, C) float32, entropy (b, C) or None, aux loss or None) of one chunk."""
+        ch = completion_channels(records, input_ids[:, -C:], attention_mask[:, -C:])
+        with self.accelerator.autocast():
+            source, weight, aux = self._replay_forward(model, input_ids, attention_mask, C, compute_aux_loss)
+        mass = self._replay_measure and self.replay_settings.source == "logits"
+        with torch.autocast(source.device.type, enabled=False):  # the scorer's math runs in float32
+            scores = score_aligned_support(
+                source, ch.sampled_ids, ch.row_ids, ch.loss_mask, ch.support, temperature=float(self.temperature),
+                lm_head_weight=weight, compute_entropy=compute_entropy, compute_support_mass=mass,
+                chunk_size=self.replay_settings.chunk_size,
+            )
+        logps = scores.logprobs.float()
+        if self._replay_measure:
+            self._record_mismatch(ch, logps.detach(), scores.support_logmass)
+        return logps, (scores.entropy.float() if compute_entropy else None), aux
+
+    def _replay_forward(self, model, input_ids, attention_mask, C, compute_aux_loss):
+        """The model forward on TRL's inputs: (source, lm_head_weight or None, aux loss or None).
+
+        Logits mode keeps ``C + 1`` logit columns and drops the last (it predicts past the
+        end): column ``j`` is the logit at ``P - 1 + j``. Hidden mode keeps one logit column
+        and reads the backbone's last hidden states at the same positions through a forward
+        hook, so the pass still runs through ``model`` (DDP / FSDP wrappers see it).
+        """
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if compute_aux_loss:
+            kwargs["output_router_logits"] = True
+        if self.replay_settings.source == "logits":
+            out = model(**kwargs, logits_to_keep=C + 1)
+            return out.logits[:, :C], None, getattr(out, "aux_loss", None)
+        hf = self._hf_model(model)
+        kept = {}
+
+        def keep(_module, _args, output):
+            kept["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+        handle = hf.base_model.register_forward_hook(keep)
+        try:
+            out = model(**kwargs, logits_to_keep=1)
+        finally:
+            handle.remove()
+        weight = hf.get_output_embeddings().weight
+        if hasattr(weight, "full_tensor"):  # FSDP2 shards the head as a DTensor
+            weight = weight.full_tensor()
+        return kept["hidden"][:, -C - 1 : -1], weight, getattr(out, "aux_loss", None)
+
+    # ------------------------------------------------------------------ metrics
+    def _record_mismatch(self, ch, logps: torch.Tensor, logmass: Optional[torch.Tensor]) -> None:
+        """Accumulate this pass's mismatch statistics, gathered over every process."""
+        mask = ch.loss_mask
+        diff = (ch.rollout_logprobs - logps).abs()[mask].double()
+        row = torch.zeros(len(_STATS), dtype=torch.float64, device=logps.device)
+        row[0], row[1] = diff.sum(), diff.numel()
+        row[2] = diff.max() if diff.numel() else 0.0
+        if logmass is not None:
+            lm = logmass.double()[mask]
+            full = (ch.rollout_logprobs.double() - (logps.double() + logmass.double())).abs()[mask]
+            row[3], row[4] = lm.exp().sum(), lm.numel()
+            row[5] = full.sum()
+            row[6] = full.max() if full.numel() else 0.0
+            row[7] = (-lm).sum()
+        rows = self.accelerator.gather(row[None]).view(-1, len(_STATS)).cpu()
+        mode = "train" if self.model.training else "eval"
+        acc = self._replay_stats[mode]
+        summed = rows.sum(0)
+        maxed = rows.max(0).values
+        for k, name in enumerate(_STATS):
+            acc[k] = max(acc[k], maxed[k]) if name.endswith("_max") else acc[k] + summed[k]
+
+    def log(self, logs: dict, start_time: Optional[float] = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        acc = dict(zip(_STATS, self._replay_stats[mode].tolist()))
+        if self.replay_settings.enabled and acc["count"] > 0:
+            metrics = self._metrics[mode]
+            metrics["replay/mismatch_mean"] = [acc["abs_sum"] / acc["count"]]
+            metrics["replay/mismatch_max"] = [acc["abs_max"]]
+            if acc["mass_count"] > 0:
+                n = acc["mass_count"]
+                metrics["replay/support_mass"] = [acc["mass_sum"] / n]
+                metrics["replay/normalisation_gap_mean"] = [acc["gap_sum"] / n]
+                metrics["replay/full_vocab_mismatch_mean"] = [acc["full_sum"] / n]
+                metrics["replay/full_vocab_mismatch_max"] = [acc["full_max"]]
+            self._replay_stats[mode].zero_()
+        super().log(logs, start_time)
+

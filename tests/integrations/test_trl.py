@@ -1,0 +1,280 @@
+"""ReplayGRPOTrainer: TRL 1.16's GRPOTrainer with replay, trained for real on CPU.
+
+The model is a tiny Llama built from a config and saved to a temporary folder with a local
+word-level tokenizer (no download); TRL loads policy and reference from that folder, as it
+does for any checkpoint path. Every run pins ``bf16=False``: on CPU ``GRPOConfig`` turns bf16
+autocast on for the trainer's forward by default while ``generate`` runs in float32, which
+is a numeric gap of its own (measured in :func:`test_bf16_autocast_gap_is_reported_apart`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
+
+from nemo_replay.integrations.trl import ReplayGRPOTrainer, ReplaySettings  # noqa: E402
+from nemo_replay.integrations.trl.records import RECORDS_KEY, completion_channels  # noqa: E402
+from nemo_replay.rollout.capture import sample  # noqa: E402
+
+WORDS = ["<pad>", "<eos>", "<bos>"] + [f"w{i}" for i in range(45)]  # V = 48
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama and a word-level tokenizer in a local folder."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
+    )
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=EOS, bos_token_id=2,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # peaked distributions: truncation matters
+    model.generation_config = transformers.GenerationConfig(eos_token_id=EOS, pad_token_id=0, bos_token_id=2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _dataset(n: int = 32) -> Dataset:
+    """Prompts of 1 to 4 distinct words (left padding differs per row)."""
+    return Dataset.from_dict({"prompt": [" ".join(f"w{(3 * i + j) % 45}" for j in range(1 + i % 4)) for i in range(n)]})
+
+
+def reward_w7(completions, **kwargs):
+    """Verifiable reward: how often the completion says w7."""
+    return [float(c.split().count("w7")) for c in completions]
+
+
+def _args(out, **over) -> GRPOConfig:
+    base = dict(
+        output_dir=str(out), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+        max_steps=2, steps_per_generation=2, gradient_accumulation_steps=2, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+        top_k=5, top_p=0.9, temperature=0.9, beta=0.02, learning_rate=5e-3, save_strategy="no", seed=7,
+        disable_tqdm=True,
+    )
+    base.update(over)
+    return GRPOConfig(**base)
+
+
+def _trainer(cls, checkpoint, out, replay=None, **over):
+    kwargs = {} if replay is None else {"replay": replay}
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    return cls(model=checkpoint, reward_funcs=reward_w7, args=_args(out, **over), train_dataset=_dataset(),
+               processing_class=tok, **kwargs)
+
+
+def _logged(trainer, key):
+    return [r[key] for r in trainer.state.log_history if key in r]
+
+
+def _fresh_batch(trainer):
+    """One more generation batch with the trained weights (TRL's own dataloader and generation)."""
+    trainer.model.train()
+    inputs = next(iter(trainer.get_train_dataloader()))
+    return trainer._generate_and_score_completions(inputs)
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_replay_reproduces_the_sampler_where_trl_scoring_does_not(checkpoint, tmp_path, source):
+    """2 GRPO steps (shuffled and split batches, reference model): replay mismatch <= 1e-5, TRL's own >= 0.1."""
+    trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path, replay=ReplaySettings(source=source))
+    trainer.train()
+    worst = _logged(trainer, "replay/mismatch_max")
+    assert len(worst) == 2 and max(worst) <= 1e-5
+    assert all(math.isfinite(v) for v in _logged(trainer, "loss")) and _logged(trainer, "kl")[1] > 0
+    # The same run, one more batch: TRL's fused full-vocabulary scoring against the sampler's log-probs.
+    batch = _fresh_batch(trainer)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    C = batch["completion_ids"].shape[1]
+    ch = completion_channels(batch[RECORDS_KEY], batch["completion_ids"], batch["completion_mask"])
+    with torch.no_grad():
+        trl_lp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, C)
+        with trainer._scoring(batch[RECORDS_KEY], measure=True):
+            replay_lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    active = ch.loss_mask
+    assert (ch.rollout_logprobs - replay_lp).abs()[active].max() <= 1e-5
+    trl_gap = (ch.rollout_logprobs - trl_lp).abs()[active]
+    assert trl_gap.mean() >= 0.1
+    assert torch.allclose(batch["sampling_per_token_logps"][active], ch.rollout_logprobs[active])  # TRL keeps ours
+    if source == "logits":
+        # The logged full-vocabulary mismatch is TRL's own scoring, derived from the same forward.
+        trainer.log({})
+        assert trainer.state.log_history[-1]["replay/full_vocab_mismatch_mean"] == pytest.approx(float(trl_gap.mean()), rel=1e-3)
+        assert 0 < trainer.state.log_history[-1]["replay/support_mass"] < 1
+
+
+def test_hidden_mode_trains_like_logits_mode(checkpoint, tmp_path):
+    """Same seed, same rollouts: hidden mode's losses and gradient norms are logits mode's."""
+    runs = {}
+    for source in ("logits", "hidden"):
+        trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path / source, replay=ReplaySettings(source=source), max_steps=2)
+        trainer.train()
+        runs[source] = (_logged(trainer, "loss"), _logged(trainer, "grad_norm"), _logged(trainer, "reward"))
+    (l_loss, l_norm, l_rew), (h_loss, h_norm, h_rew) = runs["logits"], runs["hidden"]
+    assert l_rew == h_rew
+    assert h_loss == pytest.approx(l_loss, rel=1e-4, abs=1e-7) and h_norm == pytest.approx(l_norm, rel=1e-4)
+
+
+def test_trl_trainer_unchanged_next_to_it(checkpoint, tmp_path):
+    """TRL's GRPOTrainer as is; ReplaySettings(enabled=False) is it exactly; replay samples the same tokens."""
+    plain = _trainer(GRPOTrainer, checkpoint, tmp_path / "trl")
+    plain.train()
+    off = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path / "off", replay=ReplaySettings(enabled=False))
+    off.train()
+    on = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path / "on")
+    on.train()
+    for key in ("loss", "grad_norm", "reward", "entropy", "kl", "completions/mean_length"):
+        assert _logged(off, key) == _logged(plain, key), key
+    assert not any(k.startswith("replay/") for r in off.state.log_history for k in r)
+    # The capture hooks do not perturb sampling: the first rollouts are TRL's own.
+    assert _logged(on, "reward")[0] == _logged(plain, "reward")[0]
+    assert _logged(on, "completions/mean_length")[0] == _logged(plain, "completions/mean_length")[0]
+    assert _logged(on, "loss") != _logged(plain, "loss")  # scored over the supports
+
+
+def test_records_follow_their_rows_through_trl_shuffle_and_split(checkpoint, tmp_path):
+    """TRL's own shuffle_sequence_dict and split_tensor_dict move each record with its row."""
+    trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path)
+    batch = _fresh_batch(trainer)
+    torch.manual_seed(11)
+    for part in split_tensor_dict(shuffle_sequence_dict(batch), 2):
+        completion_channels(part[RECORDS_KEY], part["completion_ids"], part["completion_mask"])
+    records = list(batch[RECORDS_KEY])
+    swapped = [records[1], records[0], *records[2:]]
+    if not torch.equal(records[0].token_ids, records[1].token_ids):
+        with pytest.raises(ValueError, match="were separated"):
+            completion_channels(swapped, batch["completion_ids"], batch["completion_mask"])
+    with pytest.raises(ValueError, match="3 support records for a batch of"):
+        completion_channels(records[:3], batch["completion_ids"], batch["completion_mask"])
+    short = batch["completion_mask"].clone()
+    row = int(torch.nonzero(short.sum(1) > 1)[0])
+    short[row, int(short[row].sum()) - 1] = 0
+    with pytest.raises(ValueError, match=f"completion {row} has .* loss-active positions"):
+        completion_channels(records, batch["completion_ids"], short)
+    del batch[RECORDS_KEY]
+    with pytest.raises(ValueError, match="the batch has no 'replay_records'"):
+        trainer._compute_loss(trainer.model, batch)
+
+
+@pytest.mark.parametrize(
+    "over, replay, match",
+    [
+        (dict(top_k=0, top_p=1.0), None, "samples from the whole vocabulary"),
+        (dict(repetition_penalty=1.2), None, "repetition_penalty=1.2"),
+        (dict(temperature=0.0), None, "temperature"),
+        (dict(), dict(source="hidden", chunk_size=0), "chunk_size=0 must be an int >= 1"),
+        (dict(), dict(sources="hidden"), r"unknown setting\(s\) \['sources'\]"),
+    ],
+)
+def test_setups_replay_cannot_serve_are_refused(checkpoint, tmp_path, over, replay, match):
+    with pytest.raises(ValueError, match=match):
+        _trainer(ReplayGRPOTrainer, checkpoint, tmp_path, replay=replay, **over)
+
+
+def test_custom_rollouts_and_softcapped_hidden_mode_are_refused(checkpoint, tmp_path):
+    def rollout(prompts, trainer):  # a custom rollout returns no supports
+        return {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    with pytest.raises(ValueError, match="rollout_func: a custom rollout returns no supports"):
+        ReplayGRPOTrainer(model=checkpoint, reward_funcs=reward_w7, args=_args(tmp_path), train_dataset=_dataset(),
+                          processing_class=tok, rollout_func=rollout)
+    torch.manual_seed(0)
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, final_logit_softcapping=30.0, pad_token_id=0,
+        eos_token_id=EOS, bos_token_id=2,
+    ))
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 makes its logits differ"):
+        ReplayGRPOTrainer(model=gemma, reward_funcs=reward_w7, args=_args(tmp_path, beta=0.0), train_dataset=_dataset(),
+                          processing_class=tok, replay=ReplaySettings(source="hidden"))
+
+
+class VLLMGenerationOutputs:
+    """What TRL's ``VLLMGeneration`` returns, computed from the policy's own logits.
+
+    ``generate`` returns ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)``
+    (trl/generation/vllm_generation.py, ``VLLMGeneration.generate``, lines 550-575): per
+    position the entries of vLLM's processed log-probs (``logprobs_mode="processed_logprobs"``,
+    set at line 361: members finite, filtered tokens ``-inf``), ``logprobs`` of them plus
+    the sampled token, re-sorted by rank by ``extract_logprobs`` (lines 70-99). Tokens are
+    drawn like vLLM's Triton top-k/top-p kernel (``capture.sample(ties="index_order")``).
+    """
+
+    def __init__(self, trainer, top_k, top_p, temperature, max_tokens):
+        self.trainer, self.top_k, self.top_p, self.temperature, self.max_tokens = trainer, top_k, top_p, temperature, max_tokens
+        self.logprobs = 0
+        self.synced = 0
+
+    def sync_weights(self):
+        self.synced += 1
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler=None):
+        model = self.trainer.model
+        completions, lps, ids = [], [], []
+        g = torch.Generator().manual_seed(len(completions) + 3)
+        for prompt in prompts:
+            seq, comp, pos_lps, pos_ids = list(prompt), [], [], []
+            for _ in range(self.max_tokens):
+                z = model(input_ids=torch.tensor([seq])).logits[:, -1].float()
+                tok, _, support = sample(z, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, generator=g)
+                x = z[0].double() / self.temperature
+                members = [int(t) for t in support.values[0] if t >= 0]
+                processed = torch.full_like(x, -math.inf)
+                processed[members] = x[members] - torch.logsumexp(x[members], 0)
+                ranked = sorted(range(x.numel()), key=lambda t: (-processed[t], t))[: self.logprobs]
+                order = ranked if int(tok) in ranked else ranked + [int(tok)]
+                pos_ids.append(order)
+                pos_lps.append([float(processed[t]) for t in order])
+                comp.append(int(tok))
+                seq.append(int(tok))
+                if int(tok) == EOS:
+                    break
+            completions.append(comp)
+            lps.append(pos_lps)
+            ids.append(pos_ids)
+        return prompts, completions, lps, ids
+
+
+def test_vllm_path_reads_processed_logprobs_and_fixes_trl_importance_ratio(checkpoint, tmp_path):
+    """use_vllm with TRL's output contract: supports from top_k + 1 processed log-probs; IS ratio -> 1."""
+    trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path, max_steps=1)
+    trainer.use_vllm, trainer.vllm_mode, trainer._last_loaded_step = True, "colocate", -1
+    trainer.vllm_generation = VLLMGenerationOutputs(trainer, top_k=5, top_p=0.9, temperature=0.9, max_tokens=6)
+    trainer.vllm_generation.logprobs = trainer.top_k + 1  # what __init__ sets with use_vllm=True
+    trainer.train()
+    assert trainer.vllm_generation.synced == 1
+    assert _logged(trainer, "replay/mismatch_max")[0] <= 1e-5
+    ratio = _logged(trainer, "sampling/importance_sampling_ratio/mean")[0]
+    assert ratio == pytest.approx(1.0, abs=1e-5)  # TRL's own scoring would correct by exp(-log mass)
+    assert _logged(trainer, "sampling/sampling_logp_difference/max")[0] <= 1e-5
+
+
+def test_bf16_autocast_gap_is_reported_apart(checkpoint, tmp_path):
+    """GRPOConfig's CPU default (bf16 autocast for the trainer, float32 generate): a numeric gap, reported apart."""
+    trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path, bf16=True)
+    trainer.train()
+    numeric, gap = _logged(trainer, "replay/mismatch_max"), _logged(trainer, "replay/normalisation_gap_mean")
+    assert all(1e-4 < v < 0.1 for v in numeric)  # bf16 rounding of the trainer's logits; float32 gives ~2e-7
+    assert all(v > 0.1 for v in gap)  # what replay removes, on the same tokens
+    assert all(m < g for m, g in zip(_logged(trainer, "replay/mismatch_mean"), gap))
