@@ -7,23 +7,36 @@ line and torchrun assigns ranks.
 
 The recipe is validated here, before anything is queued, for the world size the job will
 have (``nodes * gpus_per_node``): a recipe that cannot run fails on the login node, with
-every problem listed, not after an hour in the queue.
+every problem listed, not after an hour in the queue. The launcher's own arguments are
+checked as they are parsed (:mod:`recipes.arguments`).
+
+Resumable by construction. Unless the workload names ``trainer.output_dir``, the job pins
+one (``runs/<job name>-<time>-<token>``, relative to ``workdir``): a requeued or resubmitted
+job runs the same command into the same folder and continues from its latest checkpoint
+(``trainer.resume=auto``).
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from recipes import arguments
 
 DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:25.01-py3"
 # NGC images pin torch through PIP_CONSTRAINT, so this keeps the container's torch (and apex).
 DEFAULT_SETUP = 'pip install --quiet -e ".[all]"'
 
-__all__ = ["Job", "DEFAULT_IMAGE", "DEFAULT_SETUP", "add_job_arguments", "job_from_args", "checked_job", "torchrun_command", "validate_recipe"]
+__all__ = [
+    "Job", "DEFAULT_IMAGE", "DEFAULT_SETUP", "add_job_arguments", "job_from_args", "checked_job", "torchrun_command",
+    "validate_recipe", "pinned_output_dir",
+]
 
 
 @dataclass
@@ -106,19 +119,24 @@ def validate_recipe(job: Job, repo_root: Optional[Path] = None) -> None:
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments both launchers share."""
-    parser.add_argument("--nodes", type=int, default=1, help="nodes of the allocation")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node")
-    parser.add_argument("--container-image", default=DEFAULT_IMAGE, help="NGC container image")
+    """The arguments both launchers share, each checked as it is parsed (:mod:`recipes.arguments`)."""
+    parser.add_argument("--nodes", type=arguments.positive_int, default=1, help="nodes of the allocation")
+    parser.add_argument("--gpus-per-node", type=arguments.positive_int, default=8, help="GPUs (processes) per node")
+    parser.add_argument("--container-image", type=arguments.image, default=DEFAULT_IMAGE, help="NGC container image")
     parser.add_argument(
-        "--container-mounts", default="", help="comma-separated src:dst mounts, e.g. /lustre/data:/data,$PWD:/workspace/nemo_replay"
+        "--container-mounts", type=arguments.mounts, default=[],
+        help="comma-separated SRC:DST[:FLAGS] mounts, e.g. /lustre/data:/data,$PWD:/workspace/nemo_replay",
     )
-    parser.add_argument("--workdir", default="/workspace/nemo_replay", help="repository checkout inside the container")
-    parser.add_argument("--job-name", default="nemo-replay")
-    parser.add_argument("--partition", default=None)
-    parser.add_argument("--account", default=None)
-    parser.add_argument("--time", default="01:00:00", help="wall-clock limit HH:MM:SS")
-    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port on the first node")
+    parser.add_argument(
+        "--workdir", type=arguments.abs_path, default="/workspace/nemo_replay", help="repository checkout inside the container"
+    )
+    parser.add_argument("--job-name", type=arguments.name, default="nemo-replay")
+    parser.add_argument("--partition", type=arguments.partition, default=None)
+    parser.add_argument("--account", type=arguments.partition, default=None)
+    parser.add_argument(
+        "--time", type=arguments.slurm_time, default="01:00:00", help="wall-clock limit (Slurm formats: HH:MM:SS, D-HH:MM:SS, MINUTES)"
+    )
+    parser.add_argument("--master-port", type=arguments.port, default=29500, help="rendezvous port on the first node")
     parser.add_argument("--mode", choices=("train", "compare"), default="train")
     parser.add_argument("--setup", default=DEFAULT_SETUP, help="command run in the container before torchrun ('' for none)")
     parser.add_argument("--dry-run", action="store_true", help="print what would be submitted and exit")
@@ -126,16 +144,24 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", nargs=argparse.REMAINDER, help="[CONFIG] [key=value ...] as for nemo-replay train")
 
 
+def pinned_output_dir(job_name: str) -> str:
+    """``trainer.output_dir=runs/<job name>-<YYYYmmdd-HHMMSS>-<token>``: fixed in the script, unique per submission."""
+    return f"trainer.output_dir=runs/{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
 def job_from_args(ns: argparse.Namespace) -> Job:
+    """The :class:`Job` of parsed arguments; pins ``trainer.output_dir`` unless the workload names one."""
     workload = [a for a in ns.workload if a != "--"]
     config = workload[0] if workload and "=" not in workload[0] else None
     overrides = workload[1:] if config else workload
-    if ns.nodes < 1 or ns.gpus_per_node < 1:
-        raise ValueError(f"--nodes ({ns.nodes}) and --gpus-per-node ({ns.gpus_per_node}) must be >= 1")
+    if not any(o.startswith("trainer.output_dir=") for o in overrides):
+        overrides = [pinned_output_dir(ns.job_name), *overrides]
+    mounts = ns.container_mounts
+    if isinstance(mounts, str):  # a Namespace built by hand
+        mounts = arguments.mounts(mounts)
     return Job(
         config=config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
-        container_image=ns.container_image,
-        container_mounts=[m for m in ns.container_mounts.split(",") if m],
+        container_image=ns.container_image, container_mounts=list(mounts),
         workdir=ns.workdir, job_name=ns.job_name, partition=ns.partition, account=ns.account, time=ns.time,
         master_port=ns.master_port, mode=ns.mode, setup=ns.setup,
     )

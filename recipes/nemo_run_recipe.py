@@ -14,12 +14,15 @@ from a login node (``run.LocalTunnel``) or from your machine (``--ssh-host``:
 
 ``nemo_run`` is imported only to submit (``pip install nemo-run``). ``--dry-run`` needs
 neither NeMo-Run nor a cluster: it prints the executor, the task and the torchrun line
-every node would run.
+every node would run. Every argument is checked before anything is submitted (one-line
+errors, exit 2): the shared ones in :mod:`recipes.arguments`, the local executor's single
+node, and NeMo-Run being installed when submitting.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -28,6 +31,7 @@ from typing import Optional, Sequence
 if __package__ in (None, ""):  # run as a script: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from recipes import arguments
 from recipes.job import Job, add_job_arguments, checked_job, torchrun_command
 
 __all__ = ["plan", "build", "main"]
@@ -87,15 +91,34 @@ def build(p: dict):
     return task, run.SlurmExecutor(**{k: v for k, v in args.items() if v is not None})
 
 
+def _check_cross(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Rules between arguments and about this machine, before anything is submitted."""
+    if ns.executor == "local" and ns.nodes != 1:
+        parser.error(
+            f"argument --nodes: the local executor runs on this machine, so --nodes must be 1 (got {ns.nodes}); "
+            f"use --executor slurm for {ns.nodes} nodes"
+        )
+    if ns.executor == "local" and (ns.ssh_host or ns.ssh_user):
+        parser.error("argument --ssh-host/--ssh-user: only the slurm executor submits over SSH; drop them or use --executor slurm")
+    if not ns.dry_run and importlib.util.find_spec("nemo_run") is None:
+        parser.error("NeMo-Run is not installed: `pip install nemo-run` to submit, or pass --dry-run to print the plan")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments.LauncherParser(
+        prog="nemo_run_recipe.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--executor", choices=("local", "slurm"), default="local")
-    parser.add_argument("--ssh-host", default=None, help="submit over SSH to this login node (Slurm)")
-    parser.add_argument("--ssh-user", default=None)
+    parser.add_argument("--ssh-host", type=arguments.partition, default=None, help="submit over SSH to this login node (Slurm)")
+    parser.add_argument("--ssh-user", type=arguments.name, default=None)
     parser.add_argument("--job-dir", default="~/.nemo_run/jobs", help="where NeMo-Run keeps job metadata")
     parser.add_argument("--detach", action="store_true", help="return after submitting")
     add_job_arguments(parser)
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+        _check_cross(parser, ns)
+    except SystemExit as exc:
+        return int(exc.code or 0)
     job = checked_job(ns, REPO_ROOT)
     if job is None:
         return 2

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,20 +43,28 @@ def test_slurm_dry_run_script(capsys):
     assert 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert "export MASTER_PORT=29500" in script
     # The srun command, joined across its continuation lines, split like bash would.
-    srun_text = script[script.index("srun") :].replace("\\\n", " ")
-    srun = shlex.split(srun_text)
+    srun_text = script[script.index("\nsrun") + 1 : script.index(" &\nSTEP_PID=$!\nwait \"${STEP_PID}\"\n")]
+    srun = shlex.split(srun_text.replace("\\\n", " "))
     assert srun[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"]
     assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in srun
     assert "--container-mounts=/lustre/repo:/workspace/nemo_replay,/lustre/data:/data" in srun
     assert "--container-workdir=/workspace/nemo_replay" in srun
     bash_c = srun[srun.index("-c") + 1]
+    assert bash_c.startswith('trap "" USR1; ')  # the step's bash and torchrun leave USR1 to the trainer ranks
     argv = _torchrun_argv(bash_c)
     assert argv[0] == "torchrun"
     assert {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--node-rank=$SLURM_NODEID"} <= set(argv)
     assert "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in argv
     module = argv.index("-m")
     assert argv[module + 1 : module + 4] == ["nemo_replay", "train", MEGATRON]
-    assert argv[-4:] == ["trainer.devices=8", "trainer.num_nodes=2", "trainer.accelerator=gpu", "trainer.steps=200"]
+    assert argv[-5:-2] == ["trainer.devices=8", "trainer.num_nodes=2", "trainer.accelerator=gpu"]
+    # A pinned run folder: a requeued job runs the same line and resumes there.
+    assert re.fullmatch(r"trainer\.output_dir=runs/nemo-replay-\d{8}-\d{6}-[0-9a-f]{6}", argv[-2])
+    assert argv[-1] == "trainer.steps=200"
+    # Time limit: USR1 to the batch shell 300 s ahead, requeue, logs appended.
+    for directive in ("--time=01:00:00", "--signal=B:USR1@300", "--requeue", "--open-mode=append"):
+        assert f"#SBATCH {directive}\n" in script
+    assert "trap on_usr1 USR1" in script and 'scontrol requeue "${SLURM_JOB_ID}"' in script
     if shutil.which("bash"):
         check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
         assert check.returncode == 0, check.stderr
@@ -72,7 +84,7 @@ def test_slurm_dry_run_as_a_script_without_setup():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "bash -c 'torchrun --nnodes=1 --nproc-per-node=2" in proc.stdout
+    assert "bash -c 'trap \"\" USR1; torchrun --nnodes=1 --nproc-per-node=2" in proc.stdout
     assert "pip install" not in proc.stdout
 
 
@@ -88,10 +100,10 @@ def test_nemo_run_dry_runs_without_nemo_run(capsys):
     assert plan["executor"] == "slurm" and plan["world_size"] == 16
     assert (ex["nodes"], ex["ntasks_per_node"], ex["gpus_per_node"], ex["launcher"]) == (2, 8, 8, "torchrun")
     assert ex["container_image"].startswith("nvcr.io/nvidia/") and ex["container_mounts"] == ["/lustre/repo:/workspace/nemo_replay"]
-    assert plan["task"] == {
-        "path": "nemo_replay", "entrypoint": "python", "m": True,
-        "args": ["train", MEGATRON, "trainer.devices=8", "trainer.num_nodes=2", "trainer.accelerator=gpu"],
-    }
+    args = plan["task"].pop("args")
+    assert plan["task"] == {"path": "nemo_replay", "entrypoint": "python", "m": True}
+    assert args[:5] == ["train", MEGATRON, "trainer.devices=8", "trainer.num_nodes=2", "trainer.accelerator=gpu"]
+    assert len(args) == 6 and args[5].startswith("trainer.output_dir=runs/nemo-replay-")
     argv = _torchrun_argv(plan["per_node_command"])
     assert "--nnodes=2" in argv and "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in argv
 
@@ -110,3 +122,101 @@ def test_nemo_run_errors_name_the_fix():
     if importlib.util.find_spec("nemo_run") is None:  # submitting needs it; the dry run does not
         with pytest.raises(ValueError, match="pip install nemo-run"):
             nemo_run_recipe.build(nemo_run_recipe.plan(nemo_run_recipe.Job(), "local"))
+
+
+BAD_ARGUMENTS = [
+    (["--nodes", "0"], "argument --nodes: 0 must be >= 1"),
+    (["--gpus-per-node", "two"], "argument --gpus-per-node: 'two' is not an integer"),
+    (["--time", "banana"], "argument --time: 'banana' is not a Slurm time limit"),
+    (["--time", "04:75:00"], "minutes and seconds after a colon must be < 60"),
+    (["--master-port", "99999"], "argument --master-port: 99999 is not a usable TCP port"),
+    (["--job-name", "x;rm -rf ~"], "argument --job-name: 'x;rm -rf ~' may hold only letters"),
+    (["--container-mounts", "/lustre/data"], "argument --container-mounts: mount '/lustre/data' is not SRC:DST"),
+    (["--container-mounts", "/a:data"], "destination 'data' must be an absolute path"),
+    (["--container-mounts", "/a b:/data"], "source '/a b' must be a path without spaces"),
+    (["--partition", "batch queue"], "argument --partition: 'batch queue' is not a Slurm name"),
+    (["--workdir", "relative/dir"], "argument --workdir: 'relative/dir' must be an absolute path"),
+    (["--container-image", "img; reboot"], "argument --container-image: 'img; reboot' is not a container image"),
+]
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "nemo_run"])
+def test_every_bad_argument_is_one_line_exit_2_and_nothing_is_written(launcher, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = slurm if launcher == "slurm" else nemo_run_recipe
+    cases = list(BAD_ARGUMENTS)
+    if launcher == "slurm":
+        cases += [
+            (["--time", "00:04:00"], "argument --signal-lead: 300 s is not before the end of --time=00:04:00 (240 s)"),
+            (["--signal-lead", "70000"], "argument --signal-lead: 70000 must be in [1, 65535]"),
+        ]
+    else:
+        cases += [(["--executor", "local", "--nodes", "2"], "the local executor runs on this machine, so --nodes must be 1")]
+    for argv, expected in cases:
+        # Not a dry run: a check that came after writing would leave a script behind.
+        assert module.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert expected in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_submitting_without_the_tools_says_what_to_do(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    assert slurm.main(["--nodes", "1", "--gpus-per-node", "1"]) == 2
+    assert "sbatch is not on PATH: submit from a Slurm login node, or pass --dry-run" in capsys.readouterr().err
+    if importlib.util.find_spec("nemo_run") is None:
+        assert nemo_run_recipe.main(["--executor", "slurm", "--nodes", "2"]) == 2
+        err = capsys.readouterr().err
+        assert "NeMo-Run is not installed: `pip install nemo-run`" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_slurm_time_formats():
+    from recipes.arguments import parse_slurm_time
+
+    assert [parse_slurm_time(t) for t in ("90", "90:30", "04:00:00", "1-12", "1-12:30", "2-00:30:00")] == [
+        5400, 5430, 14400, 129600, 131400, 174600,
+    ]
+    for bad in ("", "banana", "1:2:3:4", "0", "-1", "1-", "01:60"):
+        with pytest.raises(ValueError):
+            parse_slurm_time(bad)
+
+
+def test_the_usr1_trap_checkpoints_then_requeues(tmp_path):
+    """Run the rendered batch script under bash with srun/scancel/scontrol standing in for Slurm's.
+
+    The stand-ins record their arguments; ``srun`` sleeps like a running step and exits on the
+    USR1 that ``scancel --signal=USR1`` passes to the step (as the trainer does after its
+    checkpoint). The script must forward the signal, wait for the step, then requeue.
+    """
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    from recipes.job import Job
+
+    script = slurm.render_sbatch(Job(nodes=1, gpus_per_node=1, setup=""), signal_lead=60)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    stubs = {
+        "srun": f'echo $$ > {tmp_path}/srun.pid; echo "srun started" >> {log}; '
+                f'trap \'echo "step got USR1" >> {log}; exit 75\' USR1; while true; do sleep 0.05; done',
+        "scancel": f'echo "scancel $*" >> {log}; kill -USR1 "$(cat {tmp_path}/srun.pid)"',
+        "scontrol": f'if [ "$1" = show ]; then echo node0; else echo "scontrol $*" >> {log}; fi',
+    }
+    for name, body in stubs.items():
+        path = bin_dir / name
+        path.write_text(f"#!/bin/bash\n{body}\n")
+        path.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node0")
+    proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (log.exists() and "srun started" in log.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@60 delivers to the batch shell
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    calls = log.read_text().splitlines()
+    assert calls[1:] == ["scancel --signal=USR1 4242", "step got USR1", "scontrol requeue 4242"], calls
+    assert "asking the run to checkpoint and stop (job 4242)" in out
