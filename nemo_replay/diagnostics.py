@@ -1,8 +1,9 @@
 """Per-step diagnostics of the train/inference mismatch (docs/design.md §1).
 
-All inputs are response-aligned ``(B, A)`` tensors (right-aligned, see
-:class:`~nemo_replay.layout.canonical.ReplayBatch`) with a ``(B, A)`` bool mask of the
-positions that count (loss-active response tokens).
+All inputs are ``(B, A)`` tensors in the batch's columns (the last A token columns, see
+:class:`~nemo_replay.layout.canonical.ReplayBatch`: a right-aligned response window, or the
+whole row token-aligned) with a ``(B, A)`` bool mask of the positions that count
+(loss-active response tokens).
 
 - mismatch: ``|rollout log-prob - trainer log-prob|`` with the weights the rollout used
   (the old-policy recompute, before the first update). With replay on it sits at float
