@@ -66,7 +66,8 @@ class GenerationSupport:
         flagged: (B, total_length), bool. Generated tokens whose support could not be
             recorded exactly (their rows are all -1): leave them out of ``token_mask``.
         logprobs: (B, total_length), float32. The engine's processed log-prob of each
-            generated token (0 elsewhere), the value NeMo-RL stores as ``generation_logprobs``.
+            generated token (0 elsewhere, and everywhere for mask outputs requested without
+            log-probs), the value NeMo-RL stores as ``generation_logprobs``.
     """
 
     def __init__(self, rows: torch.Tensor, flagged: torch.Tensor, logprobs: torch.Tensor):
