@@ -46,8 +46,32 @@ Backward, recomputing from ``hidden`` and ``weight`` (nothing ``[pairs, H]`` is 
     weight-sized gradient in the weight's dtype (vocabulary chunk by vocabulary chunk when
     the weight is not in the compute dtype or full-vocabulary rows exist).
 
+Sparse weight gradient. Only the support's rows (about U of V) are non-zero, yet a dense
+gradient writes all V rows (plus the page faults of a fresh tensor), and the trainer then
+adds it into its own gradient buffer, another full pass. When the trainer keeps a
+persistent buffer, the backward accumulates the U rows into it instead
+(:func:`persistent_grad_buffer` says which buffer, :func:`_accumulate_rows` does it):
+
+- megatron-core's protocol: the weight carries ``main_grad`` and ``grad_added_to_main_grad``
+  (its DistributedDataParallel sets them up, with or without gradient-accumulation fusion).
+  Rows go into ``main_grad``, ``grad_added_to_main_grad`` is set, and autograd gets what
+  megatron's fused linear layers hand it: an uninitialised dummy its backward hook drops
+  (so the hook still runs on the main thread), or nothing when ``zero_out_wgrad`` marks an
+  embedding tied to the LM head (the embedding's own gradient then carries the hook);
+- an existing ``.grad`` on a leaf weight whose gradient autograd is about to accumulate
+  (``loss.backward()`` with ``.grad`` kept between micro-batches): rows are added to it in
+  place and autograd gets nothing (its accumulation has nothing left to add).
+
+Everything else gets the dense gradient: ``torch.autograd.grad`` (the caller wants the
+gradient returned), no buffer yet (the first
+micro-batch after ``zero_grad(set_to_none=True)``), a buffer of another shape, dtype or
+device, and FSDP2 in its default mode (it reduce-scatters the unsharded gradient as one
+dense tensor and frees it after every backward, so no buffer persists; under
+``set_requires_gradient_sync(False)`` with the parameter's own dtype as reduce dtype the
+unsharded ``.grad`` persists and the second micro-batch on is accumulated in place).
+
 No collectives (the caller all-reduces the hidden gradient under tensor parallelism).
-Inputs are not modified.
+Inputs are not modified; a persistent gradient buffer is, as autograd would.
 """
 
 from __future__ import annotations
@@ -57,8 +81,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
-__all__ = ["PairChunk", "project_support"]
+__all__ = ["PairChunk", "project_support", "persistent_grad_buffer"]
 
 
 class PairChunk(NamedTuple):
@@ -140,6 +165,7 @@ class _SupportProjection(torch.autograd.Function):
         return out, ze.div_(temperature) if temperature != 1.0 else ze
 
     @staticmethod
+    @once_differentiable  # a first-order gradient (also under create_graph); no double backward
     def backward(ctx, grad_out, grad_eos):
         hidden, weight, pos, ids, flat, eos = ctx.saved_tensors
         cd, chunk_size = ctx.compute_dtype, ctx.chunk_size
@@ -149,7 +175,12 @@ class _SupportProjection(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_h = _hidden_grad(hidden, weight, pos, ids, flat, eos, g, ge, ctx.chunks, chunk_size, cd)
         if ctx.needs_input_grad[1]:
-            grad_w = _weight_grad(hidden, weight, pos, ids, flat, g, hidden[eos].to(cd), ge, chunk_size, cd)
+            buffer = persistent_grad_buffer(weight)
+            if buffer is None:
+                grad_w = _weight_grad(hidden, weight, pos, ids, flat, g, hidden[eos].to(cd), ge, chunk_size, cd)
+            else:
+                _accumulate_rows(buffer, hidden, pos, ids, flat, g, hidden[eos].to(cd), ge, chunk_size, cd)
+                grad_w = _handed_to_autograd(weight, buffer)
         return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
@@ -169,6 +200,12 @@ def _hidden_grad(hidden, weight, pos, ids, flat, eos, g, ge, chunks, chunk_size,
     return grad_h.to(hidden.dtype)
 
 
+def _vocab_step(V: int, chunk_size: int) -> int:
+    """Vocabulary rows per step when weight-sized data is converted: at most ``chunk_size`` and at
+    most 1/32 of the vocabulary, so a converted chunk stays a small fraction of the weight."""
+    return max(1, min(chunk_size, -(-V // 32)))
+
+
 def _full_rows(h_eos: torch.Tensor, weight: torch.Tensor, chunk_size: int, cd: torch.dtype) -> torch.Tensor:
     """``h_eos @ weight.T`` (e, V) in the compute dtype, converting weight rows chunk by chunk."""
     V = weight.shape[0]
@@ -177,8 +214,9 @@ def _full_rows(h_eos: torch.Tensor, weight: torch.Tensor, chunk_size: int, cd: t
         return out
     if weight.dtype == cd:
         return torch.mm(h_eos, weight.t(), out=out)
-    for v0 in range(0, V, chunk_size):
-        out[:, v0 : v0 + chunk_size] = h_eos @ weight[v0 : v0 + chunk_size].to(cd).t()
+    step = _vocab_step(V, chunk_size)
+    for v0 in range(0, V, step):
+        out[:, v0 : v0 + step] = h_eos @ weight[v0 : v0 + step].to(cd).t()
     return out
 
 
@@ -187,9 +225,26 @@ def _rows_times_weight(ge: torch.Tensor, weight: torch.Tensor, chunk_size: int, 
     if weight.dtype == cd:
         return ge @ weight
     acc = torch.zeros(ge.shape[0], weight.shape[1], dtype=cd, device=ge.device)
-    for v0 in range(0, weight.shape[0], chunk_size):
-        acc.addmm_(ge[:, v0 : v0 + chunk_size], weight[v0 : v0 + chunk_size].to(cd))
+    step = _vocab_step(weight.shape[0], chunk_size)
+    for v0 in range(0, weight.shape[0], step):
+        acc.addmm_(ge[:, v0 : v0 + step], weight[v0 : v0 + step].to(cd))
     return acc
+
+
+class _SortedPairs(NamedTuple):
+    """The present pairs sorted by id: ids (P,) int64, their row in ``pos`` (P,), g (P,) in cd."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    g: torch.Tensor
+
+
+def _sorted_pairs(ids, flat, g) -> _SortedPairs:
+    """Sort the pairs by id (stable), keeping each pair's row in ``pos`` and its gradient."""
+    w = ids.shape[1]
+    pair_ids = ids.reshape(-1)[flat]
+    order = torch.argsort(pair_ids, stable=True)
+    return _SortedPairs(pair_ids[order], torch.div(flat[order], w, rounding_mode="floor"), g[order])
 
 
 class _IdSums(NamedTuple):
@@ -200,7 +255,7 @@ class _IdSums(NamedTuple):
 
 
 def _id_sums(hidden, pos, ids, flat, g, cd) -> _IdSums:
-    """Sort the pairs by id and sum each id's ``g * hidden[pos[row]]`` in one ``embedding_bag``.
+    """Each distinct id's ``sum g * hidden[pos[row]]`` in one ``embedding_bag`` (one host read: U).
 
     Worked example (w = 2, pairs as (row, id, g)):
         pairs  (0, 4, a) (0, 1, b) (1, 4, c) (1, 2, d)
@@ -208,32 +263,31 @@ def _id_sums(hidden, pos, ids, flat, g, cd) -> _IdSums:
         bags (distinct ids) [1, 2, 4] with offsets [0, 1, 2]
         sums[1] = b h0,  sums[2] = d h1,  sums[4] = a h0 + c h1
     """
-    w = ids.shape[1]
-    pair_ids = ids.reshape(-1)[flat]
-    order = torch.argsort(pair_ids, stable=True)
-    ids_s = pair_ids[order]
-    rows_s = torch.div(flat[order], w, rounding_mode="floor")  # row of the pair in ``pos``
-    uniq, counts = torch.unique_consecutive(ids_s, return_counts=True)
+    s = _sorted_pairs(ids, flat, g)
+    uniq, counts = torch.unique_consecutive(s.ids, return_counts=True)
     if uniq.numel() == 0:
         return _IdSums(uniq, torch.zeros(0, hidden.shape[1], dtype=cd, device=hidden.device))
     starts = torch.cumsum(counts, 0) - counts
-    sums = F.embedding_bag(rows_s, hidden[pos].to(cd), starts, mode="sum", per_sample_weights=g[order])
-    return _IdSums(uniq, sums)
+    return _IdSums(uniq, F.embedding_bag(s.rows, hidden[pos].to(cd), starts, mode="sum", per_sample_weights=s.g))
 
 
 def _weight_grad(hidden, weight, pos, ids, flat, g, h_eos, ge, chunk_size, cd) -> torch.Tensor:
     """The one weight-sized gradient (V, H) in the weight's dtype.
 
-    Vocabulary chunk [v0, v1) starts as the EOS rows' ``ge.T @ h_eos`` (or zeros) and adds
+    Without full-vocabulary rows and with the weight in the compute dtype, one
+    ``embedding_bag`` with a bag per vocabulary row writes every row exactly once. Otherwise
+    vocabulary chunk [v0, v1) starts as the EOS rows' ``ge.T @ h_eos`` (or zeros) and adds
     the id sums that fall in it, then is written once (converted, for a weight not in the
     compute dtype, from a chunk-sized scratch buffer).
     """
     V, H = weight.shape
-    s = _id_sums(hidden, pos, ids, flat, g, cd)
     direct = weight.dtype == cd
     if direct and ge.shape[0] == 0:
-        grad_w = torch.zeros(V, H, dtype=cd, device=weight.device)
-        return grad_w.index_copy_(0, s.uniq, s.sums)
+        # One bag per vocabulary row (empty bags give zero rows): every row written exactly once.
+        p = _sorted_pairs(ids, flat, g)
+        offsets = torch.searchsorted(p.ids, torch.arange(V, device=p.ids.device))
+        return F.embedding_bag(p.rows, hidden[pos].to(cd), offsets, mode="sum", per_sample_weights=p.g)
+    s = _id_sums(hidden, pos, ids, flat, g, cd)
     grad_w = torch.empty(V, H, dtype=weight.dtype, device=weight.device)
     vchunk = max(chunk_size, 1)
     edges = list(range(0, V, vchunk)) + [V]
@@ -251,6 +305,55 @@ def _weight_grad(hidden, weight, pos, ids, flat, g, h_eos, ge, chunk_size, cd) -
         if not direct:
             grad_w[v0:v1].copy_(dst)
     return grad_w
+
+
+def persistent_grad_buffer(weight: torch.Tensor):
+    """The gradient buffer a backward may accumulate the weight's rows into, or None (dense gradient).
+
+    Call only inside a backward. See the module docstring for the cases.
+    """
+    if not (weight.is_leaf and weight.requires_grad):
+        return None  # not a parameter: nothing accumulates its gradient
+    try:
+        if not torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(weight).node):
+            return None  # backward(inputs=...) without this weight
+    except RuntimeError:
+        return None  # torch.autograd.grad: the gradient is returned to the caller, not accumulated
+    main = getattr(weight, "main_grad", None)
+    if hasattr(weight, "grad_added_to_main_grad") and isinstance(main, torch.Tensor):
+        fits = main.shape == weight.shape and main.device == weight.device and main.layout == torch.strided
+        return main if fits else None
+    g = weight.grad
+    if isinstance(g, torch.Tensor) and g.layout == torch.strided and not g.requires_grad:
+        if g.shape == weight.shape and g.dtype == weight.dtype and g.device == weight.device:
+            return g
+    return None
+
+
+def _handed_to_autograd(weight: torch.Tensor, buffer: torch.Tensor):
+    """What the backward returns for the weight once its rows are in ``buffer``."""
+    if buffer is not getattr(weight, "main_grad", None):
+        return None  # rows are in .grad already
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return None  # a tied embedding: its own (defined) gradient reaches the hook
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)  # dropped by the hook, never read
+
+
+def _accumulate_rows(buffer, hidden, pos, ids, flat, g, h_eos, ge, chunk_size, cd) -> None:
+    """``buffer += dense weight gradient``, writing only the U touched rows (and, for
+    full-vocabulary rows, every row, vocabulary chunk by vocabulary chunk)."""
+    s = _id_sums(hidden, pos, ids, flat, g, cd)
+    buffer.index_add_(0, s.uniq, s.sums.to(buffer.dtype))
+    if ge.shape[0]:
+        V = buffer.shape[0]
+        step = _vocab_step(V, chunk_size)
+        for v0 in range(0, V, step):
+            v1 = min(v0 + step, V)
+            if buffer.dtype == cd:
+                buffer[v0:v1].addmm_(ge[:, v0:v1].t(), h_eos)  # in place: no temporary
+            else:
+                buffer[v0:v1].add_((ge[:, v0:v1].t() @ h_eos).to(buffer.dtype))
 
 
 def project_support(
