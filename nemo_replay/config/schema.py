@@ -82,8 +82,20 @@ class ReplayConfig:
 
 @dataclass
 class GenerationConfig:
-    """The rollout sampler (the torch capture sampler of :mod:`nemo_replay.capture`)."""
+    """The rollout engine and its sampler settings (docs/design.md §7)."""
 
+    engine: str = "auto"
+    """What samples the rollouts. ``hf``: transformers' ``generate`` with a KV cache on an
+    engine copy of the policy weights (synced before every rollout, cast to
+    ``generation.dtype``), each token's support recorded after its warpers (temperature,
+    top-k, top-p, then min-p). ``trainer``: the trainer's own forward on the whole buffer, no
+    KV cache, the capture sampler (min-p, top-k, top-p in vLLM's order): the sampler's
+    log-probs match the trainer's to float noise. ``auto``: ``hf`` where the strategy's model
+    backend runs Hugging Face models (fsdp), ``trainer`` otherwise (megatron)."""
+    dtype: Optional[str] = None
+    """Parameter dtype of the ``hf`` engine's weights (``float32``, ``bfloat16``,
+    ``float16``) while the trainer keeps ``model.dtype``; null: ``model.dtype``. Engine ``trainer``
+    samples with the trainer's own weights, so it takes null only."""
     temperature: Optional[float] = 1.0
     """Sampling temperature, > 0. Every trainer role divides its logits by the same value."""
     top_k: Optional[int] = 8

@@ -13,6 +13,9 @@ value it holds and the fix; :func:`validate` raises them together as one
   strategy that cannot replay routes;
 - parallel sizes that do not divide the world (the strategy's ``parallel_sizes``), prompts
   that do not split over the data-parallel ranks, heads that do not split over TP / SP;
+- the rollout engine: ``generation.engine`` one the strategy's model backend offers (``hf``
+  needs Hugging Face models: the fsdp strategy; megatron samples with ``trainer``), and
+  ``generation.dtype`` only for the ``hf`` engine;
 - plain range checks on the loop and model sizes.
 """
 
@@ -25,12 +28,13 @@ from typing import Optional
 from nemo_replay.config.errors import ConfigError
 from nemo_replay.config.schema import RecipeConfig
 
-__all__ = ["collect_problems", "validate", "resolve_world_size", "model_parallel_size"]
+__all__ = ["collect_problems", "validate", "resolve_world_size", "model_parallel_size", "rollout_engines", "resolve_engine"]
 
 _SOURCES = ("logits", "hidden")
 _OLD_LOGPROBS = ("recompute", "rollout")
 _ACCELERATORS = ("cpu", "gpu", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
+_ENGINES = ("auto", "hf", "trainer")
 
 
 def resolve_world_size(cfg: RecipeConfig, world_size: Optional[int] = None) -> int:
@@ -57,6 +61,47 @@ def model_parallel_size(cfg: RecipeConfig) -> int:
     """Ranks that hold one copy of the data, as the strategy's spec counts them (1 if unregistered)."""
     spec = _spec(cfg)
     return 1 if spec is None else spec.model_parallel_size(cfg)
+
+
+def rollout_engines(cfg: RecipeConfig) -> tuple[str, ...]:
+    """Rollout engines the strategy's model backend offers, preferred first.
+
+    The backend class (``StrategySpec.trainer_backend``) lists them as ``rollout_engines``;
+    one that lists none samples with its own forward (``("trainer",)``), as does a strategy
+    without a backend or an unregistered one.
+    """
+    spec = _spec(cfg)
+    if spec is None or spec.trainer_backend is None:
+        return ("trainer",)
+    return tuple(getattr(spec.load_trainer_backend(), "rollout_engines", ("trainer",)))
+
+
+def resolve_engine(cfg: RecipeConfig) -> str:
+    """``generation.engine`` with ``auto`` replaced by the backend's preferred engine."""
+    engine = cfg.generation.engine
+    return rollout_engines(cfg)[0] if engine == "auto" else engine
+
+
+def _engine(cfg: RecipeConfig, out: list[str]) -> None:
+    g = cfg.generation
+    if g.engine not in _ENGINES:
+        out.append(f"generation.engine={g.engine!r} must be one of {', '.join(_ENGINES)}")
+        return
+    offered = rollout_engines(cfg)
+    if g.engine != "auto" and g.engine not in offered:
+        out.append(
+            f"generation.engine={g.engine} needs a Hugging Face model, but replay.strategy={cfg.replay.strategy} "
+            f"builds its own (engines it offers: {', '.join(offered)}); set generation.engine={offered[0]} or auto"
+        )
+    if g.dtype is not None:
+        if g.dtype not in _DTYPES:
+            out.append(f"generation.dtype={g.dtype!r} must be one of {', '.join(_DTYPES)} or null (model.dtype)")
+        elif resolve_engine(cfg) != "hf" and g.dtype != cfg.model.dtype:
+            out.append(
+                f"generation.dtype={g.dtype} applies to the hf engine's own weights; the {resolve_engine(cfg)} engine "
+                f"samples with the trainer's {cfg.model.dtype} weights. Set generation.dtype=null, or "
+                f"generation.engine=hf"
+            )
 
 
 def _sampling(cfg: RecipeConfig, out: list[str]) -> None:
@@ -256,6 +301,7 @@ def collect_problems(cfg: RecipeConfig, world_size: Optional[int] = None) -> lis
     world = resolve_world_size(cfg, world_size)
     _replay(cfg, out)
     _sampling(cfg, out)
+    _engine(cfg, out)
     _parallel(cfg, world, out)
     _model(cfg, out)
     _loop(cfg, out)

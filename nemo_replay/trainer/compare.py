@@ -2,9 +2,14 @@
 
 Both runs start from the same weights and draw the same first prompts and samples; only
 the scoring differs. The summary reports the train/inference mismatch of each run (the
-recompute log-prob against the rollout's, before any update): with replay it sits at
-float noise, without it is the log of the probability mass the sampler's truncation
-dropped.
+recompute log-prob against the rollout's, before any update) and separates its two causes:
+
+- the **normalisation gap**: scoring over the full vocabulary instead of the support the
+  engine sampled from adds ``-log(support mass)`` to every token; replay removes it
+  (measured in the replay-on run, logits mode: ``normalisation_gap``);
+- the **engine's numeric gap**: what stays with replay on -- the engine's KV cache, kernels
+  and dtype (``generation.engine``, ``generation.dtype``) against the trainer's forward. With
+  ``generation.engine: trainer`` it is float noise.
 
 Output folder: ``<dir>/replay-on``, ``<dir>/replay-off`` (each a normal run folder),
 ``<dir>/compare.png`` and ``<dir>/summary.json``.
@@ -18,13 +23,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.config.validation import resolve_engine
 from nemo_replay.trainer.grpo import GRPOTrainer, RunResult
 from nemo_replay.trainer.metrics import plot_runs
 from nemo_replay.trainer.runtime import launch_fabric
 
-__all__ = ["CompareResult", "run_compare", "format_summary"]
+__all__ = ["CompareResult", "run_compare", "format_summary", "effects", "effects_line"]
 
 
 @dataclass
@@ -34,6 +41,41 @@ class CompareResult:
     output_dir: Path
     replay_on: RunResult
     replay_off: RunResult
+    effects: Optional[dict] = None
+
+
+def _mean(rows: list, key: str) -> float:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def effects(cfg: RecipeConfig, replay_on: RunResult, replay_off: RunResult) -> dict:
+    """The two causes of the mismatch, apart (module doc), averaged over the steps."""
+    on, off = replay_on.history, replay_off.history
+    return {
+        "engine": resolve_engine(cfg),
+        "engine_dtype": (cfg.generation.dtype or cfg.model.dtype) if resolve_engine(cfg) == "hf" else cfg.model.dtype,
+        "trainer_dtype": cfg.model.dtype,
+        "normalisation_gap_mean": _mean(on, "normalisation_gap"),
+        "numeric_gap_mean": _mean(on, "mismatch_mean"),
+        "numeric_gap_max": max((r["mismatch_max"] for r in on if r.get("mismatch_max") is not None), default=float("nan")),
+        "replay_off_mismatch_mean": _mean(off, "mismatch_mean"),
+    }
+
+
+def _gap_rows(history: list) -> list:
+    """The replay-on run's normalisation gap as a third line of the mean-mismatch panel."""
+    return [{"step": r["step"], "mismatch_mean": r["normalisation_gap"]} for r in history if r.get("normalisation_gap") is not None]
+
+
+def effects_line(fx: dict) -> str:
+    """One line naming both effects with their sizes."""
+    engine = f"{fx['engine']} engine ({fx['engine_dtype']}{', KV cache' if fx['engine'] == 'hf' else ', no KV cache'})"
+    return (
+        f"replay removes the normalisation gap (mean {fx['normalisation_gap_mean']:.3g} nats, -log support mass); "
+        f"the {engine} leaves a numeric gap of mean {fx['numeric_gap_mean']:.3g}, max {fx['numeric_gap_max']:.3g} nats "
+        f"against the {fx['trainer_dtype']} trainer (replay off: mean {fx['replay_off_mismatch_mean']:.3g})"
+    )
 
 
 def _with_replay(cfg: RecipeConfig, enabled: bool, out_dir: Path) -> RecipeConfig:
@@ -54,14 +96,22 @@ def run_compare(cfg: RecipeConfig) -> CompareResult:
     for enabled in (True, False):
         run_cfg = _with_replay(cfg, enabled, root)
         results[enabled] = GRPOTrainer(run_cfg, fabric=fabric).fit()
-    out = CompareResult(root, results[True], results[False])
+    out = CompareResult(root, results[True], results[False], effects=effects(cfg, results[True], results[False]))
     if fabric.is_global_zero:
+        fx = out.effects
         plot_runs(
-            [("replay on", out.replay_on.history), ("replay off", out.replay_off.history)],
+            [
+                (f"replay on: {fx['engine']} engine numeric gap", out.replay_on.history),
+                ("replay off: normalisation + numeric gap", out.replay_off.history),
+                ("normalisation gap alone (-log support mass)", _gap_rows(out.replay_on.history)),
+            ],
             root / "compare.png",
-            title=f"{cfg.replay.strategy}: support-conditioned replay on vs off (seed {cfg.trainer.seed})",
+            title=(
+                f"{cfg.replay.strategy}, {fx['engine']} engine ({fx['engine_dtype']}) vs {fx['trainer_dtype']} trainer: "
+                f"replay on vs off (seed {cfg.trainer.seed})"
+            ),
         )
-        summary = {"replay_on": out.replay_on.summary, "replay_off": out.replay_off.summary}
+        summary = {"replay_on": out.replay_on.summary, "replay_off": out.replay_off.summary, "effects": fx}
         (root / "summary.json").write_text(json.dumps(summary, indent=2))
     fabric.barrier()
     return out
@@ -81,5 +131,7 @@ def format_summary(result: CompareResult) -> str:
         rows.append((label, f"{result.replay_on.summary[key]:.3g}", f"{result.replay_off.summary[key]:.3g}"))
     width = max(len(r[0]) for r in rows)
     lines = [f"{a:<{width}}  {b:>10}  {c:>10}" for a, b, c in rows]
+    if result.effects is not None:
+        lines.append(effects_line(result.effects))
     lines.append(f"plots: {result.output_dir / 'compare.png'}")
     return "\n".join(lines)

@@ -40,7 +40,7 @@ from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["SamplingSettings", "Rollout", "left_pad", "generate"]
+__all__ = ["SamplingSettings", "Rollout", "left_pad", "generate", "rollout_batch"]
 
 # (sequences, attention_mask) -> logits (B, V), or (logits, routes (B, S, layers, topk) int).
 NextTokenLogits = Callable[[torch.Tensor, torch.Tensor], Union[torch.Tensor, tuple]]
@@ -192,43 +192,68 @@ def _token_routes(routes: torch.Tensor, mask: torch.Tensor) -> PackedTensor:
 
 def _assemble(prompts, seq, mask, resp_len, logprobs, step_rows, step_owner, settings, pad_id, routes=None) -> Rollout:
     B, T = logprobs.shape
-    device = seq.device
     lengths = resp_len.tolist()  # one host copy; the per-trajectory slices below take Python ints
     sampled = seq[:, seq.shape[1] - T :].cpu()
     responses = [sampled[i, :n] for i, n in enumerate(lengths)]
-    full = [torch.cat([p.to(device=device, dtype=torch.int64), r.to(device)]) for p, r in zip(prompts, responses)]
-    sequences, attention_mask = left_pad(full, pad_id, device)
-    A = max(lengths)
-    # Right-aligned [B, A] response coordinates: token j of trajectory i sits at column A - R_i + j,
-    # so column c reads sampling step c - (A - R_i). Example A = 3, R = [3, 1]: row 0 reads
-    # steps [0 1 2], row 1 reads [- - 0] (- = left of the response: masked, 0).
-    cols = torch.arange(A, device=device)[None, :]
-    step = cols - (A - resp_len)[:, None]
-    loss_mask = step >= 0
-    rollout_lp = torch.where(loss_mask, logprobs.gather(1, step.clamp(min=0)), 0.0)
     # Rows were collected step-major (t, then active trajectory); the batch wants them
     # trajectory-major (i, then t). Sort the (trajectory, step) owner pairs to get the order.
     owner = torch.cat(step_owner)
     order = torch.argsort(owner[:, 0] * T + owner[:, 1])
-    rows = _cat(step_rows).gather(order.cpu())
-    if isinstance(rows, PackedTensor) and settings.row_width and settings.row_width > rows.values.shape[1]:
-        extra = settings.row_width - rows.values.shape[1]
-        pad = torch.full((rows.values.shape[0], extra), -1, dtype=rows.values.dtype, device=rows.values.device)
-        rows = PackedTensor(torch.cat([rows.values, pad], 1), rows.cu_seqlens)
-    support = _regroup(rows, resp_len)
+    rows = _regroup(_cat(step_rows).gather(order.cpu()), resp_len)
+    # Step t of trajectory i is its token t: the step-major matrix already reads in token order.
+    flat = logprobs[torch.arange(T, device=logprobs.device)[None, :] < resp_len[:, None]]
     # Real tokens in buffer order: the prompt (a suffix of the prompt block) then R_i responses;
     # a stopped row's trailing pads carry mask False and drop out.
     token_routes = None if routes is None else _token_routes(routes, mask)
+    return rollout_batch(prompts, responses, flat, rows, row_width=settings.row_width, pad_id=pad_id, device=seq.device, routes=token_routes)
+
+
+def rollout_batch(
+    prompts: Sequence[torch.Tensor],
+    responses: Sequence[torch.Tensor],
+    logprobs: torch.Tensor,
+    support: Union[PackedTensor, RaggedSupport],
+    *,
+    row_width: Optional[int] = None,
+    pad_id: int = 0,
+    device: Union[str, torch.device] = "cpu",
+    routes: Optional[PackedTensor] = None,
+) -> Rollout:
+    """The canonical batch of B sampled responses, whatever sampled them.
+
+    Args:
+        prompts: B prompts, each (P_i,) int.
+        responses: B responses, each (R_i,) int, R_i >= 1.
+        logprobs: (sum R_i,), float32, response-major: each token's processed log-prob.
+        support: one segment of R_i rows per response (fixed-width or CSR).
+        row_width: fixed-width rows narrower than this are padded with -1 to it.
+        routes: per-trajectory MoE routes of the real tokens, or None.
+
+    Right-aligned ``[B, A]`` response coordinates, ``A = max R_i``: token j of trajectory i
+    sits at column ``A - R_i + j``. Example A = 3, R = [3, 1]: row 0 holds tokens [0 1 2],
+    row 1 holds [- - 0] (- = left of the response: loss mask False, log-prob 0).
+    """
+    resp_len = torch.tensor([int(r.numel()) for r in responses], dtype=torch.int64, device=device)
+    A = int(resp_len.max())
+    loss_mask = torch.arange(A, device=device)[None, :] >= (A - resp_len)[:, None]
+    rollout_lp = torch.zeros(len(responses), A, dtype=torch.float32, device=device)
+    rollout_lp[loss_mask] = logprobs.to(device=device, dtype=torch.float32)  # row-major = response-major
+    if isinstance(support, PackedTensor) and row_width and row_width > support.values.shape[1]:
+        extra = row_width - support.values.shape[1]
+        pad = torch.full((support.values.shape[0], extra), -1, dtype=support.values.dtype, device=support.values.device)
+        support = PackedTensor(torch.cat([support.values, pad], 1), support.cu_seqlens)
+    full = [torch.cat([p.to(device=device, dtype=torch.int64), r.to(device=device, dtype=torch.int64)]) for p, r in zip(prompts, responses)]
+    sequences, attention_mask = left_pad(full, pad_id, device)
     batch = ReplayBatch(
         sequences=sequences,
         attention_mask=attention_mask,
-        response_lengths=resp_len.clone(),
+        response_lengths=resp_len,
         loss_mask=loss_mask,
-        support=support,
-        routes=token_routes,
+        support=support.to(device),
+        routes=routes,
         rollout_logprobs=rollout_lp,
     )
-    return Rollout(batch, [p.cpu() for p in prompts], responses)
+    return Rollout(batch, [p.cpu() for p in prompts], [r.cpu().to(torch.int64) for r in responses])
 
 
 def _cat(items):

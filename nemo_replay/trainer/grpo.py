@@ -3,8 +3,10 @@
 One step, on every rank (NeMo-RL's GRPO loop, on Lightning Fabric):
 
 1. **rollout**: this data-parallel rank's prompts, ``group_size`` responses each, sampled by
-   the capture sampler from the policy's own forward (:mod:`.generation`); each token keeps
-   its processed log-prob and its support row;
+   the rollout engine (``generation.engine``): transformers' ``generate`` with a KV cache on
+   an engine copy of the weights (``hf``, :mod:`.hf_engine`), or the capture sampler on the
+   policy's own forward (``trainer``, :mod:`.generation`); each token keeps its processed
+   log-prob and its support row;
 2. **reward and advantages**: the task's verifiable reward, group-normalised
    (:func:`~nemo_replay.objectives.group_advantages`);
 3. **recompute**: old-policy log-probs (strategy role ``recompute``, no grad) with the
@@ -41,6 +43,7 @@ from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.objectives import group_advantages
 from nemo_replay.strategies.base import RoleSettings, policy_loss
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
+from nemo_replay.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.trainer.metrics import JsonlLogger, plot_runs
 from nemo_replay.trainer.runtime import choose_output_dir, launch_fabric, make_backend, seed_all
@@ -124,6 +127,8 @@ class GRPOTrainer:
             self.settings, compute_support_mass=cfg.replay.enabled and cfg.replay.scorer.source == "logits"
         )
         self.sampling = sampling_settings(cfg)
+        # The hf engine holds its own copy of the weights, synced before every rollout.
+        self.engine = self.backend.build_engine(self.policy, self.sampling) if resolve_engine(cfg) == "hf" else None
         # Prompts differ per data-parallel rank and agree within a model-parallel group
         # (TP / CP / SP ranks must hold the same rollouts); sampling draws alike.
         seed = cfg.trainer.seed * 1_000_003 + self.backend.dp_rank
@@ -142,8 +147,12 @@ class GRPOTrainer:
         G = self.cfg.trainer.group_size
         prompts = self.task.prompts(self.prompts_per_rank, self.prompt_rng)
         repeated = [p for p in prompts for _ in range(G)]
-        logits_fn = partial(self.backend.next_token_logits, self.policy)
-        ro = generate(logits_fn, repeated, self.sampling, generator=self.sample_rng, device=self.device)
+        if self.engine is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.sample_rng, device=self.device))
+            ro = self.engine.rollout(self.policy, repeated, seed=seed)
+        else:
+            logits_fn = partial(self.backend.next_token_logits, self.policy)
+            ro = generate(logits_fn, repeated, self.sampling, generator=self.sample_rng, device=self.device)
         rewards = self.task.rewards(ro.prompts, ro.responses)
         batch = ro.batch
         batch.advantages = group_advantages(rewards, G).to(self.device)
@@ -165,8 +174,10 @@ class GRPOTrainer:
             mask = mb.loss_mask.bool()
             record_mismatch(stats, mb.rollout_logprobs, o.logprobs, mask)
             if o.support_logmass is not None:
-                mass = torch.exp(o.support_logmass.double())[o.valid_mask & mask.to(o.valid_mask.device)]
-                stats.add_mean("support_mass", float(mass.sum()), mass.numel())
+                logmass = o.support_logmass.double()[o.valid_mask & mask.to(o.valid_mask.device)]
+                stats.add_mean("support_mass", float(logmass.exp().sum()), logmass.numel())
+                # -log(mass) = log p_S(x) - log p_V(x): what full-vocabulary scoring adds to each token.
+                stats.add_mean("normalisation_gap", float(-logmass.sum()), logmass.numel())
             if o.entropy is not None:
                 ent = o.entropy.double()[mask.to(o.entropy.device)]
                 stats.add_mean("entropy", float(ent.sum()), ent.numel())

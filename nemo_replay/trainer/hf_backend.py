@@ -5,7 +5,9 @@ ranks of one Ulysses group hold the same rollouts, and FSDP2 shards every parame
 all ranks (the strategy rescales the gradient of each SP slice so FSDP's average over the
 world is the data-parallel average; see :mod:`nemo_replay.strategies.fsdp.strategy`).
 
-Generation runs the same module the trainer scores with, on the left-padded buffer, with
+Rollouts come from transformers' ``generate`` on an engine copy of the weights
+(``generation.engine: hf``, :meth:`HFBackend.build_engine`), or from the module the trainer
+scores with (``generation.engine: trainer``): the left-padded buffer, with
 ``position_ids = cumsum(attention_mask) - 1`` (the positions the strategy gives every
 trajectory), under ``torch.no_grad``.
 """
@@ -72,6 +74,9 @@ class HFBackend:
         distributed: whether a default process group is initialised (FSDP2 shards over it).
     """
 
+    #: Rollout engines this backend serves (``generation.engine``), preferred first.
+    rollout_engines = ("hf", "trainer")
+
     def __init__(self, cfg: RecipeConfig, device: torch.device, distributed: bool):
         self.cfg = cfg
         self.device = device
@@ -115,6 +120,16 @@ class HFBackend:
             fully_shard(head, mesh=mesh)  # its own unit: hidden mode unshards only the head
         fully_shard(model, mesh=mesh)
         return model
+
+    def build_engine(self, policy, settings):
+        """The ``hf`` rollout engine (:class:`~nemo_replay.trainer.hf_engine.HFEngine`) for ``policy``.
+
+        Its weights are cast to ``generation.dtype`` (null: ``model.dtype``).
+        """
+        from nemo_replay.trainer.hf_engine import HFEngine
+
+        dtype = self.cfg.generation.dtype or self.cfg.model.dtype
+        return HFEngine(policy, settings, dtype=dtype, device=self.device)
 
     def make_strategy(self):
         from nemo_replay.strategies.registry import get_strategy
