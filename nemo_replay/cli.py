@@ -8,19 +8,49 @@
 
 CONFIG is a YAML file or ``pkg://<name>`` (a recipe shipped in the package); overrides use
 OmegaConf dotlist syntax (``trainer.steps=50``, ``generation.top_k=null``). Under
-``torchrun`` every rank runs the same command.
+``torchrun`` every rank runs the same command. ``nemo-replay COMMAND --help`` describes one
+command.
+
+Exit status: 0 done; 2 a usage or recipe error (one message listing every problem); 75 the
+run stopped on a signal after writing a checkpoint (run the same command to continue); 1
+a run that failed (a collective timed out, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import Optional, Sequence
 
 __all__ = ["main"]
 
 _USAGE = __doc__.split("\n\n")[1]
+
+_RECIPE_HELP = """\
+CONFIG is a YAML recipe or pkg://<name> (default: the embedded CPU recipe); every other
+argument is a key=value override (trainer.steps=50, generation.top_k=null). `nemo-replay
+flags` lists every flag."""
+
+_TRAIN_EPILOG = _RECIPE_HELP + """
+
+Long runs. A checkpoint is written every trainer.checkpoint_every steps and after the last
+step, under <output_dir>/checkpoints/. Running the same command again with the same
+trainer.output_dir continues from the latest complete checkpoint (trainer.resume=auto;
+never: refuse a folder that holds a run; must: fail without a checkpoint). SIGTERM,
+SIGUSR1 or Ctrl-C finish the current step, write a checkpoint, the plot and summary.json,
+then exit with status 75; a second signal exits at once.
+"""
+
+_COMMANDS = {
+    "train": ("GRPO with support-conditioned replay", _TRAIN_EPILOG),
+    "compare": ("the same recipe with replay on and off, from the same seed, plotted together", _RECIPE_HELP),
+    "check": ("validate the recipe (every rule, paths included) and print it resolved", _RECIPE_HELP),
+    "flags": ("every flag with its default and meaning", None),
+    "strategies": ("registered replay strategies", None),
+}
+_TAKES_RECIPE = ("train", "compare", "check")
 
 
 def _split(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -38,32 +68,64 @@ def _load(args: Sequence[str]):
     return load_config(config, overrides)
 
 
+def _resume_hint(command: str, args: Sequence[str], output_dir) -> str:
+    """The command that continues a stopped run: this one, naming its folder if it did not."""
+    again = ["nemo-replay", command, *args]
+    if not any(a.startswith("trainer.output_dir=") for a in args):
+        again.append(f"trainer.output_dir={output_dir}")
+    return shlex.join(again)
+
+
 def _train(args: Sequence[str]) -> int:
     cfg = _load(args)
     from nemo_replay.trainer.grpo import GRPOTrainer
+    from nemo_replay.trainer.preemption import PREEMPTED_EXIT
 
     trainer = GRPOTrainer(cfg)
+    zero = trainer.fabric.is_global_zero
+    if zero and trainer.run_dir.resume is not None:
+        info = trainer.run_dir.resume
+        print(f"nemo-replay train: resuming {trainer.output_dir} after step {info.step} ({info.path.name})", file=sys.stderr)
     result = trainer.fit()
-    if trainer.fabric.is_global_zero:
-        s = result.summary
+    if not zero:
+        return PREEMPTED_EXIT if result.stopped_by else 0
+    s = result.summary
+    if result.stopped_by:
+        done = result.history[-1]["step"] + 1 if result.history else 0
         print(
-            f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} over {s['steps']} steps; "
-            f"max |rollout - trainer| log-prob {s['mismatch_max']:.2e}; "
-            f"first-step max |ratio - 1| {s['first_step_ratio_max_dev']:.2e}\n"
-            f"metrics: {result.output_dir / 'metrics.jsonl'}"
-            + (f"\nplot:    {result.output_dir / 'metrics.png'}" if cfg.trainer.plot else "")
+            f"nemo-replay train: stopped by {result.stopped_by} after {done} of {cfg.trainer.steps} steps; "
+            f"checkpoint {result.last_checkpoint}\nresume with: {_resume_hint('train', args, result.output_dir)}",
+            file=sys.stderr,
         )
+        return PREEMPTED_EXIT
+    print(
+        f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} over {s['steps']} steps; "
+        f"max |rollout - trainer| log-prob {s['mismatch_max']:.2e}; "
+        f"first-step max |ratio - 1| {s['first_step_ratio_max_dev']:.2e}\n"
+        f"metrics: {result.output_dir / 'metrics.jsonl'}"
+        + (f"\nplot:    {result.output_dir / 'metrics.png'}" if cfg.trainer.plot else "")
+    )
     return 0
 
 
 def _compare(args: Sequence[str]) -> int:
     cfg = _load(args)
-    from nemo_replay.trainer.compare import format_summary, run_compare
-
-    result = run_compare(cfg)
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+    from nemo_replay.trainer.compare import format_summary, run_compare
+    from nemo_replay.trainer.preemption import PREEMPTED_EXIT
+
+    result = run_compare(cfg)
+    zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if result.stopped_by:
+        if zero:
+            print(
+                f"nemo-replay compare: stopped by {result.stopped_by}; resume with: "
+                f"{_resume_hint('compare', args, result.output_dir)}",
+                file=sys.stderr,
+            )
+        return PREEMPTED_EXIT
+    if zero:
         print(format_summary(result))
     return 0
 
@@ -98,31 +160,67 @@ def _strategies(args: Sequence[str]) -> int:
 COMMANDS = {"train": _train, "compare": _compare, "check": _check, "flags": _flags, "strategies": _strategies}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``nemo-replay`` console script; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv[1:]):
-        argv = ["--help"]
+def _parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The top-level parser and each command's own (for its usage and errors)."""
     parser = argparse.ArgumentParser(
         prog="nemo-replay", description="Support-conditioned log-prob replay: the main job.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_USAGE,
     )
-    parser.add_argument("command", choices=sorted(COMMANDS), help="what to run")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="[CONFIG] [key=value ...]")
-    ns = parser.parse_args(argv[:1] or ["--help"])
-    from nemo_replay.config.errors import ConfigError
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    commands = {}
+    for name, (summary, epilog) in _COMMANDS.items():
+        cmd = commands[name] = sub.add_parser(
+            name, help=summary, description=summary, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if name in _TAKES_RECIPE:
+            cmd.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]", help="recipe and overrides")
+    return parser, commands
 
-    had_group = _group_initialized()
+
+def _run(command: str, args: list[str]) -> int:
+    """One command, with its errors turned into messages and exit statuses (see the module doc)."""
+    from nemo_replay.config.errors import ConfigError
+    from nemo_replay.trainer.guards import CollectiveError
+
+    debug = bool(os.environ.get("NEMO_REPLAY_DEBUG"))
+    hint = "" if debug else "\n(set NEMO_REPLAY_DEBUG=1 for the traceback)"
     try:
-        return COMMANDS[ns.command](argv[1:])
+        return COMMANDS[command](args)
     except ConfigError as exc:
-        print(f"nemo-replay {ns.command}: {exc}", file=sys.stderr)
+        print(f"nemo-replay {command}: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:  # user-facing: names what was expected and the fix
-        if os.environ.get("NEMO_REPLAY_DEBUG"):
+        if debug:
             raise
-        print(f"nemo-replay {ns.command}: {exc}\n(set NEMO_REPLAY_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(f"nemo-replay {command}: {exc}{hint}", file=sys.stderr)
         return 2
+    except CollectiveError as exc:
+        if debug:
+            raise
+        print(f"nemo-replay {command}: {exc}{hint}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the loop installed its handlers (model building, ...)
+        print(f"nemo-replay {command}: interrupted before the first step; nothing to resume", file=sys.stderr)
+        return 130
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``nemo-replay`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, commands = _parser()
+    try:
+        ns, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the command's own parser, with its usage
+            (commands[ns.command] if ns.command else parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help (0) or a usage error (2, the message already printed)
+        return int(exc.code or 0)
+    if ns.command is None:
+        parser.print_usage(sys.stderr)
+        print("nemo-replay: error: a command is required (train, compare, check, flags, strategies)", file=sys.stderr)
+        return 2
+    had_group = _group_initialized()
+    try:
+        return _run(ns.command, list(getattr(ns, "args", [])))
     finally:
         # A process group this command created (torchrun, trainer.devices > 1) is torn down
         # here: left to interpreter exit, gloo's threads can abort the process.

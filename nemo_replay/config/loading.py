@@ -78,6 +78,12 @@ def read_recipe(path: str | os.PathLike, _stack: tuple[Path, ...] = ()) -> DictC
         raise ConfigError([f"cannot parse {file}: {exc}"]) from exc
     if not isinstance(node, DictConfig):
         raise ConfigError([f"{file} must hold a mapping of flags at the top level, got {type(node).__name__}"])
+    if len(node) == 0:
+        # An empty file (or one of comments only) is almost always a wrong path or a lost edit.
+        raise ConfigError([
+            f"recipe file {file} is empty (no flags, no defaults); write flags into it, start it with "
+            f"'defaults: [pkg://default]' to inherit the embedded recipe, or leave CONFIG out to run that recipe"
+        ])
     defaults = node.pop("defaults", None) if "defaults" in node else None
     if defaults is None:
         return node

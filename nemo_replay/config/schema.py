@@ -118,9 +118,9 @@ class ModelConfig:
     """The policy model. Built from these fields with random weights unless ``pretrained``."""
 
     pretrained: Optional[str] = None
-    """Local path of a Hugging Face checkpoint (fsdp strategy only; its own sizes replace the
-    ones below, ``vocab_size`` must match). null builds the model from the fields below: no
-    download."""
+    """Local directory of a Hugging Face checkpoint (config.json and weights; fsdp strategy
+    only; its own sizes replace the ones below, ``vocab_size`` must match). Hub ids are not
+    downloaded. null builds the model from the fields below."""
     vocab_size: int = 32
     """Vocabulary size V."""
     hidden_size: int = 64
@@ -206,7 +206,7 @@ class TrainerConfig:
     """Old-policy log-probs of the PPO ratio: ``recompute`` (a trainer forward before the
     update) or ``rollout`` (the sampler's recorded log-probs)."""
     seed: int = 1234
-    """Seeds weights, prompts and sampling; equal seeds give equal runs."""
+    """Seeds weights, prompts and sampling, in [0, 2**32 - 1]; equal seeds give equal runs."""
     accelerator: str = "auto"
     """``cpu``, ``gpu`` or ``auto`` (GPU when CUDA is available)."""
     devices: int = 1
@@ -216,7 +216,24 @@ class TrainerConfig:
     num_threads: Optional[int] = None
     """CPU threads per process (torch.set_num_threads); null keeps torch's choice."""
     output_dir: Optional[str] = None
-    """Where metrics.jsonl and metrics.png go; null: runs/<time>-<strategy>-replay-<on|off>."""
+    """The run's folder (config.yaml, metrics.jsonl, metrics.png, summary.json, checkpoints/).
+    null: a new folder runs/<time>-<strategy>-replay-<on|off>[-<slurm job>], never one that
+    exists. Name a folder to be able to resume: the same command continues the run there."""
+    resume: str = "auto"
+    """What a ``trainer.output_dir`` that already holds a run means. ``auto``: continue from
+    its latest complete checkpoint (refused when it has none, or when the recipe differs in
+    more than the loop's length and logging). ``never``: refuse a folder that holds a run.
+    ``must``: refuse to start unless there is a checkpoint to continue from."""
+    checkpoint_every: int = 50
+    """Write a checkpoint every this many steps and after the last one (model, optimizer,
+    every RNG state, data position, metrics so far). 0: only when a stop signal arrives."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept; an older one is deleted once a newer one is complete.
+    0 keeps every checkpoint."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective (all-reduce, all-gather, barrier, ...) waits for every rank. A rank
+    that stopped or hangs makes the others fail after this long with an error naming the
+    collective, instead of waiting forever. Applies to the process groups the run creates."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
     plot: bool = True

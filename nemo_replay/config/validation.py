@@ -16,7 +16,13 @@ value it holds and the fix; :func:`validate` raises them together as one
 - the rollout engine: ``generation.engine`` one the strategy's model backend offers (``hf``
   needs Hugging Face models: the fsdp strategy; megatron samples with ``trainer``), and
   ``generation.dtype`` only for the ``hf`` engine;
-- plain range checks on the loop and model sizes.
+- plain range checks on the loop and model sizes;
+- every number finite: a NaN or an infinity in any float flag is refused (``trainer.kl_coef=nan``
+  would silently switch the KL term off), and reported once, not again by its range check;
+- the long-run flags: the seed's range, ``trainer.resume``, checkpoint cadence and the
+  collective timeout;
+- paths (:mod:`nemo_replay.config.paths`): ``model.pretrained`` must be a local checkpoint
+  folder, ``trainer.output_dir`` must not be (or be under) a file.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import os
 from typing import Optional
 
 from nemo_replay.config.errors import ConfigError
-from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.config.paths import output_dir_problem, pretrained_problem
+from nemo_replay.config.schema import RecipeConfig, flag_docs
 
 __all__ = ["collect_problems", "validate", "resolve_world_size", "model_parallel_size", "rollout_engines", "resolve_engine"]
 
@@ -35,6 +42,9 @@ _OLD_LOGPROBS = ("recompute", "rollout")
 _ACCELERATORS = ("cpu", "gpu", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
 _ENGINES = ("auto", "hf", "trainer")
+_RESUME = ("auto", "never", "must")
+LR_MAX = 1e30
+SEED_MAX = 2**32 - 1  # numpy's seed range, which Fabric's seed_everything enforces
 
 
 def resolve_world_size(cfg: RecipeConfig, world_size: Optional[int] = None) -> int:
@@ -266,8 +276,8 @@ def _loop(cfg: RecipeConfig, out: list[str]) -> None:
             f"trainer.group_size={tr.group_size}: GRPO advantages compare responses to the same prompt, so a "
             f"group needs at least 2; set trainer.group_size >= 2"
         )
-    if not tr.lr > 0:
-        out.append(f"trainer.lr={tr.lr} must be > 0")
+    if not 0 < tr.lr <= LR_MAX:
+        out.append(f"trainer.lr={tr.lr} must be in (0, {LR_MAX:g}] (larger steps overflow the float32 optimizer update)")
     if not tr.clip_eps > 0:
         out.append(f"trainer.clip_eps={tr.clip_eps} must be > 0")
     for name, zero in (("kl_coef", "keeps KL as a diagnostic only"), ("weight_decay", "disables it"), ("grad_clip", "disables clipping")):
@@ -295,6 +305,39 @@ def _loop(cfg: RecipeConfig, out: list[str]) -> None:
         )
 
 
+def _long_run(cfg: RecipeConfig, out: list[str]) -> None:
+    tr = cfg.trainer
+    if not 0 <= tr.seed <= SEED_MAX:
+        out.append(f"trainer.seed={tr.seed} must be in [0, {SEED_MAX}] (numpy's seed range); pick a seed in that range")
+    if tr.resume not in _RESUME:
+        out.append(f"trainer.resume={tr.resume!r} must be one of {', '.join(_RESUME)}")
+    elif tr.resume == "must" and tr.output_dir is None:
+        out.append(
+            "trainer.resume=must needs trainer.output_dir: the folder of the run to continue "
+            "(trainer.output_dir=null always starts a new folder)"
+        )
+    for name, zero in (("checkpoint_every", "checkpoints only on a stop signal"), ("keep_checkpoints", "keeps every checkpoint")):
+        if getattr(tr, name) < 0:
+            out.append(f"trainer.{name}={getattr(tr, name)} must be >= 0 (0 {zero})")
+    if not tr.collective_timeout_s > 0:
+        out.append(f"trainer.collective_timeout_s={tr.collective_timeout_s} must be > 0 (seconds; e.g. 300)")
+    for problem in (pretrained_problem(cfg.model.pretrained), output_dir_problem(tr.output_dir)):
+        if problem:
+            out.append(problem)
+
+
+def _non_finite(cfg: RecipeConfig) -> list[str]:
+    """The dotted paths of float flags holding NaN or an infinity."""
+    bad = []
+    for path, _, _ in flag_docs():
+        node = cfg
+        for part in path.split("."):
+            node = getattr(node, part)
+        if isinstance(node, float) and not math.isfinite(node):
+            bad.append(path)
+    return bad
+
+
 def collect_problems(cfg: RecipeConfig, world_size: Optional[int] = None) -> list[str]:
     """Every violated rule of ``cfg`` for a run of ``world_size`` processes (see module doc)."""
     out: list[str] = []
@@ -305,6 +348,16 @@ def collect_problems(cfg: RecipeConfig, world_size: Optional[int] = None) -> lis
     _parallel(cfg, world, out)
     _model(cfg, out)
     _loop(cfg, out)
+    _long_run(cfg, out)
+    bad = _non_finite(cfg)
+    if bad:
+        # A range check may also have tripped on the value (nan > 0 is False): one line per flag.
+        out = [p for p in out if not any(p.startswith(f"{path}=") for path in bad)]
+        for path in bad:
+            node = cfg
+            for part in path.split("."):
+                node = getattr(node, part)
+            out.insert(0, f"{path}={node} must be a finite number (NaN and infinity are refused); set a finite value")
     return out
 
 

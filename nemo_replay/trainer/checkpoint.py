@@ -41,6 +41,7 @@ import re
 import secrets
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -317,10 +318,10 @@ class Checkpointer:
             manifest = {"step": step, "world_size": world, "format": fmt.name, "config": self.config, "written": time.time()}
             _write_durable(partial / MANIFEST, json.dumps(manifest, indent=1))
             if final.exists():
-                raise ValueError(
-                    f"checkpoint {final} already exists; this run resumed before it and would replace it. "
-                    f"Move it away to keep it, then resume again"
-                )
+                # Not ours to delete (a folder left by hand or by an interrupted prune): moved aside.
+                aside = final.with_name(f".replaced-{final.name}-{token}")
+                warnings.warn(f"{final} existed before this checkpoint; moved to {aside.name}")
+                os.rename(final, aside)
             os.rename(partial, final)
             _fsync_dir(self.root)
             self._prune()

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -29,6 +27,7 @@ from nemo_replay.config.schema import RecipeConfig
 from nemo_replay.config.validation import resolve_engine
 from nemo_replay.trainer.grpo import GRPOTrainer, RunResult
 from nemo_replay.trainer.metrics import plot_runs
+from nemo_replay.trainer.rundir import default_run_name, new_run_dir
 from nemo_replay.trainer.runtime import launch_fabric
 
 __all__ = ["CompareResult", "run_compare", "format_summary", "effects", "effects_line"]
@@ -36,11 +35,16 @@ __all__ = ["CompareResult", "run_compare", "format_summary", "effects", "effects
 
 @dataclass
 class CompareResult:
-    """Both runs and where the comparison went."""
+    """Both runs and where the comparison went.
+
+    ``stopped_by`` names the signal that stopped the comparison early (then the run it
+    stopped holds a checkpoint, and ``replay_off`` is None when replay on was stopped).
+    """
 
     output_dir: Path
     replay_on: RunResult
-    replay_off: RunResult
+    replay_off: Optional[RunResult]
+    stopped_by: Optional[str] = None
     effects: Optional[dict] = None
 
 
@@ -88,14 +92,18 @@ def run_compare(cfg: RecipeConfig) -> CompareResult:
     """Run ``cfg`` with replay on, then off; plot both; write summary.json on rank 0."""
     fabric = launch_fabric(cfg)
     if cfg.trainer.output_dir:
-        root = cfg.trainer.output_dir
+        root = cfg.trainer.output_dir  # a named root: each half resumes like any named run
+    elif fabric.is_global_zero:
+        root = str(new_run_dir(Path("runs"), default_run_name(cfg, kind="compare")))  # unique, never reused
     else:
-        root = os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.replay.strategy}-compare")
+        root = None
     root = Path(fabric.broadcast(root, src=0) if fabric.world_size > 1 else root)
     results = {}
     for enabled in (True, False):
         run_cfg = _with_replay(cfg, enabled, root)
         results[enabled] = GRPOTrainer(run_cfg, fabric=fabric).fit()
+        if results[enabled].stopped_by:  # a stop signal: the same command resumes where it left off
+            return CompareResult(root, results[True], results.get(False), stopped_by=results[enabled].stopped_by)
     out = CompareResult(root, results[True], results[False], effects=effects(cfg, results[True], results[False]))
     if fabric.is_global_zero:
         fx = out.effects

@@ -45,8 +45,12 @@ from nemo_replay.strategies.base import RoleSettings, policy_loss
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings, generate
-from nemo_replay.trainer.metrics import JsonlLogger, plot_runs
-from nemo_replay.trainer.runtime import choose_output_dir, launch_fabric, make_backend, seed_all
+from nemo_replay.trainer.checkpoint import CHECKPOINTS, Checkpointer, capture_rank_rng, restore_rank_rng
+from nemo_replay.trainer.guards import check_update, collective_failure, diverged_rollout
+from nemo_replay.trainer.metrics import JsonlLogger, plot_runs, restore_rows, write_summary
+from nemo_replay.trainer.preemption import StopSignals
+from nemo_replay.trainer.rundir import prepare_run_dir
+from nemo_replay.trainer.runtime import launch_fabric, make_backend, seed_all
 from nemo_replay.tasks import build_task
 
 __all__ = ["GRPOTrainer", "RunResult", "role_settings", "sampling_settings", "split_batch"]
@@ -57,14 +61,22 @@ class RunResult:
     """What a finished run leaves behind.
 
     Attributes:
-        output_dir: folder with ``metrics.jsonl``, ``config.yaml`` and ``metrics.png``.
-        history: the per-step metrics (the rows of ``metrics.jsonl``), on every rank.
+        output_dir: folder with ``metrics.jsonl``, ``config.yaml``, ``metrics.png``,
+            ``summary.json`` and ``checkpoints/``.
+        history: the per-step metrics (the rows of ``metrics.jsonl``), on every rank; a
+            resumed run's history starts at step 0 (the checkpoint carries the earlier rows).
         summary: reward at the start and end of the run, worst mismatch and ratio.
+        stopped_by: the signal that stopped the run early (``SIGTERM``, ...), else None.
+        last_checkpoint: the newest complete checkpoint of the run, if any.
+        first_step: the step this process started at (> 0 after a resume).
     """
 
     output_dir: Path
     history: list
     summary: dict
+    stopped_by: Optional[str] = None
+    last_checkpoint: Optional[Path] = None
+    first_step: int = 0
 
 
 def role_settings(cfg: RecipeConfig) -> RoleSettings:
@@ -109,6 +121,9 @@ class GRPOTrainer:
     def __init__(self, cfg: RecipeConfig, *, backend=None, fabric=None, output_suffix: str = ""):
         self.cfg = cfg
         self.fabric = fabric or launch_fabric(cfg)
+        # Before any model is built: a folder that cannot be used fails in seconds.
+        self.run_dir = prepare_run_dir(cfg, self.fabric, output_suffix)
+        self.output_dir = self.run_dir.path
         seed_all(cfg.trainer.seed, self.fabric)
         self.device = self.fabric.device
         self.backend = backend or make_backend(cfg, self.fabric)
@@ -135,11 +150,35 @@ class GRPOTrainer:
         self.prompt_rng = torch.Generator().manual_seed(seed)
         self.sample_rng = torch.Generator(device=self.device).manual_seed(seed + 17)
         self.prompts_per_rank = cfg.trainer.prompts_per_step // self.backend.dp_size
-        self.output_dir = choose_output_dir(cfg, self.fabric, output_suffix)
         self.logger = JsonlLogger(self.output_dir)
-        if self.fabric.is_global_zero:
+        self.checkpoints = Checkpointer(
+            self.output_dir / CHECKPOINTS, self.fabric, every=cfg.trainer.checkpoint_every,
+            keep=cfg.trainer.keep_checkpoints, config=to_yaml(cfg),
+        )
+        self.start_step, self.history, self.current_step = 0, [], 0
+        if self.run_dir.resume is not None:
+            self._resume()
+        elif self.fabric.is_global_zero:
             (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
-            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _generators(self) -> dict:
+        """The trainer's own RNGs: prompt order (the data position) and sampling."""
+        return {"prompt": self.prompt_rng, "sample": self.sample_rng}
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Checkpoint steps ``0..step`` (collective; see :mod:`nemo_replay.trainer.checkpoint`)."""
+        rank_state = {"rng": capture_rank_rng(self._generators())}
+        return self.checkpoints.save(step, self.policy, self.optimizer, history=self.history, rank_state=rank_state)
+
+    def _resume(self) -> None:
+        """Weights, optimizer, RNGs and metrics from the run folder's latest checkpoint."""
+        info = self.run_dir.resume
+        self.history, rank_state = self.checkpoints.load(info, self.policy, self.optimizer)
+        restore_rank_rng(rank_state["rng"], self._generators())
+        self.start_step = info.step + 1
+        if self.fabric.is_global_zero:
+            restore_rows(self.logger.path, self.history)
 
     # ------------------------------------------------------------------ one step
     def rollout(self) -> tuple[ReplayBatch, torch.Tensor]:
@@ -191,6 +230,10 @@ class GRPOTrainer:
             outs = self.strategy.run_role("policy", self.policy, group, self.settings, loss_fn=self.objective)
             self.backend.finish_gradients(self.policy)
             norm = self.backend.clip_gradients(self.policy, self.cfg.trainer.grad_clip)
+            check_update(
+                self.cfg, step=self.current_step, minibatch=k, grad_norm=norm, last_checkpoint=self.checkpoints.last,
+                losses=[float(o.loss) for o in outs if o.loss is not None], device=self._flag_device(),
+            )
             self.optimizer.step()
             stats.add_mean("grad_norm", norm, 1)
             for mb, out in zip(group, outs):
@@ -200,7 +243,13 @@ class GRPOTrainer:
         """One GRPO iteration; returns the metrics reduced over every rank."""
         start = time.perf_counter()
         stats = StepStats()
-        batch, rewards = self.rollout()
+        try:
+            batch, rewards = self.rollout()
+        except ValueError as exc:
+            diverged = diverged_rollout(self.cfg, exc, step=self.current_step, model=self.policy, last_checkpoint=self.checkpoints.last)
+            if diverged is None:
+                raise
+            raise diverged from exc
         stats.add_mean("reward", float(rewards.sum()), rewards.numel())
         stats.add_mean("response_len", float(batch.response_lengths.sum()), batch.batch_size)
         # Minibatches (one optimizer step each) of micro-batches (one forward each).
@@ -212,34 +261,72 @@ class GRPOTrainer:
         return stats.reduce(device=self.device if self.device.type == "cuda" else None)
 
     # ------------------------------------------------------------------ the run
+    def _flag_device(self) -> Optional[torch.device]:
+        """Where one-off flag tensors for a collective live: the GPU under NCCL, else the CPU."""
+        return self.device if self.device.type == "cuda" else None
+
     def fit(self) -> RunResult:
-        """Run ``trainer.steps`` steps; write metrics.jsonl (and metrics.png); return the result."""
-        history = []
-        bar = _progress(self.cfg, self.fabric)
-        for i in range(self.cfg.trainer.steps):
-            metrics = self.step()
-            history.append({"step": i, **metrics})
-            self.logger.log_metrics(metrics, step=i)
+        """Run steps ``start_step .. trainer.steps - 1``: checkpoints, stop signals, metrics, plot, summary.
+
+        Phases: the loop (:meth:`_loop`), then the report (:meth:`_finish`). A stop signal
+        ends the loop after the step in flight, with a checkpoint (:mod:`.preemption`).
+        """
+        signals = StopSignals(announce=self.fabric.is_global_zero)
+        with signals:
+            stopped_by = self._loop(signals)
+        return self._finish(stopped_by)
+
+    def _loop(self, signals: StopSignals) -> Optional[str]:
+        """The steps; returns the stop signal's name when one ended the loop early."""
+        steps = self.cfg.trainer.steps
+        bar = _progress(self.cfg, self.fabric, initial=min(self.start_step, steps))
+        try:
+            for i in range(self.start_step, steps):
+                self.current_step = i
+                try:
+                    metrics = self.step()
+                    self.history.append({"step": i, **metrics})
+                    self.logger.log_metrics(metrics, step=i)
+                    stopped_by = signals.agreed(self._flag_device())
+                    if self.checkpoints.due(i, last=i == steps - 1, stopping=stopped_by is not None):
+                        self.save_checkpoint(i)
+                except RuntimeError as exc:
+                    failure = collective_failure(
+                        exc, step=i, timeout_s=self.cfg.trainer.collective_timeout_s, last_checkpoint=self.checkpoints.last
+                    )
+                    if failure is None:
+                        raise
+                    raise failure from exc
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{metrics['reward']:.3f}", mismatch=f"{metrics['mismatch_max']:.1e}",
+                        kl=f"{metrics.get('kl', float('nan')):.1e}",
+                    )
+                if stopped_by is not None:
+                    return stopped_by
+            return None
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(
-                    reward=f"{metrics['reward']:.3f}", mismatch=f"{metrics['mismatch_max']:.1e}",
-                    kl=f"{metrics.get('kl', float('nan')):.1e}",
-                )
-        if bar is not None:
-            bar.close()
-        summary = summarize(history)
-        if self.fabric.is_global_zero and self.cfg.trainer.plot:
-            label = f"replay {'on' if self.cfg.replay.enabled else 'off'}"
-            plot_runs([(label, history)], self.output_dir / "metrics.png", title=f"{self.cfg.replay.strategy}, {label}")
+                bar.close()
+
+    def _finish(self, stopped_by: Optional[str]) -> RunResult:
+        """Plot and summary.json (rank 0), release the folder; the result on every rank."""
+        summary = summarize(self.history)
+        if self.fabric.is_global_zero:
+            if self.cfg.trainer.plot and self.history:
+                label = f"replay {'on' if self.cfg.replay.enabled else 'off'}"
+                plot_runs([(label, self.history)], self.output_dir / "metrics.png", title=f"{self.cfg.replay.strategy}, {label}")
+            write_summary(self.output_dir / "summary.json", dict(summary, stopped_by=stopped_by, first_step=self.start_step))
         self.fabric.barrier()
-        return RunResult(self.output_dir, history, summary)
+        self.run_dir.release()
+        return RunResult(self.output_dir, self.history, summary, stopped_by, self.checkpoints.last, self.start_step)
 
 
 def summarize(history: list[dict]) -> dict:
     """Reward over the first and last tenth of the run, worst mismatch and first-step ratio."""
     n = max(1, len(history) // 10)
-    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows) if rows else float("nan")  # noqa: E731
     finite = lambda k: [r[k] for r in history if r.get(k) is not None and math.isfinite(r[k])]  # noqa: E731
     return {
         "steps": len(history),
@@ -252,10 +339,13 @@ def summarize(history: list[dict]) -> dict:
     }
 
 
-def _progress(cfg: RecipeConfig, fabric) -> Optional[object]:
+def _progress(cfg: RecipeConfig, fabric, initial: int = 0) -> Optional[object]:
     if not (cfg.trainer.progress_bar and fabric.is_global_zero):
         return None
     from tqdm import tqdm
 
     mode = "on" if cfg.replay.enabled else "off"
-    return tqdm(total=cfg.trainer.steps, desc=f"GRPO {cfg.replay.strategy} replay-{mode}", unit="step", dynamic_ncols=True)
+    return tqdm(
+        total=cfg.trainer.steps, initial=initial, desc=f"GRPO {cfg.replay.strategy} replay-{mode}", unit="step",
+        dynamic_ncols=True,
+    )

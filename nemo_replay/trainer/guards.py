@@ -98,8 +98,10 @@ def diverged_rollout(cfg, exc: Exception, *, step: int, model, last_checkpoint: 
     if "nan" not in text and "inf" not in text:
         return None
     with torch.no_grad():
-        peak = max((float(p.detach().abs().max()) for p in model.parameters() if p.numel()), default=0.0)
-    weights = "are not finite" if not math.isfinite(peak) else f"reach |w| = {peak:.3g}"
+        # This rank's shards only (DTensor.to_local): other ranks may not be here to reduce with.
+        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
+        peak = max((float(t.abs().max()) for t in local if t.numel()), default=0.0)
+    weights = "are not finite" if not math.isfinite(peak) else f"reach |w| = {peak:.3g} (this rank's shards)"
     where = f"a resume starts from {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"
     first = str(exc).strip().splitlines()[0]
     return NonFiniteError(

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from nemo_replay.config.schema import RecipeConfig
 from nemo_replay.layout.canonical import position_ids
+from nemo_replay.trainer.runtime import collective_timeout
 
 __all__ = ["HFBackend", "build_hf_model"]
 
@@ -88,7 +89,7 @@ class HFBackend:
         if sp > 1:
             # Every rank creates every group (new_group is collective), keeps its own.
             for start in range(0, world, sp):
-                group = dist.new_group(list(range(start, start + sp)))
+                group = dist.new_group(list(range(start, start + sp)), timeout=collective_timeout(cfg))
                 if start <= rank < start + sp:
                     self.sp_group = group
         self.dp_size = world // sp

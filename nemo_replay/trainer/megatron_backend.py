@@ -77,6 +77,8 @@ class MegatronBackend:
                 tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
                 context_parallel_size=p.context, expert_model_parallel_size=p.expert,
                 create_gloo_process_groups=False,
+                # megatron-core builds its timedelta from minutes; fractions are kept.
+                distributed_timeout_minutes=cfg.trainer.collective_timeout_s / 60,
             )
         self._read_groups()
         self.vocab_size = cfg.model.vocab_size

@@ -4,6 +4,11 @@
 "mismatch_mean": 2.1e-07, ...}``); non-finite values are written as ``null`` so every line
 is strict JSON. :func:`plot_runs` draws the main diagnostics of one or more runs (the
 compare mode overlays replay on and off) on a log scale where they span decades.
+
+A resumed run continues the same file: :func:`restore_rows` sets it to the rows its
+checkpoint holds; rows of steps after the checkpoint (a run killed before it could write
+the next one) are moved to ``metrics.after-step-<n>-<time>.jsonl``, never dropped.
+:func:`write_summary` writes ``summary.json`` atomically.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from argparse import Namespace
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -18,7 +24,7 @@ from typing import Any, Optional, Sequence, Union
 from lightning.fabric.loggers import Logger
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-__all__ = ["JsonlLogger", "read_jsonl", "plot_runs", "PLOTTED"]
+__all__ = ["JsonlLogger", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "PLOTTED"]
 
 # (metric, title, log scale) in plot order.
 PLOTTED = (
@@ -88,6 +94,44 @@ def read_jsonl(path: Union[str, os.PathLike]) -> list[dict]:
     """The rows of a metrics file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _row_text(row: dict) -> str:
+    return json.dumps({k: _clean(v) for k, v in row.items()})
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def restore_rows(path: Union[str, os.PathLike], rows: Sequence[dict]) -> Optional[Path]:
+    """Make ``path`` hold exactly ``rows`` (a checkpoint's history) before a resumed run appends.
+
+    Rows already there past the last of ``rows`` are kept in a side file next to it, whose
+    path is returned (None when there were none).
+    """
+    path = Path(path)
+    existing = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    last = rows[-1]["step"] if rows else -1
+    extra = [line for line in existing if line.strip() and json.loads(line).get("step", -1) > last]
+    side = None
+    if extra:
+        side = path.with_name(f"{path.stem}.after-step-{last}-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+        _write_atomic(side, "".join(extra))
+    _write_atomic(path, "".join(_row_text(r) + "\n" for r in rows))
+    return side
+
+
+def write_summary(path: Union[str, os.PathLike], summary: dict) -> Path:
+    """``summary.json`` (non-finite values as null), written atomically."""
+    path = Path(path)
+    _write_atomic(path, json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
+    return path
 
 
 def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], out_png: Union[str, os.PathLike], title: str = "") -> Path:

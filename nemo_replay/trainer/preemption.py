@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -62,7 +63,11 @@ class StopSignals:
         self._previous.clear()
 
     def __enter__(self) -> "StopSignals":
-        self.install()
+        if not self.install():
+            warnings.warn(
+                "the run is not on the main thread, where Python handles signals: SIGTERM, SIGUSR1 and Ctrl-C "
+                "end it without a checkpoint (run fit() on the main thread to stop between steps)"
+            )
         return self
 
     def __exit__(self, *exc) -> None:

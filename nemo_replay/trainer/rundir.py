@@ -151,6 +151,11 @@ def _named(cfg: RecipeConfig, world_size: int) -> RunDir:
     if problem:
         raise ValueError(problem)
     path = Path(os.path.expanduser(cfg.trainer.output_dir))
+    if cfg.trainer.resume == "must" and not path.exists():
+        raise ValueError(
+            f"trainer.resume=must but trainer.output_dir={str(path)!r} does not exist; name the folder of the run "
+            f"to continue, or set trainer.resume=auto to start a run there"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

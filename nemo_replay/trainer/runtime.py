@@ -11,13 +11,20 @@ Three ways to start, one code path:
 
 A process group (gloo on CPU, nccl on GPU) exists whenever the world has more than one
 rank or the strategy's spec says it needs one (megatron-core does even for a single rank).
+It is launched through Fabric's ``ModelParallelStrategy``, whose ``save`` / ``load`` write
+FSDP2 (DTensor) models as sharded torch distributed checkpoints
+(:mod:`nemo_replay.trainer.checkpoint`); the trainer applies its own parallelism, so the
+strategy's ``parallelize_fn`` is never called.
+
+Collective timeout. A group the run creates waits ``trainer.collective_timeout_s`` for a
+collective before failing (:func:`collective_timeout`); the backends' subgroups take the
+same value. A group the caller initialised keeps the timeout it was created with.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from pathlib import Path
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,7 +32,12 @@ import torch.distributed as dist
 from nemo_replay.config.schema import RecipeConfig
 from nemo_replay.strategies.registry import get_strategy
 
-__all__ = ["launch_fabric", "make_backend", "choose_output_dir", "process_counts", "seed_all"]
+__all__ = ["launch_fabric", "make_backend", "process_counts", "seed_all", "collective_timeout"]
+
+
+def collective_timeout(cfg: RecipeConfig) -> timedelta:
+    """``trainer.collective_timeout_s`` as the ``timeout`` of ``init_process_group`` / ``new_group``."""
+    return timedelta(seconds=float(cfg.trainer.collective_timeout_s))
 
 
 def process_counts(cfg: RecipeConfig) -> tuple[int, int]:
@@ -49,13 +61,17 @@ def _accelerator(cfg: RecipeConfig) -> str:
 def launch_fabric(cfg: RecipeConfig):
     """A launched :class:`lightning.fabric.Fabric` for ``cfg`` (see the module doc)."""
     from lightning.fabric import Fabric
-    from lightning.fabric.strategies import DDPStrategy
+    from lightning.fabric.strategies import ModelParallelStrategy
 
     accelerator = _accelerator(cfg)
     devices, num_nodes = process_counts(cfg)
     needs_group = devices * num_nodes > 1 or get_strategy(cfg.replay.strategy).needs_process_group
     if needs_group:
-        strategy = DDPStrategy(process_group_backend="nccl" if accelerator == "cuda" else "gloo")
+        strategy = ModelParallelStrategy(
+            parallelize_fn=_parallelized_by_the_backend,
+            process_group_backend="nccl" if accelerator == "cuda" else "gloo",
+            timeout=collective_timeout(cfg),
+        )
     else:
         strategy = "auto"
     if cfg.trainer.num_threads and accelerator == "cpu":
@@ -65,26 +81,16 @@ def launch_fabric(cfg: RecipeConfig):
     return fabric
 
 
+def _parallelized_by_the_backend(module, device_mesh):
+    """Fabric's ``parallelize_fn``: the backends shard their models themselves (never called)."""
+    return module
+
+
 def make_backend(cfg: RecipeConfig, fabric):
     """The model side of ``replay.strategy``: the backend class its spec names (``StrategySpec.trainer_backend``)."""
     distributed = dist.is_available() and dist.is_initialized()
     backend = get_strategy(cfg.replay.strategy).load_trainer_backend()
     return backend(cfg, fabric.device, distributed)
-
-
-def choose_output_dir(cfg: RecipeConfig, fabric, suffix: str = "") -> Path:
-    """``trainer.output_dir``, or ``runs/<time>-<strategy>-replay-<on|off>``; the same on every rank."""
-    if cfg.trainer.output_dir:
-        path = cfg.trainer.output_dir
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        mode = "on" if cfg.replay.enabled else "off"
-        path = os.path.join("runs", f"{stamp}-{cfg.replay.strategy}-replay-{mode}{suffix}")
-    path = fabric.broadcast(path, src=0) if fabric.world_size > 1 else path
-    out = Path(path)
-    if fabric.is_global_zero:
-        out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def seed_all(seed: int, fabric) -> None:

@@ -97,6 +97,26 @@ RULES = [
     (["replay.strategy=megatron", "replay.route_replay=true"], 1, "replay.route_replay=true needs an MoE model (model.num_experts=0)"),
     (["trainer.prompts_per_step=3"], 2, "does not split over 2 data-parallel ranks"),
     (["trainer.grad_clip=-1"], 1, "trainer.grad_clip=-1.0 must be >= 0"),
+    # Every float flag refuses NaN and infinity, once (not again by its range check).
+    (["trainer.kl_coef=nan"], 1, "trainer.kl_coef=nan must be a finite number"),
+    (["trainer.grad_clip=nan"], 1, "trainer.grad_clip=nan must be a finite number"),
+    (["trainer.lr=inf"], 1, "trainer.lr=inf must be a finite number"),
+    (["trainer.weight_decay=nan"], 1, "trainer.weight_decay=nan must be a finite number"),
+    (["trainer.clip_eps=inf"], 1, "trainer.clip_eps=inf must be a finite number"),
+    (["trainer.collective_timeout_s=-inf"], 1, "trainer.collective_timeout_s=-inf must be a finite number"),
+    (["generation.top_p=nan"], 1, "generation.top_p=nan must be a finite number"),
+    (["generation.temperature=inf"], 1, "generation.temperature=inf must be a finite number"),
+    (["trainer.lr=1e38"], 1, "trainer.lr=1e+38 must be in (0, 1e+30]"),
+    # The long-run flags.
+    (["trainer.seed=-1"], 1, "trainer.seed=-1 must be in [0, 4294967295]"),
+    (["trainer.seed=4294967296"], 1, "trainer.seed=4294967296 must be in [0, 4294967295]"),
+    (["trainer.resume=sometimes"], 1, "trainer.resume='sometimes' must be one of auto, never, must"),
+    (["trainer.resume=must"], 1, "trainer.resume=must needs trainer.output_dir"),
+    (["trainer.checkpoint_every=-1"], 1, "trainer.checkpoint_every=-1 must be >= 0"),
+    (["trainer.keep_checkpoints=-2"], 1, "trainer.keep_checkpoints=-2 must be >= 0"),
+    (["trainer.collective_timeout_s=0"], 1, "trainer.collective_timeout_s=0.0 must be > 0"),
+    (["model.pretrained=/nonexistent/llama"], 1, "model.pretrained='/nonexistent/llama': nothing exists at that path"),
+    (["model.pretrained=meta-llama/Llama-3.1-8B"], 1, "nothing exists at that path (relative to the working directory"),
 ]
 
 
@@ -135,12 +155,55 @@ def test_one_error_lists_every_problem():
     assert len(err.problems) >= len(flags)
 
 
+def _checkpoint_folder(path: Path, *, weights: bool = True, config: str = "{}") -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(config)
+    if weights:
+        (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_paths_are_checked_naming_what_is_there(tmp_path):
+    """model.pretrained must be a local checkpoint folder, trainer.output_dir must not be a file."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "holder").mkdir()
+    (tmp_path / "holder" / "weights.bin").write_bytes(b"")
+    (tmp_path / "holder" / "readme.txt").write_text("x")
+    cases = [
+        ([f"model.pretrained={a_file}"], f"model.pretrained='{a_file}' is a file, not a checkpoint folder"),
+        ([f"model.pretrained={tmp_path / 'empty'}"], "is a folder without config.json (it is empty)"),
+        ([f"model.pretrained={tmp_path / 'holder'}"], "is a folder without config.json (it holds readme.txt, weights.bin)"),
+        ([f"model.pretrained={_checkpoint_folder(tmp_path / 'noweights', weights=False)}"], "has config.json but no weights"),
+        ([f"model.pretrained={_checkpoint_folder(tmp_path / 'badjson', config='{oops')}"], "config.json is not valid JSON"),
+        ([f"trainer.output_dir={a_file}"], f"trainer.output_dir='{a_file}' is a file, not a folder"),
+        ([f"trainer.output_dir={a_file}/run"], f"is under '{a_file}', which is a file"),
+    ]
+    for overrides, expected in cases:
+        with pytest.raises(ConfigError) as info:
+            load_config(overrides=overrides)
+        assert len(info.value.problems) == 1, info.value.problems
+        assert expected in info.value.problems[0], info.value.problems[0]
+        assert "model.pretrained=null" in info.value.problems[0] or "trainer.output_dir=null" in info.value.problems[0]
+    good = _checkpoint_folder(tmp_path / "llama")
+    assert load_config(overrides=[f"model.pretrained={good}", f"trainer.output_dir={tmp_path / 'new' / 'run'}"])
+
+
+def test_empty_recipe_is_an_error(tmp_path):
+    for text in ("", "# comments only\n"):
+        (tmp_path / "empty.yaml").write_text(text)
+        with pytest.raises(ConfigError, match="is empty .*defaults: \\[pkg://default\\]"):
+            load_config(tmp_path / "empty.yaml")
+
+
 def test_every_flag_is_documented_and_yaml_round_trips(tmp_path):
     docs = flag_docs()
     assert len(docs) > 40
     undocumented = [path for path, _, doc in docs if not doc]
     assert not undocumented
-    cfg = load_config(overrides=["trainer.steps=11", "generation.top_p=0.8", "model.pretrained=/x"])
+    ckpt = _checkpoint_folder(tmp_path / "llama")
+    cfg = load_config(overrides=["trainer.steps=11", "generation.top_p=0.8", f"model.pretrained={ckpt}"])
     out = tmp_path / "dump.yaml"
     out.write_text(to_yaml(cfg))
     assert dataclasses.asdict(load_config(out)) == dataclasses.asdict(cfg)

@@ -1,6 +1,6 @@
 """Test-only shims that let megatron-core's GPTModel run on CPU under gloo.
 
-Megatron-core touches CUDA in three places the CPU tests reach:
+Megatron-core touches CUDA in four places the CPU tests reach:
 
 - ``torch.cuda.current_device()`` names the device of megatron's global memory buffer and
   of a few scratch tensors; on CPU it must name the CPU device.
@@ -10,6 +10,9 @@ Megatron-core touches CUDA in three places the CPU tests reach:
 - the pipeline schedules create their token counter with a literal ``device="cuda"``
   (``schedules.py``: ``torch.zeros([], dtype=torch.int, device="cuda")``); a torch-function
   mode maps an explicit CUDA device argument of tensor factories to the CPU.
+- ``dist_checkpointing.save`` calls ``torch.cuda.synchronize()`` unconditionally after
+  staging tensors on the host (``strategies/filesystem_async.py``, ``preload_tensors``);
+  on CPU there is nothing to wait for, so it returns at once.
 
 Nothing else is replaced: process groups, layers and schedules are megatron-core's own.
 Call :func:`install_cpu_shims` at the top of every spawned worker before building a model.
@@ -52,7 +55,7 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
 
 
 def install_cpu_shims() -> None:
-    """Apply the three shims in this process (idempotent)."""
+    """Apply the four shims in this process (idempotent)."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -64,6 +67,7 @@ def install_cpu_shims() -> None:
         return contextlib.nullcontext()
 
     mp_random.CudaRNGStatesTracker.fork = _fork
+    torch.cuda.synchronize = lambda device=None: None
     # Entered for the life of the (spawned, single-purpose) worker process.
     _CudaFactoriesOnCpu().__enter__()
     _INSTALLED = True

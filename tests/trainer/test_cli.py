@@ -46,6 +46,49 @@ def test_listings(capsys):
     assert "steps: 4" in capsys.readouterr().out
 
 
+def test_usage_help_and_unknown_arguments(capsys):
+    assert main([]) == 2  # no command: the usage, exit 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: nemo-replay") and "a command is required" in err
+    assert main(["train", "--help"]) == 0  # each command its own help
+    out = capsys.readouterr().out
+    assert out.startswith("usage: nemo-replay train") and "Long runs." in out and "trainer.resume" in out
+    assert main(["check", "-h"]) == 0 and capsys.readouterr().out.startswith("usage: nemo-replay check")
+    for argv, extra in ((["flags", "extra"], "extra"), (["strategies", "--all"], "--all"), (["train", "--steps", "3"], "--steps")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"nemo-replay {argv[0]}: error: unrecognized arguments: {extra}" in err
+    assert main(["bogus"]) == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_empty_recipe_and_missing_pretrained_are_one_error(tmp_path, capsys):
+    (tmp_path / "empty.yaml").write_text("")
+    assert main(["train", str(tmp_path / "empty.yaml")]) == 2
+    assert "is empty (no flags, no defaults)" in capsys.readouterr().err
+    for command in ("check", "train"):
+        assert main([command, "model.pretrained=/nonexistent/llama"]) == 2
+        err = capsys.readouterr().err
+        assert "1 problem(s)" in err and "Traceback" not in err and "OSError" not in err
+        assert "model.pretrained='/nonexistent/llama': nothing exists at that path" in err
+        assert "set model.pretrained=null" in err
+
+
+def test_a_local_pretrained_folder_trains(tmp_path, capsys):
+    """What users pass: a folder saved by transformers (config.json + weights), no hub access."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    overrides = [*tiny(tmp_path / "run", steps=1), f"model.pretrained={tmp_path / 'llama'}"]
+    assert main(["check", *overrides]) == 0
+    assert f"pretrained: {tmp_path / 'llama'}" in capsys.readouterr().out
+    assert main(["train", *overrides]) == 0
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text())["mismatch_max"] < 1e-5
+
+
 def test_torchrun_two_processes(tmp_path):
     """The main job under a real `torchrun --nproc-per-node 2` (gloo on CPU): progress bar, JSONL, PNG."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

@@ -1,0 +1,121 @@
+"""Long runs on several ranks: sharded checkpoints resumed bit for bit, and a stopped rank.
+
+Checkpoints. Two gloo ranks (spawned, ``tests/spawn.py``) run the reference trainer twice:
+straight through, and stopped after a checkpoint then resumed by a new trainer on the same
+folder. Their rows must agree bit for bit (except ``step_time_s``). FSDP2 (data parallel 2)
+goes through Lightning Fabric's ``ModelParallelStrategy.save`` (torch distributed
+checkpoint, one shard file per rank); megatron-core's GPTModel with tensor parallel 2
+through megatron-core's ``dist_checkpointing`` (CPU shims of tests/megatron/cpu_shims.py).
+
+A stopped rank. Under a real ``torchrun --nproc-per-node 2``, rank 1 is frozen with
+SIGSTOP mid-run; rank 0 must fail within ``trainer.collective_timeout_s`` with an error
+naming the collective it waited in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.spawn import free_port, run_workers
+from tests.trainer.tiny import tiny
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rows(history):
+    return [{k: v for k, v in row.items() if k != "step_time_s"} for row in history]
+
+
+def _stop_and_resume(out_dir: str, world: int, extra: list) -> dict:
+    from nemo_replay.config import load_config
+    from nemo_replay.trainer.grpo import GRPOTrainer
+
+    def run(folder, steps):
+        cfg = load_config(overrides=tiny(folder, "trainer.checkpoint_every=2", *extra, steps=steps), world_size=world)
+        return GRPOTrainer(cfg).fit()
+
+    straight = run(f"{out_dir}/straight", 3)
+    first = run(f"{out_dir}/stopped", 2)  # ends after step 1 with its checkpoint
+    resumed = run(f"{out_dir}/stopped", 3)  # a new trainer on the same folder continues at step 2
+    state = Path(first.last_checkpoint) / "state"
+    return {
+        "straight": _rows(straight.history), "resumed": _rows(resumed.history), "first_step": resumed.first_step,
+        "files": sorted(p.name for p in state.iterdir()) if state.is_dir() else None,
+    }
+
+
+def _both_strategies(rank, world, out_dir):
+    fsdp = _stop_and_resume(f"{out_dir}/fsdp", world, [])
+    from tests.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
+
+    install_cpu_shims()
+    install_moe_without_te_shim()
+    megatron = _stop_and_resume(f"{out_dir}/megatron", world, ["replay.strategy=megatron", "parallel.tensor=2"])
+    return {"fsdp": fsdp, "megatron": megatron}
+
+
+def test_sharded_checkpoints_resume_bit_for_bit_fsdp2_and_megatron_tp2(tmp_path):
+    ranks = run_workers(_both_strategies, 2, str(tmp_path))
+    for name in ("fsdp", "megatron"):
+        r0, r1 = ranks[0][name], ranks[1][name]
+        assert r0["first_step"] == 2 and r0["resumed"] == r1["resumed"]
+        assert [row["step"] for row in r0["resumed"]] == [0, 1, 2]
+        assert r0["resumed"] == r0["straight"], name  # every metric of every step
+    # One shard file per rank, written by torch distributed checkpoint; the rest in metadata.
+    fsdp_files = ranks[0]["fsdp"]["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(fsdp_files), fsdp_files
+    megatron_files = ranks[0]["megatron"]["files"]
+    assert {"common.pt", "metadata.json", ".metadata"} <= set(megatron_files), megatron_files
+    assert sum(f.endswith(".distcp") for f in megatron_files) >= 2, megatron_files
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _rank_of(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+def test_a_stopped_rank_fails_the_others_within_the_collective_timeout(tmp_path):
+    timeout_s = 5
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    overrides = [o for o in tiny(tmp_path, steps=200) if not o.startswith("trainer.progress_bar")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "nemo_replay", "train", *overrides, "trainer.progress_bar=false", f"trainer.collective_timeout_s={timeout_s}",
+           "trainer.checkpoint_every=1"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 240
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        workers = _children(proc.pid)
+        stopped = next(pid for pid in workers if _rank_of(pid) == 1)
+        os.kill(stopped, signal.SIGSTOP)  # rank 1 hangs: alive, silent
+        frozen_at = time.monotonic()
+        rank0 = next(pid for pid in workers if pid != stopped)
+        while Path(f"/proc/{rank0}").exists() and Path(f"/proc/{rank0}/stat").read_text().split()[2] != "Z":
+            assert time.monotonic() - frozen_at < timeout_s + 60, "rank 0 still waits long after the collective timeout"
+            time.sleep(0.05)
+        waited = time.monotonic() - frozen_at
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)  # torchrun's own SIGTERM stays pending on a stopped process
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert waited >= timeout_s - 1, waited  # it did wait for the peer ...
+    assert "waited trainer.collective_timeout_s=5 s without every rank joining" in err, err[-3000:]
+    assert "step " in err and "on rank 0: the collective " in err  # ... and names the collective it waited in
+    assert "Then run the same command to resume from" in err

@@ -1,0 +1,203 @@
+"""Long runs on one process: SIGTERM mid-run and resume, bit for bit; resume modes; run folders; guards.
+
+The run under test is the real command line (``python -m nemo_replay train``) in a
+subprocess, stopped with a real SIGTERM; the reference is the same command never stopped.
+Both use one CPU thread (``trainer.num_threads=1``) so their float reductions agree.
+Rows are compared in full except ``step_time_s``, the one wall-clock metric.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_replay.config import load_config
+from nemo_replay.trainer.checkpoint import latest_checkpoint
+from nemo_replay.trainer.grpo import GRPOTrainer
+from nemo_replay.trainer.guards import NonFiniteError
+from nemo_replay.trainer.preemption import PREEMPTED_EXIT
+from nemo_replay.trainer.rundir import default_run_name, new_run_dir
+from tests.trainer.tiny import tiny
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+def _cmd(out: Path, *extra: str, steps: int) -> list[str]:
+    overrides = [o for o in tiny(out, steps=steps) if not o.startswith("trainer.plot")]
+    return [sys.executable, "-m", "nemo_replay", "train", *overrides, "trainer.num_threads=1", "trainer.plot=true", *extra]
+
+
+def _rows(folder: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("step_time_s")
+    return rows
+
+
+def _wait_for_rows(path: Path, proc: subprocess.Popen, n: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before writing {n} rows: {proc.communicate()}")
+        time.sleep(0.02)
+    raise AssertionError(f"no {n} rows in {path} after {timeout} s")
+
+
+def test_sigterm_mid_run_then_resume_matches_the_uninterrupted_run(tmp_path):
+    steps = 8
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    cmd = _cmd(stopped, "trainer.checkpoint_every=3", steps=steps)
+    # The reference runs alongside (one thread each).
+    reference = subprocess.Popen(_cmd(straight, "trainer.checkpoint_every=3", steps=steps), cwd=tmp_path, env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_rows(stopped / "metrics.jsonl", proc, 1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == PREEMPTED_EXIT, err
+    done = len(_rows(stopped))
+    assert 1 <= done < steps, "the signal must land mid-run"
+    # It finished the step in flight, wrote a checkpoint of exactly those steps, the plot and the summary.
+    ckpt = latest_checkpoint(stopped / "checkpoints")
+    assert ckpt is not None and ckpt.step == done - 1
+    assert "SIGTERM received: finishing this step" in err and f"stopped by SIGTERM after {done} of {steps} steps" in err
+    assert "resume with: nemo-replay train" in err and "Traceback" not in err
+    assert (stopped / "metrics.png").stat().st_size > 0
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["steps"] == done
+    # The same command again continues from there.
+    again = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming {stopped} after step {done - 1}" in again.stderr
+    assert reference.wait(timeout=300) == 0, reference.stderr.read()
+    resumed, uninterrupted = _rows(stopped), _rows(straight)
+    assert [r["step"] for r in resumed] == list(range(steps))
+    diff = [(a["step"], {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}) for a, b in zip(resumed, uninterrupted)]
+    assert resumed == uninterrupted, diff  # bit for bit: every metric of every step
+    assert json.loads((stopped / "summary.json").read_text())["first_step"] == done
+
+
+def test_second_signal_exits_at_once_and_copies_of_one_signal_do_not_count(tmp_path):
+    """The real handlers in a real process: a repeat within the window is ignored, a later one exits 128 + n."""
+    script = (
+        "import os, signal, time\n"
+        "from nemo_replay.trainer.preemption import StopSignals, REPEAT_WINDOW_S\n"
+        "s = StopSignals(); s.install()\n"
+        "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGTERM)\n"  # Ctrl-C: no KeyboardInterrupt
+        "assert s.received == signal.SIGINT and s.agreed() == 'SIGINT'\n"
+        "print('still running', flush=True)\n"
+        "time.sleep(REPEAT_WINDOW_S + 0.2)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(30)\n"
+        "print('not reached')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGUSR1, proc.stderr
+    assert proc.stdout == "still running\n"
+    assert "second signal (SIGUSR1): stopping now without a checkpoint" in proc.stderr
+
+
+def test_resume_modes_and_folders_that_hold_runs(tmp_path):
+    out = tmp_path / "run"
+    first = GRPOTrainer(load_config(overrides=tiny(out, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", steps=2)))
+    history = first.fit().history
+    # keep_checkpoints=1: only the newest survives.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000001"]
+    with pytest.raises(ValueError, match="already holds a run .*trainer.resume=never"):
+        GRPOTrainer(load_config(overrides=tiny(out, "trainer.resume=never", steps=3)))
+    with pytest.raises(ValueError, match=r"recipe differs in trainer.lr: 0.001 -> 0.002"):
+        GRPOTrainer(load_config(overrides=tiny(out, "trainer.lr=0.002", steps=3)))
+    with pytest.raises(ValueError, match="trainer.resume=must but trainer.output_dir=.* does not exist"):
+        GRPOTrainer(load_config(overrides=tiny(tmp_path / "fresh", "trainer.resume=must", steps=1)))
+    assert not (tmp_path / "fresh").exists()  # nothing created for a run that did not start
+    (tmp_path / "fresh").mkdir()
+    with pytest.raises(ValueError, match="has no complete checkpoint to continue from"):
+        GRPOTrainer(load_config(overrides=tiny(tmp_path / "fresh", "trainer.resume=must", steps=1)))
+    # A run without checkpoints is never continued nor overwritten.
+    bare = tmp_path / "bare"
+    GRPOTrainer(load_config(overrides=tiny(bare, "trainer.checkpoint_every=0", steps=1))).fit()
+    before = (bare / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="without a complete checkpoint, so it cannot be continued"):
+        GRPOTrainer(load_config(overrides=tiny(bare, "trainer.checkpoint_every=0", steps=2)))
+    assert (bare / "metrics.jsonl").read_text() == before
+    # Half-written checkpoints are never resumed from: a folder without complete.json, a partial one.
+    (out / "checkpoints" / "step-0000009" / "state").mkdir(parents=True)
+    (out / "checkpoints" / ".partial-step-0000010-abcdef").mkdir()
+    # Rows past the checkpoint (a run killed before its next checkpoint) move aside, never lost.
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "reward": 0.5}) + "\n")
+    resumed = GRPOTrainer(load_config(overrides=tiny(out, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", steps=3)))
+    assert resumed.start_step == 2 and resumed.history == history
+    result = resumed.fit()
+    assert [r["step"] for r in result.history] == [0, 1, 2] and result.first_step == 2
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    (aside,) = out.glob("metrics.after-step-1-*.jsonl")
+    assert json.loads(aside.read_text()) == {"step": 2, "reward": 0.5}
+    # The partial folder went; the orphan step-0000009 (no complete.json) is not a checkpoint and stays.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000009"]
+
+
+def test_a_folder_in_use_is_refused_naming_its_holder(tmp_path):
+    out = tmp_path / "busy"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from pathlib import Path; from nemo_replay.trainer.rundir import _lock; "
+                               f"Path({str(out)!r}).mkdir(); fd = _lock(Path({str(out)!r})); print('held', flush=True); "
+                               f"import time; time.sleep(60)"],
+        env=ENV, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ValueError, match=rf"is in use by a running run \(pid {holder.pid} on "):
+            GRPOTrainer(load_config(overrides=tiny(out, steps=1)))
+    finally:
+        holder.kill()
+        holder.wait()
+    GRPOTrainer(load_config(overrides=tiny(out, steps=1)))  # the kernel dropped the lock with its process
+
+
+def test_default_run_folders_never_collide(tmp_path, monkeypatch):
+    make = (
+        "import os, sys; from pathlib import Path; from nemo_replay.trainer.rundir import new_run_dir\n"
+        "print('ready', flush=True)\n"
+        "while not os.path.exists(sys.argv[1]): pass\n"
+        "print(*[new_run_dir(Path(sys.argv[2]), '20250101-000000-fsdp-replay-on') for _ in range(8)])\n"
+    )
+    go, runs = tmp_path / "go", tmp_path / "runs"
+    procs = [subprocess.Popen([sys.executable, "-c", make, str(go), str(runs)], env=ENV, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2  # every process imported: now all at once
+    go.touch()
+    made = [d for p in procs for d in p.communicate(timeout=120)[0].split()]
+    assert len(made) == len(set(made)) == 16  # two processes, eight runs each, started together
+    cfg = load_config()
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    assert default_run_name(cfg).endswith("-fsdp-replay-on-j777")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "700")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert default_run_name(cfg, "-x").endswith("-fsdp-replay-on-x-j700_3")
+
+
+def test_non_finite_updates_stop_the_run_naming_step_quantity_and_causes(tmp_path):
+    trainer = GRPOTrainer(load_config(overrides=tiny(tmp_path / "a", "trainer.lr=1e6", steps=3)))
+    with pytest.raises(NonFiniteError) as info:
+        trainer.fit()
+    message = str(info.value)
+    assert message.startswith("step 1, minibatch 0: ") and "is nan before the optimizer step" in message
+    assert "the update was not applied" in message and "trainer.lr=1e+06 too large" in message
+    # The refused update left the weights finite; the broken step logged no row.
+    assert all(bool(p.isfinite().all()) for p in trainer.policy.parameters())
+    assert [json.loads(line)["step"] for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()] == [0]
+    # Finite gradients can still throw the weights far: the next rollout's non-finite logits name the cause.
+    trainer = GRPOTrainer(load_config(overrides=tiny(tmp_path / "b", "trainer.lr=1e12", steps=3)))
+    with pytest.raises(NonFiniteError, match=r"^step 1: sampling met non-finite logits .* trainer.lr=1e\+12 too large"):
+        trainer.fit()
