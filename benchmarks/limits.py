@@ -16,6 +16,9 @@ Hidden mode, support forward + backward
     forward, the U rows read again for the hidden gradient, the dense (V, H) weight
     gradient written once (the autograd contract returns a full weight-sized tensor),
     6 P H flops:   max((2 U + 2 N) H b / read_bw + V H b / fill_bw, 6 P H / gemm)
+Hidden mode, support forward + backward into a persistent gradient buffer
+    the same, but only the U touched buffer rows are read and written (a copy's traffic):
+                   max((2 U + 2 N) H b / read_bw + 2 U H b / copy_bw, 6 P H / gemm)
 Hidden mode, full-vocabulary forward / forward + backward
     the logits GEMM (2 N V H flops; three GEMMs with the backward) at the GEMM rate, or
     the weight read (and gradient written) at bandwidth, whichever is larger.
@@ -33,6 +36,7 @@ __all__ = [
     "logits_full_fwd",
     "hidden_support_fwd",
     "hidden_support_fwdbwd",
+    "hidden_support_sparse_fwdbwd",
     "hidden_full_fwd",
     "hidden_full_fwdbwd",
 ]
@@ -52,6 +56,11 @@ def hidden_support_fwd(r: Rates, *, N: int, H: int, P: int, U: int, b: int) -> f
 
 def hidden_support_fwdbwd(r: Rates, *, N: int, V: int, H: int, P: int, U: int, b: int) -> float:
     moved = (2 * U + 2 * N) * H * b / r.read_bw + V * H * b / r.fill_bw
+    return max(moved, 6 * P * H / r.gemm)
+
+
+def hidden_support_sparse_fwdbwd(r: Rates, *, N: int, H: int, P: int, U: int, b: int) -> float:
+    moved = (2 * U + 2 * N) * H * b / r.read_bw + 2 * U * H * b / r.copy_bw
     return max(moved, 6 * P * H / r.gemm)
 
 

@@ -26,7 +26,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Rates", "Flusher", "describe", "loadavg", "measure_rates", "median_ms", "last_level_cache_bytes"]
+__all__ = [
+    "Rates", "Flusher", "describe", "loadavg", "measure_rates", "median_ms", "interleaved_ms", "last_level_cache_bytes",
+]
 
 GiB = 1 << 30
 
@@ -68,6 +70,27 @@ def median_ms(fn: Callable[[], object], *, repeats: int, warmup: int = 1, flush:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def interleaved_ms(fns: dict, *, rounds: int, warmup: int = 1, flush: Flusher | None = None) -> dict:
+    """Median wall time (ms) of each function, the functions run round-robin.
+
+    Every round times each function once, in turn, so a burst of load from another process
+    lands on all of them alike and a ratio of two medians compares like with like.
+    Returns name -> {"ms": median, "min": fastest, "max": slowest}.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if flush is not None:
+                flush()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {n: {"ms": statistics.median(t) * 1e3, "min": min(t) * 1e3, "max": max(t) * 1e3} for n, t in times.items()}
 
 
 @dataclass

@@ -37,7 +37,7 @@ def _worker(spec: dict) -> dict:
     torch.set_num_threads(int(spec.get("threads", 2)))
     dtype = getattr(torch, spec["dtype"])
     rows = support_rows(spec["T"], spec["V"], spec["k"], model=spec.get("model", "zipf"))
-    ch = channels(rows)
+    ch = channels(rows, vocab_size=spec["V"])
     if spec["mode"] == "hidden":
         hidden, weight = hidden_inputs(spec["T"], spec["V"], spec["H"], dtype)
         hidden.requires_grad_(), weight.requires_grad_()

@@ -1,13 +1,19 @@
 """Scorer benchmarks: support scoring against full-vocabulary scoring, as ratios in one run.
 
-    python -m benchmarks.run             # full tables, about 5-8 minutes; writes docs/benchmarks.md
+    python -m benchmarks.run             # full tables, about 10-15 minutes on a quiet machine; writes docs/benchmarks.md
     python -m benchmarks.run --quick     # the two headline configurations and short sweeps
-    python -m benchmarks.run --tiny --out /tmp/bench.md    # seconds (the smoke test)
+    python -m benchmarks.run --tiny --out /tmp/bench.md    # under a minute (the smoke test)
 
 Options: ``--threads N`` (default 2), ``--out PATH``, ``--small-pages`` (keep 4 KiB pages:
 by default the run sets ``THP_MEM_ALLOC_ENABLE=1`` before torch is imported, so the
 allocator asks for transparent huge pages, as a training job on this machine should),
-``--no-memory`` (skip the fresh-process peak-memory measurements).
+``--no-memory`` (skip the fresh-process peak-memory measurements), ``--no-training`` (skip
+the whole-training-step section, benchmarks/training.py), ``--omp-wait {passive,active}``
+(default passive: the run sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported, unless
+the environment already sets it, so idle OpenMP threads sleep instead of spinning. On a
+machine shared with other processes, spinning threads of a 2-thread run wait for each other
+at every parallel region and a call can take 20x longer (measured here: 146 ms instead of
+7 ms); sleeping costs a few microseconds per region on a quiet machine).
 
 One process times every variant (one warm-up call, then the median of repeats, each
 repetition starting with cold caches); peak memory comes from a fresh process per variant
@@ -37,6 +43,7 @@ PROFILES = {
         "logits_T": (512, 1024, 2048, 4096),
         "repeats": 9,
         "rates_bytes": 1 << 30,
+        "training_profile": "full",
     },
     "quick": {
         "logits": {"T": 4096, "V": (131072,), "k": (64,), "dtypes": ("float32",)},
@@ -46,6 +53,7 @@ PROFILES = {
         "logits_T": (1024, 4096),
         "repeats": 7,
         "rates_bytes": 1 << 30,
+        "training_profile": "quick",
     },
     "tiny": {
         "logits": {"T": 64, "V": (2048,), "k": (8,), "dtypes": ("float32",)},
@@ -55,9 +63,10 @@ PROFILES = {
         "logits_T": (32, 64),
         "repeats": 2,
         "rates_bytes": 1 << 24,
-        "memory_scope": (("hidden", "support"),),
+        "memory_scope": (("hidden", "support"), ("hidden", "support-sparse")),
         "sweep_memory": False,
         "uniform_row": False,
+        "training_profile": "tiny",
     },
 }
 
@@ -71,6 +80,9 @@ def _parse(argv):
     p.add_argument("--out", default=None, help="markdown output (default docs/benchmarks.md for the full run)")
     p.add_argument("--small-pages", action="store_true", help="do not request transparent huge pages")
     p.add_argument("--no-memory", action="store_true", help="skip the fresh-process peak-memory measurements")
+    p.add_argument("--no-training", action="store_true", help="skip the whole-training-step section")
+    p.add_argument("--omp-wait", choices=("passive", "active"), default="passive",
+                   help="OMP_WAIT_POLICY for this run and its child processes (default passive)")
     p.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -95,10 +107,14 @@ def main(argv=None) -> int:
     if not args.small_pages and not torch_loaded:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read by the CPU allocator; must precede torch
     huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and not torch_loaded
+    if not torch_loaded:
+        os.environ.setdefault("OMP_WAIT_POLICY", args.omp_wait.upper())  # read when OpenMP starts
+    omp_wait = os.environ.get("OMP_WAIT_POLICY", "unset") if not torch_loaded else "unknown (torch already loaded)"
 
     import torch
 
     from benchmarks import machine
+    from benchmarks.render import render
     from benchmarks.suite import Suite
 
     torch.set_num_threads(args.threads)
@@ -118,13 +134,15 @@ def main(argv=None) -> int:
         return 1
     rates = machine.measure_rates(flush, size_bytes=cfg["rates_bytes"])
     small = None if profile == "tiny" or args.small_pages else _small_page_rates(args.threads, cfg["rates_bytes"])
-    suite = Suite(cfg, rates, flush, threads=args.threads, memory=not args.no_memory, profile=profile)
+    suite = Suite(cfg, rates, flush, threads=args.threads, memory=not args.no_memory, profile=profile,
+                  training=not args.no_training)
     suite.run_all()
     info = machine.describe(huge_pages)
+    info["omp_wait"] = omp_wait
     info["load_start"], info["load_end"] = load_start, machine.loadavg()
     info["seconds"] = round(time.time() - started)
     info["command"] = "python -m benchmarks.run" + {"full": "", "quick": " --quick", "tiny": " --tiny"}[profile]
-    text = suite.render(info, small)
+    text = render(suite, info, small)
     print(text)
     out = args.out or ("docs/benchmarks.md" if profile == "full" else None)
     if out:

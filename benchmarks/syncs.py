@@ -127,7 +127,7 @@ def scenarios(T: int = 256, V: int = 4096, H: int = 64, k: int = 16) -> dict:
     from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
     from nemo_replay.support.ragged import RaggedSupport
 
-    ch = channels(support_rows(T, V, k))
+    ch = channels(support_rows(T, V, k), vocab_size=V)
     logits = logits_input(T, V, torch.float32).requires_grad_()
     hidden, weight = hidden_inputs(T, V, H, torch.float32)
     hidden.requires_grad_(), weight.requires_grad_()

@@ -3,15 +3,21 @@
 Each builder returns ``fn(backward: bool)``: one forward (autograd recording, as in
 training) and, with ``backward=True``, the gradient of ``sum(c * logp)`` with respect to
 the differentiable inputs (logits, or hidden states and LM-head weight). Gradients are
-fresh tensors every call, as with ``zero_grad(set_to_none=True)``.
+fresh tensors every call, as with ``zero_grad(set_to_none=True)``, except for
+``support-sparse``, whose LM-head weight keeps a persistent gradient buffer.
 
 Logits mode, source (N, V):
     full        ``log_softmax(logits.float(), -1).gather(1, x)``, float32 math
     chunked     the same over position chunks of ``chunk`` rows (each chunk's
                 ``[chunk, V]`` float32 scores are freed before the next)
     replay-off  ``nemo_replay`` ``score_full_vocabulary`` (the package's full-vocabulary path)
-    support     ``score_aligned_support`` (validation on, as by default)
-    support-nv  the same with ``validate=False`` (rows already validated where they entered)
+    support     ``score_aligned_support`` (validation on, as by default) on rows checked
+                where they entered (``validate_support`` at collation records it), as a
+                trainer's rows are
+    support-unchecked  the same on rows never checked (a fresh copy of the rows each
+                call): the scorer sorts every row (the default's cost before rows
+                recorded their check)
+    support-nv  ``validate=False``
 Hidden mode, hidden (N, H), weight (V, H):
     full        ``log_softmax((hidden @ weight.T).float(), -1).gather(1, x)``
     chunked     per position chunk under ``torch.utils.checkpoint``: the ``[chunk, V]``
@@ -19,7 +25,10 @@ Hidden mode, hidden (N, H), weight (V, H):
     two-proj    two separate projections: the support pairs through
                 ``weight[ids]`` (a kept ``[pairs, H]`` activation) and the sampled token
                 through ``weight[x]``, each with its own dense weight gradient
-    support     ``score_aligned_support(hidden, ..., lm_head_weight=weight)``
+    support     ``score_aligned_support(hidden, ..., lm_head_weight=weight)``, a fresh dense
+                weight gradient (the trainer keeps no gradient buffer)
+    support-sparse  the same with a persistent ``weight.grad`` (``loss.backward()``): the
+                backward adds the support's rows into it and returns no dense gradient
 """
 
 from __future__ import annotations
@@ -31,11 +40,12 @@ from torch.utils.checkpoint import checkpoint
 
 from benchmarks.workloads import Channels
 from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
+from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["LOGITS_VARIANTS", "HIDDEN_VARIANTS", "logits_variant", "hidden_variant"]
 
-LOGITS_VARIANTS = ("full", "chunked", "replay-off", "support", "support-nv")
-HIDDEN_VARIANTS = ("full", "chunked", "two-proj", "support")
+LOGITS_VARIANTS = ("full", "chunked", "replay-off", "support", "support-unchecked", "support-nv")
+HIDDEN_VARIANTS = ("full", "chunked", "two-proj", "support", "support-sparse")
 
 
 def _log_softmax_pick(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +78,11 @@ def logits_variant(name: str, logits: torch.Tensor, ch: Channels, *, chunk: int 
         validate = name == "support"
         forward = lambda: score_aligned_support(  # noqa: E731
             logits, x, ch.row_ids, ch.loss_mask, ch.support, validate=validate
+        ).logprobs
+    elif name == "support-unchecked":
+        cu = ch.support.cu_seqlens
+        forward = lambda: score_aligned_support(  # noqa: E731
+            logits, x, ch.row_ids, ch.loss_mask, PackedTensor(ch.rows.clone(), cu)
         ).logprobs
     else:
         raise ValueError(f"logits variant must be one of {LOGITS_VARIANTS}, got {name!r}")
@@ -104,10 +119,29 @@ def hidden_variant(name: str, hidden: torch.Tensor, weight: torch.Tensor, ch: Ch
         )
     elif name == "two-proj":
         forward = lambda: _two_projections(hidden, weight, ch)  # noqa: E731
-    elif name == "support":
+    elif name in ("support", "support-sparse"):
         forward = lambda: score_aligned_support(  # noqa: E731
             hidden, x, ch.row_ids, ch.loss_mask, ch.support, lm_head_weight=weight
         ).logprobs
     else:
         raise ValueError(f"hidden variant must be one of {HIDDEN_VARIANTS}, got {name!r}")
+    if name == "support-sparse":
+        return _into_buffers(hidden, weight, forward, coeff)
     return _grad_fn((hidden, weight), forward, coeff)
+
+
+def _into_buffers(hidden: torch.Tensor, weight: torch.Tensor, forward, coeff: torch.Tensor):
+    """``fn(backward)`` with ``loss.backward()`` into a persistent ``weight.grad`` (allocated here,
+    zero, before any timing or memory baseline) and a fresh hidden gradient each call."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+
+    def run(backward: bool):
+        logp = forward()
+        if backward:
+            hidden.grad = None
+            (logp * coeff).sum().backward(inputs=[hidden, weight])
+            return hidden.grad, weight.grad
+        return logp
+
+    return run

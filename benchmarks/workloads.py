@@ -12,7 +12,8 @@ the pairs carry distinct ids. ``uniform`` draws k distinct ids uniformly (no ove
 the worst case for hidden mode).
 
 Every position is loss-active, has its own row (row_ids = arange) and samples one
-member chosen uniformly from its row.
+member chosen uniformly from its row. Given the vocabulary size, the rows are checked as
+collation checks a trainer's rows (``validate_support``, which records the check on them).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["Channels", "support_rows", "channels", "logits_input", "hidden_inputs"]
@@ -76,19 +78,21 @@ def support_rows(T: int, V: int, k: int, *, model: str = "zipf", seed: int = 0) 
     return rows.to(torch.int32)
 
 
-def channels(rows: torch.Tensor, *, seed: int = 1) -> Channels:
-    """Channels for rows (T, k) int32: each position samples a uniformly chosen member."""
+def channels(rows: torch.Tensor, *, vocab_size: int | None = None, seed: int = 1) -> Channels:
+    """Channels for rows (T, k) int32: each position samples a uniformly chosen member.
+
+    With ``vocab_size`` the rows are checked (and record it) as collation does; without, they
+    stay unchecked and the scorer checks them on its first call.
+    """
     g = torch.Generator().manual_seed(seed)
     T = rows.shape[0]
     width = (rows >= 0).sum(1).clamp(min=1)
     col = (torch.rand(T, generator=g) * width).long().clamp_(max=rows.shape[1] - 1)
     sampled = rows.gather(1, col[:, None]).squeeze(1).long()
-    return Channels(
-        sampled=sampled,
-        row_ids=torch.arange(T),
-        loss_mask=torch.ones(T, dtype=torch.bool),
-        support=PackedTensor(rows, [0, T]),
-    )
+    support = PackedTensor(rows, [0, T])
+    if vocab_size is not None:
+        validate_support(support, sampled_ids=sampled, vocab_size=vocab_size, where="collation")
+    return Channels(sampled=sampled, row_ids=torch.arange(T), loss_mask=torch.ones(T, dtype=torch.bool), support=support)
 
 
 def logits_input(T: int, V: int, dtype: torch.dtype, *, seed: int = 2) -> torch.Tensor:
