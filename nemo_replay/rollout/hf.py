@@ -429,9 +429,9 @@ def cut_at_stop(tokens: torch.Tensor, stops: Sequence[int]) -> list[torch.Tensor
 
     Example: stops [1], rows [[5, 1, 0], [4, 6, 7]] -> [5, 1], [4, 6, 7].
     """
-    tokens = tokens.cpu()
+    tokens = tokens.cpu().to(torch.int64)  # widened: a uint8 buffer would wrap an id >= 256 in the comparison
     B, n = tokens.shape
-    hit = torch.isin(tokens, torch.tensor(list(stops), dtype=tokens.dtype)) if stops else torch.zeros_like(tokens, dtype=torch.bool)
+    hit = torch.isin(tokens, torch.tensor([int(t) for t in stops], dtype=torch.int64)) if stops else torch.zeros_like(tokens, dtype=torch.bool)
     first = torch.where(hit.any(1), hit.to(torch.int8).argmax(1) + 1, n)
     return [tokens[i, : int(first[i])].clone() for i in range(B)]
 
@@ -464,6 +464,11 @@ def generate_with_support(
     Returns:
         :class:`HFRollout`.
     """
+    if not hasattr(generation_config, "do_sample") or not hasattr(generation_config, "eos_token_id"):
+        raise ValueError(
+            f"generate_with_support: generation_config must be a transformers.GenerationConfig, got "
+            f"{type(generation_config).__name__}; build one with do_sample=True and the sampler's settings"
+        )
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"generate_with_support: input_ids (B, P) and attention_mask (B, P) expected, got "

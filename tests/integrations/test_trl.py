@@ -23,7 +23,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
 
 from nemo_replay.integrations.trl import ReplayGRPOTrainer, ReplaySettings  # noqa: E402
-from nemo_replay.integrations.trl.records import RECORDS_KEY, completion_channels  # noqa: E402
+from nemo_replay.integrations.trl.records import RECORDS_KEY, completion_channels, records_from_vllm  # noqa: E402
 from nemo_replay.rollout.capture import sample  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<bos>"] + [f"w{i}" for i in range(45)]  # V = 48
@@ -178,6 +178,11 @@ def test_records_follow_their_rows_through_trl_shuffle_and_split(checkpoint, tmp
     del batch[RECORDS_KEY]
     with pytest.raises(ValueError, match="the batch has no 'replay_records'"):
         trainer._compute_loss(trainer.model, batch)
+
+
+def test_vllm_records_need_the_request_parameters():
+    with pytest.raises(ValueError, match=r"sampling_params must be the request's parameters as a dict .* got NoneType"):
+        records_from_vllm([[3]], [[[-0.1]]], [[[3]]], width=None, vocab_size=48, sampling_params=None)
 
 
 @pytest.mark.parametrize(

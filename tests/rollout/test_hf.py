@@ -283,3 +283,12 @@ def test_finish_refuses_completions_that_generate_did_not_sample(model):
 def test_cut_at_stop_worked_example():
     cut = cut_at_stop(torch.tensor([[5, 1, 0], [4, 6, 7]]), [1])
     assert [c.tolist() for c in cut] == [[5, 1], [4, 6, 7]]
+    # A uint8 buffer is widened first: the stop id 300 must not wrap to 44 and cut row 1.
+    cut = cut_at_stop(torch.tensor([[5, 1, 0], [4, 44, 7]], dtype=torch.uint8), [1, 300])
+    assert [c.tolist() for c in cut] == [[5, 1], [4, 44, 7]] and cut[0].dtype == torch.int64
+
+
+def test_generate_with_support_needs_a_generation_config(model):
+    ids, mask = _prompts()
+    with pytest.raises(ValueError, match="generation_config must be a transformers.GenerationConfig, got NoneType"):
+        generate_with_support(model, ids, mask, None)

@@ -109,6 +109,11 @@ def records_from_vllm(
     """
     from nemo_replay.rollout.vllm import support_from_vllm_logprobs
 
+    if not isinstance(sampling_params, dict):
+        raise ValueError(
+            f"records_from_vllm: sampling_params must be the request's parameters as a dict (temperature, top_k, top_p, "
+            f"min_p, logprobs, ...), got {type(sampling_params).__name__}; they are checked before any row is read"
+        )
     if token_ids is None or logprobs is None:
         raise ValueError(
             "ReplayGRPOTrainer (vLLM): the generation returned no log-probs; the trainer requests logprobs=top_k + 1 "
