@@ -113,6 +113,11 @@ class VocabShard:
         splits work. ``device``: where the gathered sizes live (the group's backend device;
         default CPU, which gloo needs; pass the CUDA device under NCCL).
         """
+        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
+            raise ValueError(
+                f"VocabShard.from_group: local_size must be this rank's number of vocabulary rows (an int >= 1), "
+                f"got {local_size!r}"
+            )
         tp, rank = _size_rank(group)
         if tp == 1:
             return cls(0, int(local_size), group, int(local_size))

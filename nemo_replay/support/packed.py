@@ -100,6 +100,11 @@ class PackedTensor(Segmented):
             raise ValueError(f"PackedTensor values must be a torch.Tensor, got {type(values).__name__}")
         if values.dim() < 1:
             raise ValueError("PackedTensor values must have a leading row dimension, got a scalar")
+        if cu_seqlens is None:
+            raise ValueError(
+                f"PackedTensor cu_seqlens is required: (batch_size + 1,) segment offsets ending at {values.shape[0]} "
+                f"(pass [0, {values.shape[0]}] for one segment), got None"
+            )
         cu_seqlens = torch.as_tensor(cu_seqlens)
         check_cu_seqlens(cu_seqlens, values.shape[0], name="PackedTensor cu_seqlens")
         self.values = values
@@ -174,6 +179,8 @@ class PackedTensor(Segmented):
 
     # ------------------------------------------------------------------ batch ops
     def _normalise_index(self, index) -> torch.Tensor:
+        if index is None:
+            raise ValueError("segment index is required: an int, slice, 1-D int list/tensor or bool mask, got None")
         if isinstance(index, slice):
             # range() slicing also takes negative steps, which tensor slicing rejects.
             return torch.tensor(range(self.batch_size)[index], dtype=torch.int64)

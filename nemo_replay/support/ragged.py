@@ -44,13 +44,23 @@ class RaggedSupport(Segmented):
     __slots__ = ("member_ids", "row_offsets", "cu_seqlens", "_width")
 
     def __init__(self, member_ids: torch.Tensor, row_offsets: torch.Tensor, cu_seqlens: torch.Tensor):
+        for name, value in (("member_ids", member_ids), ("row_offsets", row_offsets), ("cu_seqlens", cu_seqlens)):
+            if value is None:
+                raise ValueError(f"RaggedSupport {name} is required (see the class docstring for its shape), got None")
         member_ids = torch.as_tensor(member_ids)
         row_offsets = torch.as_tensor(row_offsets)
         cu_seqlens = torch.as_tensor(cu_seqlens)
         if member_ids.dim() != 1:
             raise ValueError(f"RaggedSupport member_ids must be 1-D [num_members], got shape {tuple(member_ids.shape)}")
-        if member_ids.dtype.is_floating_point or member_ids.dtype == torch.bool:
+        if member_ids.dtype.is_floating_point or member_ids.dtype.is_complex or member_ids.dtype == torch.bool:
             raise ValueError(f"RaggedSupport member_ids must be integer (int32), got {member_ids.dtype}")
+        if member_ids.dtype == torch.int64 and member_ids.numel():
+            low, high = (int(x) for x in torch.aminmax(member_ids))
+            if low < -(2**31) or high >= 2**31:  # int32 storage would wrap them onto other ids
+                raise ValueError(
+                    f"RaggedSupport member_ids hold {low if low < -(2**31) else high}, outside int32; member ids are "
+                    f"vocabulary ids"
+                )
         check_cu_seqlens(row_offsets, member_ids.numel(), name="RaggedSupport row_offsets")
         check_cu_seqlens(cu_seqlens, row_offsets.numel() - 1, name="RaggedSupport cu_seqlens")
         self.member_ids = member_ids.to(torch.int32)
@@ -138,6 +148,8 @@ class RaggedSupport(Segmented):
         Returns:
             (n, width), int32.
         """
+        if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+            raise ValueError(f"padded_rows: rows must be an integer tensor of row indices, got {type(rows).__name__}")
         rows = rows.to(device=self.device, dtype=torch.int64)
         starts = self.row_offsets[rows]
         lengths = self.row_offsets[rows + 1] - starts

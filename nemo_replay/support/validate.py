@@ -73,12 +73,13 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, num_rows: int, *, name: str = "cu
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must be 1-D with batch_size + 1 entries, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor, got {cu_seqlens.dtype}")
     if int(cu_seqlens[0]) != 0:
         raise ValueError(f"{name} must start at 0, got {int(cu_seqlens[0])}")
     if cu_seqlens.numel() > 1:
-        steps = cu_seqlens[1:] - cu_seqlens[:-1]
+        wide = cu_seqlens.to(torch.int64)  # uint8 differences wrap: 3 - 5 would read 254
+        steps = wide[1:] - wide[:-1]
         bad = torch.nonzero(steps < 0)
         if bad.numel():
             i = int(bad[0])
@@ -160,6 +161,12 @@ def validate_support_rows(
                 rows[start : start + block] = dup.any(1)
                 fail(rows, "holds a duplicate id")
     if sampled_ids is not None:
+        if not isinstance(sampled_ids, torch.Tensor) or sampled_ids.dtype.is_floating_point or sampled_ids.dtype.is_complex or sampled_ids.dtype == torch.bool:
+            # A float id would be truncated to a member (3.7 -> 3) and pass.
+            raise ValueError(
+                f"{where}: sampled_ids must be an integer tensor of token ids, got "
+                f"{sampled_ids.dtype if isinstance(sampled_ids, torch.Tensor) else type(sampled_ids).__name__}"
+            )
         if sampled_ids.shape != values.shape[:1]:
             raise ValueError(
                 f"{where}: sampled_ids has shape {tuple(sampled_ids.shape)}, expected ({values.shape[0]},)"

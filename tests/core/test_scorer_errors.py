@@ -93,6 +93,12 @@ def test_bad_shard(case, make_shard, match):
         _score(case, shard=make_shard())
 
 
+@pytest.mark.parametrize("local_size", [None, 0, 2.0, True])
+def test_from_group_needs_a_local_size(local_size):
+    with pytest.raises(ValueError, match=r"local_size must be this rank's number of vocabulary rows"):
+        VocabShard.from_group(None, local_size)
+
+
 def test_even_shard_needs_a_divisible_vocabulary():
     assert VocabShard.even(61, None) == VocabShard(0, 61)
     assert VocabShard.whole(61).world_size == 1

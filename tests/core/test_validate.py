@@ -111,3 +111,38 @@ def test_valid_rows_pass_and_one_corruption_fails(rows, data):
         bad[r, len(members)] = members[0]
     with pytest.raises(ValueError, match=rf"row {r} "):
         validate_support_rows(bad, vocab_size=12)
+
+
+def test_uint8_offsets_are_compared_widened():
+    """uint8 offsets [0, 5, 3]: 3 - 5 wraps to 254 in uint8; the decrease must still be caught."""
+    with pytest.raises(ValueError, match=r"must be non-decreasing: segment 1 has offsets 5 -> 3"):
+        check_cu_seqlens(torch.tensor([0, 5, 3], dtype=torch.uint8), 3)
+    check_cu_seqlens(torch.tensor([0, 2, 3], dtype=torch.uint8), 3)
+
+
+def test_narrow_rows_and_sampled_ids_are_compared_widened():
+    """uint8 rows: a sampled id of 300 would wrap to 44 in uint8 and pass as the member 44."""
+    rows = torch.tensor([[44, 7], [1, 2]], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"sampled token 300 is not a member"):
+        validate_support_rows(rows, sampled_ids=torch.tensor([300, 1]))
+    with pytest.raises(ValueError, match=r"sampled_ids must be an integer tensor of token ids, got torch.float32"):
+        validate_support_rows(rows, sampled_ids=torch.tensor([44.4, 1.0]))
+    from nemo_replay.support.validate import support_row_flags
+
+    assert not bool(support_row_flags(rows, vocab_size=300))  # 300 would wrap to 44 in uint8
+    assert bool(support_row_flags(rows, vocab_size=40))
+
+
+def test_required_support_arguments():
+    from nemo_replay import PackedTensor, RaggedSupport
+
+    with pytest.raises(ValueError, match=r"PackedTensor cu_seqlens is required.*pass \[0, 2\]"):
+        PackedTensor(torch.zeros(2, 3, dtype=torch.int32), None)
+    with pytest.raises(ValueError, match=r"RaggedSupport row_offsets is required"):
+        RaggedSupport(torch.tensor([1, 2]), None, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"segment index is required"):
+        PackedTensor(torch.zeros(2, 3, dtype=torch.int32), [0, 2]).gather(None)
+    with pytest.raises(ValueError, match=r"outside int32"):
+        RaggedSupport(torch.tensor([2**32 + 5]), torch.tensor([0, 1]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"padded_rows: rows must be an integer tensor"):
+        RaggedSupport(torch.tensor([1, 2]), torch.tensor([0, 2]), torch.tensor([0, 1])).padded_rows(None)
