@@ -278,6 +278,10 @@ def test_vllm_path_reads_processed_logprobs_and_fixes_trl_importance_ratio(check
     ratio = _logged(trainer, "sampling/importance_sampling_ratio/mean")[0]
     assert ratio == pytest.approx(1.0, abs=1e-5)  # TRL's own scoring would correct by exp(-log mass)
     assert _logged(trainer, "sampling/sampling_logp_difference/max")[0] <= 1e-5
+    # What construction with use_vllm=True checks: a bounded top-k, and colocated vLLM's max_logprobs (20).
+    assert "top_k > 1 bounds it" in trainer._vllm_problems(None)[0]
+    assert "at most 20 log-probs per token" in trainer._vllm_problems(24)[0]
+    assert trainer._vllm_problems(5) == []
 
 
 def test_bf16_autocast_gap_is_reported_apart(checkpoint, tmp_path):
