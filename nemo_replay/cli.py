@@ -3,6 +3,7 @@
     nemo-replay train   [CONFIG] [key=value ...]   GRPO with replay (default: the embedded CPU recipe)
     nemo-replay compare [CONFIG] [key=value ...]   the same recipe with replay on and off, plotted together
     nemo-replay check   [CONFIG] [key=value ...]   validate and print the resolved recipe
+    nemo-replay serve   [CONFIG] [key=value ...]   a loopback generate endpoint over the recipe's policy
     nemo-replay flags                              every flag with its default and meaning
     nemo-replay strategies                         registered replay strategies
 
@@ -47,10 +48,11 @@ _COMMANDS = {
     "train": ("GRPO with support-conditioned replay", _TRAIN_EPILOG),
     "compare": ("the same recipe with replay on and off, from the same seed, plotted together", _RECIPE_HELP),
     "check": ("validate the recipe (every rule, paths included) and print it resolved", _RECIPE_HELP),
+    "serve": ("a loopback generate endpoint (support capture) over the recipe's policy", _RECIPE_HELP),
     "flags": ("every flag with its default and meaning", None),
     "strategies": ("registered replay strategies", None),
 }
-_TAKES_RECIPE = ("train", "compare", "check")
+_TAKES_RECIPE = ("train", "compare", "check", "serve")
 
 
 def _split(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
@@ -76,7 +78,7 @@ def _resume_hint(command: str, args: Sequence[str], output_dir) -> str:
     return shlex.join(again)
 
 
-def _train(args: Sequence[str]) -> int:
+def _train(args: Sequence[str], ns: argparse.Namespace) -> int:
     cfg = _load(args)
     from nemo_replay.trainer.grpo import GRPOTrainer
     from nemo_replay.trainer.preemption import PREEMPTED_EXIT
@@ -108,7 +110,7 @@ def _train(args: Sequence[str]) -> int:
     return 0
 
 
-def _compare(args: Sequence[str]) -> int:
+def _compare(args: Sequence[str], ns: argparse.Namespace) -> int:
     cfg = _load(args)
     import torch.distributed as dist
 
@@ -130,14 +132,14 @@ def _compare(args: Sequence[str]) -> int:
     return 0
 
 
-def _check(args: Sequence[str]) -> int:
+def _check(args: Sequence[str], ns: argparse.Namespace) -> int:
     from nemo_replay.config.loading import to_yaml
 
     print(to_yaml(_load(args)), end="")
     return 0
 
 
-def _flags(args: Sequence[str]) -> int:
+def _flags(args: Sequence[str], ns: argparse.Namespace) -> int:
     from nemo_replay.config.schema import flag_docs
 
     for path, default, doc in flag_docs():
@@ -145,7 +147,7 @@ def _flags(args: Sequence[str]) -> int:
     return 0
 
 
-def _strategies(args: Sequence[str]) -> int:
+def _strategies(args: Sequence[str], ns: argparse.Namespace) -> int:
     from nemo_replay.strategies.registry import available_strategies, get_strategy
 
     for name in available_strategies():
@@ -157,7 +159,56 @@ def _strategies(args: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "compare": _compare, "check": _check, "flags": _flags, "strategies": _strategies}
+def build_server(args: Sequence[str], ns: argparse.Namespace):
+    """The (unstarted) generate server of ``nemo-replay serve``: the recipe's policy behind capture."""
+    import torch
+
+    from nemo_replay.rollout.server import GenerateServer
+    from nemo_replay.trainer.hf_backend import build_hf_model
+
+    cfg = _load(args)
+    torch.manual_seed(cfg.trainer.seed)
+    model = build_hf_model(cfg).eval()
+
+    @torch.no_grad()
+    def logits_fn(tokens: torch.Tensor) -> torch.Tensor:
+        return model(tokens[None]).logits[0, -1].float()
+
+    return GenerateServer(
+        logits_fn, vocab_size=cfg.model.vocab_size, eos_id=cfg.generation.stop_token_id, host=ns.host, port=ns.port,
+        token=ns.token, max_new_tokens_cap=ns.max_new_tokens_cap, max_body_bytes=ns.max_body_bytes,
+        body_timeout_s=ns.body_timeout_s, max_concurrent=ns.max_concurrent,
+    )
+
+
+def _serve(args: Sequence[str], ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from nemo_replay.rollout.server import serve_until_cancelled
+
+    server = build_server(args, ns)
+    try:
+        asyncio.run(serve_until_cancelled(server, announce=lambda line: print(line, flush=True)))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _serve_options(cmd: argparse.ArgumentParser) -> None:
+    from nemo_replay.rollout.server import TOKEN_ENV
+
+    cmd.add_argument("--host", default="127.0.0.1", help="a loopback address (the server binds loopback only)")
+    cmd.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    cmd.add_argument("--token", default=None, help=f"bearer token clients must send (default: ${TOKEN_ENV}; unset: none)")
+    cmd.add_argument("--max-new-tokens-cap", type=int, default=4096, help="largest max_new_tokens a request may ask")
+    cmd.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    cmd.add_argument("--body-timeout-s", type=float, default=30.0, help="a body slower than this gets 408")
+    cmd.add_argument("--max-concurrent", type=int, default=64, help="requests past this get 429")
+
+
+COMMANDS = {
+    "train": _train, "compare": _compare, "check": _check, "serve": _serve, "flags": _flags, "strategies": _strategies,
+}
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -174,10 +225,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         )
         if name in _TAKES_RECIPE:
             cmd.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]", help="recipe and overrides")
+        if name == "serve":
+            _serve_options(cmd)
     return parser, commands
 
 
-def _run(command: str, args: list[str]) -> int:
+def _run(command: str, ns: argparse.Namespace) -> int:
     """One command, with its errors turned into messages and exit statuses (see the module doc)."""
     from nemo_replay.config.errors import ConfigError
     from nemo_replay.trainer.guards import CollectiveError
@@ -185,7 +238,7 @@ def _run(command: str, args: list[str]) -> int:
     debug = bool(os.environ.get("NEMO_REPLAY_DEBUG"))
     hint = "" if debug else "\n(set NEMO_REPLAY_DEBUG=1 for the traceback)"
     try:
-        return COMMANDS[command](args)
+        return COMMANDS[command](list(getattr(ns, "args", [])), ns)
     except ConfigError as exc:
         print(f"nemo-replay {command}: {exc}", file=sys.stderr)
         return 2
@@ -216,11 +269,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(exc.code or 0)
     if ns.command is None:
         parser.print_usage(sys.stderr)
-        print("nemo-replay: error: a command is required (train, compare, check, flags, strategies)", file=sys.stderr)
+        print("nemo-replay: error: a command is required (train, compare, check, serve, flags, strategies)", file=sys.stderr)
         return 2
     had_group = _group_initialized()
     try:
-        return _run(ns.command, list(getattr(ns, "args", [])))
+        return _run(ns.command, ns)
     finally:
         # A process group this command created (torchrun, trainer.devices > 1) is torn down
         # here: left to interpreter exit, gloo's threads can abort the process.

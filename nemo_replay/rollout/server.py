@@ -15,7 +15,7 @@ next-token logits ``(V,)`` float. ``routes_fn(token_ids)`` returns the routes
 From the command line, serving the policy of a recipe (``model.pretrained=<path>`` for a
 checkpoint; otherwise the recipe's model built from its sizes)::
 
-    python -m nemo_replay.rollout.server [CONFIG] [key=value ...] --port 8000 --token SECRET
+    nemo-replay serve [CONFIG] [key=value ...] --port 8000 --token SECRET
 
 Hardening, in the order a request meets it:
 
@@ -41,7 +41,6 @@ Hardening, in the order a request meets it:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import ipaddress
@@ -59,7 +58,7 @@ from nemo_replay.rollout.wire import WireError, dumps, loads, support_to_wire
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["GenerateServer", "GenerateRequest", "parse_request", "TOKEN_ENV", "main"]
+__all__ = ["GenerateServer", "GenerateRequest", "parse_request", "TOKEN_ENV", "serve_until_cancelled"]
 
 logger = logging.getLogger(__name__)
 
@@ -359,66 +358,11 @@ class GenerateServer:
         return sample(logits.reshape(1, -1), generator=gen, **sampling)
 
 
-# ---------------------------------------------------------------------------------- command line
-
-
-def server_from_args(argv: Sequence[str]) -> GenerateServer:
-    """Build (not start) the server of ``python -m nemo_replay.rollout.server`` (module doc)."""
-    parser = argparse.ArgumentParser(prog="python -m nemo_replay.rollout.server", description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipe", nargs="*", help="CONFIG and key=value overrides, as for nemo-replay train")
-    parser.add_argument("--host", default="127.0.0.1", help="a loopback address")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--token", default=None, help=f"bearer token clients must send (default: ${TOKEN_ENV}, unset: none)")
-    parser.add_argument("--max-new-tokens-cap", type=int, default=4096)
-    parser.add_argument("--max-body-bytes", type=int, default=16 << 20)
-    parser.add_argument("--body-timeout-s", type=float, default=30.0)
-    parser.add_argument("--max-concurrent", type=int, default=64)
-    args = parser.parse_args(list(argv))
-
-    from nemo_replay.config.loading import load_config
-    from nemo_replay.trainer.hf_backend import build_hf_model
-
-    recipe = list(args.recipe)
-    config = recipe.pop(0) if recipe and "=" not in recipe[0] else None  # as nemo-replay train reads it
-    cfg = load_config(config, recipe)
-    torch.manual_seed(cfg.trainer.seed)
-    model = build_hf_model(cfg).eval()
-
-    @torch.no_grad()
-    def logits_fn(tokens: torch.Tensor) -> torch.Tensor:
-        return model(tokens[None]).logits[0, -1].float()
-
-    return GenerateServer(
-        logits_fn,
-        vocab_size=cfg.model.vocab_size,
-        eos_id=cfg.generation.stop_token_id,
-        host=args.host,
-        port=args.port,
-        token=args.token,
-        max_new_tokens_cap=args.max_new_tokens_cap,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout_s,
-        max_concurrent=args.max_concurrent,
-    )
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    server = server_from_args(sys.argv[1:] if argv is None else argv)
-
-    async def serve() -> None:
-        url = await server.start()
-        print(f"serving POST {url}/generate (auth: {'bearer token' if server._token else 'none'})", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await server.stop()
-
+async def serve_until_cancelled(server: GenerateServer, announce: Callable[[str], None] = print) -> None:
+    """Start ``server``, report its URL through ``announce``, and serve until the task is cancelled."""
+    url = await server.start()
+    announce(f"serving POST {url}/generate (auth: {'bearer token' if server._token else 'none'})")
     try:
-        asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()

@@ -11,7 +11,7 @@ import torch
 from aiohttp import web
 
 from nemo_replay.rollout.client import GenerateClient, GenerateRequestError
-from nemo_replay.rollout.server import TOKEN_ENV, GenerateServer, server_from_args
+from nemo_replay.rollout.server import TOKEN_ENV, GenerateServer
 from nemo_replay.rollout.wire import dumps
 
 V, EOS = 48, 2
@@ -290,8 +290,11 @@ def test_memory_per_request_is_a_small_multiple_of_its_body():
 
 
 def test_command_line_server_serves_a_recipe_model_with_a_token():
-    server = server_from_args(["model.vocab_size=32", "model.num_layers=1", "--port", "0", "--token", "abc",
-                               "--max-new-tokens-cap", "8"])
+    from nemo_replay.cli import _parser, build_server
+
+    ns = _parser()[0].parse_args(["serve", "model.vocab_size=32", "model.num_layers=1", "--port", "0", "--token", "abc",
+                                  "--max-new-tokens-cap", "8"])
+    server = build_server(ns.args, ns)
 
     async def go():
         async with server:
