@@ -63,9 +63,9 @@ persistent buffer, the backward accumulates the U rows into it instead
   place and autograd gets nothing (its accumulation has nothing left to add).
 
 Everything else gets the dense gradient: ``torch.autograd.grad`` (the caller wants the
-gradient returned), no buffer yet (the first
-micro-batch after ``zero_grad(set_to_none=True)``), a buffer of another shape, dtype or
-device, and FSDP2 in its default mode (it reduce-scatters the unsharded gradient as one
+gradient returned, also under ``create_graph``; the backward is once differentiable), no
+buffer yet (the first micro-batch after ``zero_grad(set_to_none=True)``), a buffer of
+another shape, dtype or device, and FSDP2 in its default mode (it reduce-scatters the unsharded gradient as one
 dense tensor and frees it after every backward, so no buffer persists; under
 ``set_requires_gradient_sync(False)`` with the parameter's own dtype as reduce dtype the
 unsharded ``.grad`` persists and the second micro-batch on is accumulated in place).
