@@ -37,6 +37,7 @@ import torch
 
 from nemo_replay.capture import sample
 from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.support.checked import carry_checked
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -241,7 +242,8 @@ def rollout_batch(
     if isinstance(support, PackedTensor) and row_width and row_width > support.values.shape[1]:
         extra = row_width - support.values.shape[1]
         pad = torch.full((support.values.shape[0], extra), -1, dtype=support.values.dtype, device=support.values.device)
-        support = PackedTensor(torch.cat([support.values, pad], 1), support.cu_seqlens)
+        # Trailing -1 columns keep every row valid: the check record carries over.
+        support = carry_checked([support], PackedTensor(torch.cat([support.values, pad], 1), support.cu_seqlens))
     full = [torch.cat([p.to(device=device, dtype=torch.int64), r.to(device=device, dtype=torch.int64)]) for p, r in zip(prompts, responses)]
     sequences, attention_mask = left_pad(full, pad_id, device)
     batch = ReplayBatch(

@@ -7,6 +7,7 @@ import torch
 
 from nemo_replay import score_aligned_support
 from nemo_replay.layout.canonical import canonical_channels
+from nemo_replay.support.checked import checked
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.layout.canonical import position_ids
@@ -58,6 +59,8 @@ def test_replay_reproduces_sampler_logprobs(model, top_k, top_p, stop, width):
     assert isinstance(b.support, RaggedSupport if top_k is None else PackedTensor)
     if top_k is not None:
         assert b.support.values.shape[1] == (width or top_k)
+    # The sampler checked its rows; padding them to the run's width keeps that record.
+    assert checked(b.support) is not None
     if stop is not None:
         for r in ro.responses:  # a response ends at (and keeps) the stop token
             hits = (r == stop).nonzero().flatten().tolist()
