@@ -229,11 +229,11 @@ def test_errors_name_the_problem_and_the_fix():
     am = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
     with pytest.raises(ValueError, match=r"context parallelism \(cp_size=2\) needs packed THD.*packed=True"):
         TokenMetadataLayout.build(am, cp_size=2)
-    with pytest.raises(ValueError, match="row 1 holds 2 separate runs.*several trajectories"):
+    with pytest.raises(ValueError, match="trajectory 1: attention_mask holds 2 separate runs of real tokens"):
         TokenMetadataLayout.build(torch.tensor([[0, 1, 1, 1], [1, 0, 1, 1]], dtype=torch.bool), packed=True)
     with pytest.raises(ValueError, match="row 0 holds value 2 at column 2.*segment ids"):
         TokenMetadataLayout.build(torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1]]), packed=True)
-    with pytest.raises(ValueError, match="row 1 has no real token"):
+    with pytest.raises(ValueError, match="trajectory 1: attention_mask has no real token"):
         TokenMetadataLayout.build(torch.tensor([[1, 1], [0, 0]], dtype=torch.bool))
     with pytest.raises(ValueError, match=r"cp_rank must be an int in \[0, cp_size=2\)"):
         TokenMetadataLayout.build(am, cp_size=2, cp_rank=2, packed=True)

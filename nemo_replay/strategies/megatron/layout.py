@@ -58,6 +58,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_replay.layout.canonical import real_runs
 from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["TokenMetadataLayout", "layout_alignment"]
@@ -102,25 +103,8 @@ def _runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 f"trajectories (segment ids) cannot be expressed by the layout. Pass one trajectory per row "
                 f"(0/1 mask, padded on either side as in ReplayBatch); packed=True packs them into THD sequences itself"
             )
-    real = am.bool()
-    B, S = real.shape
-    lengths = real.sum(1).to(torch.int64)
-    empty = torch.nonzero(lengths == 0).flatten()
-    if empty.numel():
-        raise ValueError(f"attention_mask row {int(empty[0])} has no real token; drop empty rows before replay")
-    # A single contiguous run of real tokens per row: count rising edges.
-    edges = real[:, :1].to(torch.int64) + (real[:, 1:] & ~real[:, :-1]).sum(1, keepdim=True)
-    multi = torch.nonzero(edges.flatten() > 1).flatten()
-    if multi.numel():
-        b = int(multi[0])
-        raise ValueError(
-            f"attention_mask row {b} holds {int(edges[b])} separate runs of real tokens: a row with several "
-            f"trajectories cannot be expressed by the layout (their positions and next-token targets would "
-            f"run into each other). Split the row into one trajectory per row; packed=True packs them into "
-            f"THD sequences with cu_seqlens_padded"
-        )
-    starts = torch.argmax(real.to(torch.int8), dim=1).to(torch.int64)
-    return starts, lengths
+    starts, ends = real_runs(am)  # one contiguous run per row, named when not
+    return starts, ends - starts
 
 
 @dataclass(frozen=True, eq=False)
