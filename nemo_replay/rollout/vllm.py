@@ -435,22 +435,12 @@ def support_from_vllm_output(
     token_ids = getattr(output, "token_ids", None)
     if token_ids is None:
         raise ValueError(f"{where}: expected a vllm CompletionOutput (token_ids, logprobs, sampling_mask), got {type(output).__name__}")
-    token_ids = list(token_ids)
-    mask, lp = getattr(output, "sampling_mask", None), getattr(output, "logprobs", None)
-    if mask is not None:
-        logprobs = None
-        if lp is not None:
-            positions, _ = _positions(lp, where)
-            logprobs = _own_logprobs(positions, sampled_tensor(token_ids, len(positions), where), None, where)
-        return support_from_vllm_sampling_mask(
-            mask, token_ids, logprobs=logprobs, width=width, vocab_size=vocab_size, sampling_params=sampling_params
-        )
-    if lp is None:
-        raise ValueError(
-            f"{where}: the output has neither sampling_mask nor logprobs; start vLLM with --return-sampling-mask, "
-            f"or request SamplingParams(logprobs=top_k + 1) with --logprobs-mode processed_logprobs"
-        )
-    return support_from_vllm_logprobs(lp, token_ids, width=width, vocab_size=vocab_size, sampling_params=sampling_params)
+    return _mask_or_logprobs(
+        list(token_ids), getattr(output, "sampling_mask", None), getattr(output, "logprobs", None), where,
+        missing="the output has neither sampling_mask nor logprobs; start vLLM with --return-sampling-mask, or request "
+        "SamplingParams(logprobs=top_k + 1) with --logprobs-mode processed_logprobs",
+        width=width, vocab_size=vocab_size, sampling_params=sampling_params,
+    )
 
 
 def support_from_vllm_generate(
@@ -472,21 +462,26 @@ def support_from_vllm_generate(
             f"{where}: expected one element of the response's 'choices' with 'token_ids' (output_mode \"tokens\"), "
             f"got {type(choice).__name__}"
         )
-    token_ids, mask, lp = choice["token_ids"], choice.get("sampling_mask"), choice.get("logprobs")
+    return _mask_or_logprobs(
+        choice["token_ids"], choice.get("sampling_mask"), choice.get("logprobs"), where,
+        missing="the choice has neither 'sampling_mask' nor 'logprobs'; start vLLM with --return-sampling-mask, or send "
+        "\"sampling_params\": {\"logprobs\": top_k + 1} to a server with --logprobs-mode processed_logprobs",
+        width=width, vocab_size=vocab_size, sampling_params=sampling_params,
+    )
+
+
+def _mask_or_logprobs(token_ids: list, mask, lp, where: str, *, missing: str, **options) -> EngineSupport:
+    """The exact rows of a sampling mask (with the sampled log-probs when ``lp`` came too), else
+    the processed log-probs; ``missing`` says what to turn on when neither came."""
     if mask is not None:
         logprobs = None
         if lp is not None:
             positions, reported = _positions(lp, where)
             logprobs = _own_logprobs(positions, sampled_tensor(token_ids, len(positions), where), reported, where)
-        return support_from_vllm_sampling_mask(
-            mask, token_ids, logprobs=logprobs, width=width, vocab_size=vocab_size, sampling_params=sampling_params
-        )
+        return support_from_vllm_sampling_mask(mask, token_ids, logprobs=logprobs, **options)
     if lp is None:
-        raise ValueError(
-            f"{where}: the choice has neither 'sampling_mask' nor 'logprobs'; start vLLM with --return-sampling-mask, "
-            f"or send \"sampling_params\": {{\"logprobs\": top_k + 1}} to a server with --logprobs-mode processed_logprobs"
-        )
-    return support_from_vllm_logprobs(lp, token_ids, width=width, vocab_size=vocab_size, sampling_params=sampling_params)
+        raise ValueError(f"{where}: {missing}")
+    return support_from_vllm_logprobs(lp, token_ids, **options)
 
 
 assert set(FLAG_REASONS) >= {"not_fully_visible", "wider_than_row"}
