@@ -183,8 +183,19 @@ def _check_shapes(logprobs: torch.Tensor, mask: torch.Tensor) -> None:
         )
 
 
+class _ClippedRatio:
+    """What the clipped objectives share: their clip and KL settings checked at construction, and
+    the batch fields every one of them reads (``advantages``; ``ref_logprobs`` with a KL term)."""
+
+    def __post_init__(self) -> None:
+        _check_clip(type(self).__name__, self.clip_eps, self.clip_eps_high, self.kl_coef)
+
+    def check(self, batch) -> list[str]:
+        return missing_fields(batch, ("advantages",) + (("ref_logprobs",) if self.kl_coef > 0 else ()))
+
+
 @dataclass(frozen=True)
-class TokenRatioObjective:
+class TokenRatioObjective(_ClippedRatio):
     """PPO/GRPO clipped surrogate with per-token ratios, plus ``kl_coef`` * k3 KL.
 
     Reads ``batch.advantages`` ((B,) or (B, A)), ``batch.old_logprobs`` (None: on-policy,
@@ -195,12 +206,6 @@ class TokenRatioObjective:
     clip_eps: float = 0.2
     clip_eps_high: Optional[float] = None
     kl_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_clip(type(self).__name__, self.clip_eps, self.clip_eps_high, self.kl_coef)
-
-    def check(self, batch) -> list[str]:
-        return missing_fields(batch, ("advantages",) + (("ref_logprobs",) if self.kl_coef > 0 else ()))
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
@@ -213,7 +218,7 @@ class TokenRatioObjective:
 
 
 @dataclass(frozen=True)
-class SequenceRatioObjective:
+class SequenceRatioObjective(_ClippedRatio):
     """GSPO: a clipped surrogate over sequence-level ratios, plus ``kl_coef`` * k3 KL.
 
     ``s_i = exp(sum_t m_it (logp_it - old_it) / sum_t m_it)`` over trajectory i's loss-active
@@ -227,12 +232,6 @@ class SequenceRatioObjective:
     clip_eps: float = 3e-4
     clip_eps_high: Optional[float] = 4e-4
     kl_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_clip(type(self).__name__, self.clip_eps, self.clip_eps_high, self.kl_coef)
-
-    def check(self, batch) -> list[str]:
-        return missing_fields(batch, ("advantages",) + (("ref_logprobs",) if self.kl_coef > 0 else ()))
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
@@ -263,7 +262,7 @@ class SequenceRatioObjective:
 
 
 @dataclass(frozen=True)
-class TruncatedISObjective:
+class TruncatedISObjective(_ClippedRatio):
     """:class:`TokenRatioObjective` with each token's term weighted by ``min(exp(old - rollout), cap)``.
 
     ``old`` is the trainer's old-policy log-prob (``batch.old_logprobs``, required) and
@@ -277,13 +276,12 @@ class TruncatedISObjective:
     kl_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_clip(type(self).__name__, self.clip_eps, self.clip_eps_high, self.kl_coef)
+        super().__post_init__()
         if not self.cap > 0:
             raise ValueError(f"TruncatedISObjective: cap must be > 0 (the largest importance weight), got {self.cap}")
 
     def check(self, batch) -> list[str]:
-        names = ("advantages", "old_logprobs", "rollout_logprobs") + (("ref_logprobs",) if self.kl_coef > 0 else ())
-        return missing_fields(batch, names)
+        return super().check(batch) + missing_fields(batch, ("old_logprobs", "rollout_logprobs"))
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
