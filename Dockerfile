@@ -16,6 +16,8 @@ COPY setup.py README.md pytest.ini ./
 COPY nemo_replay ./nemo_replay
 COPY configs ./configs
 COPY recipes ./recipes
+COPY benchmarks ./benchmarks
+COPY docs ./docs
 COPY tests ./tests
 
 # NGC images set PIP_CONSTRAINT to pin torch and the NVIDIA stack, so pip keeps the image's
