@@ -4,7 +4,8 @@
 
 prints one JSON line: ``peak_delta`` (bytes above the resident set once the inputs exist,
 from the kernel's VmHWM after resetting it through /proc/self/clear_refs), ``input_bytes``,
-``seconds`` and ``checksum`` (sum of the log-probs, to compare the two variants).
+``seconds``, ``checksum`` (sum of the log-probs) and ``max_error`` (largest per-token distance
+of the log-probs from a float64 reference, computed after the peak is read).
 
 Variants, same float32 inputs (hidden [T, H], LM head [V, H], one row of k distinct ids
 per token, every token loss-active, gradients for hidden and weight):
@@ -55,12 +56,17 @@ def measure(variant: str, tokens: int, vocab: int, hidden_size: int, k: int) -> 
     out.logprobs.sum().backward()
     seconds = time.perf_counter() - start
     peak = _status_kib("VmHWM")
+    with torch.no_grad():
+        logits64 = hidden.double() @ weight.double().T
+        reference = logits64.gather(1, sampled[:, None]).squeeze(1) - logits64.gather(1, rows.long()).logsumexp(1)
+        max_error = float((out.logprobs.detach().double() - reference).abs().max())
     return {
         "variant": variant,
         "peak_delta": (peak - base) * 1024,
         "input_bytes": input_bytes,
         "seconds": seconds,
         "checksum": float(out.logprobs.detach().double().sum()),
+        "max_error": max_error,
         "grad_norms": [float(hidden.grad.norm()), float(weight.grad.norm())],
     }
 

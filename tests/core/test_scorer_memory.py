@@ -52,8 +52,11 @@ def test_hidden_mode_peak_under_half_of_full_logits_path_measured():
     sizes = (1024, 32768, 256, 64)
     support, full = _measure("support", *sizes), _measure("full", *sizes)
     assert support["peak_delta"] < 0.5 * full["peak_delta"], (support, full)
-    # Same numbers either way (float32, summed over 1024 tokens).
-    assert abs(support["checksum"] - full["checksum"]) < 1e-6 * abs(full["checksum"]) + 1e-3, (support, full)
+    # Both compute the same log-probs. Hidden mode is held to float32 accuracy against
+    # float64; the full path's error is the platform BLAS's (a CI machine's fp32 matmul
+    # put its sum over 1024 tokens 0.013 away), so it only has to be the same quantity.
+    assert support["max_error"] < 1e-4, support
+    assert full["max_error"] < 1e-2, full
     for a, b in zip(support["grad_norms"], full["grad_norms"]):
         assert abs(a - b) < 1e-4 * b, (support, full)
 
@@ -64,4 +67,4 @@ def test_hidden_mode_peak_under_half_of_full_logits_path_full_size():
     support, full = _measure("support", *sizes), _measure("full", *sizes)
     assert full["peak_delta"] > 2 * GiB, full  # the full path really built [tokens, V] logits
     assert support["peak_delta"] < 0.5 * full["peak_delta"], (support, full)
-    assert abs(support["checksum"] - full["checksum"]) < 1e-6 * abs(full["checksum"]) + 1e-2, (support, full)
+    assert support["max_error"] < 1e-4 and full["max_error"] < 1e-2, (support, full)
