@@ -349,14 +349,15 @@ def _membership(ids_all: torch.Tensor, sampled: torch.Tensor):
     """(member (N,) bool, col (N,) int64): whether the sampled id is in the row, and its column.
 
     Compared in the rows' dtype (max over 0/1 bytes: column 0 when absent), then confirmed
-    in int64 so a sampled id that wraps in that dtype cannot pass as a member.
+    in int64 so a sampled id that wraps in that dtype cannot pass as a member. A sampled id
+    of -1 would match a row's padding, so it is never a member.
     """
     N, w = ids_all.shape
     if w == 0:
         return torch.zeros(N, dtype=torch.bool, device=ids_all.device), torch.zeros(N, dtype=torch.int64, device=ids_all.device)
     found, col = (ids_all == sampled.to(ids_all.dtype)[:, None]).view(torch.uint8).max(1)
     exact = ids_all.gather(1, col[:, None]).squeeze(1).to(torch.int64) == sampled
-    return found.bool() & exact, col
+    return found.bool() & exact & (sampled >= 0), col
 
 
 class _Reads:

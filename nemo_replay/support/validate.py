@@ -173,7 +173,9 @@ def validate_support_rows(
             )
         has_row = ~pad[:, 0]
         # Compared in int64: a sampled id cast down to a narrow row dtype could wrap onto a member.
-        member = (_wide(values).to(torch.int64) == sampled_ids.to(device=values.device, dtype=torch.int64)[:, None]).any(1)
+        # Padding entries never match: a sampled id of -1 is not a member of a padded row.
+        wide = _wide(values).to(torch.int64)
+        member = ((wide == sampled_ids.to(device=values.device, dtype=torch.int64)[:, None]) & (wide >= 0)).any(1)
         missing = has_row & ~member
         if missing.any():
             row = int(torch.nonzero(missing)[0])

@@ -219,6 +219,19 @@ def test_sampled_not_in_row_names_trajectory_and_position(case, form):
     assert out.logprobs[1, t] == 0 and not out.scored_mask[1, t]
 
 
+@pytest.mark.parametrize("form", ["packed", "ragged"])
+def test_sampled_minus_one_does_not_match_row_padding(case, form):
+    """A sampled id of -1 in a row padded with -1 is not a member (it scored the padding's fill, -3.4e38)."""
+    t = next(t for t in _valid_positions(case, 1) if len(case.sets[int(case.row_ids[1, t])]) < 5)
+    sampled = case.sampled_ids.clone()
+    sampled[1, t] = -1
+    support = case.support if form == "packed" else RaggedSupport.from_padded(case.support)
+    with pytest.raises(ValueError, match=rf"trajectory 1, logit position {t}: sampled token -1 is not a member"):
+        _score(case, sampled_ids=sampled, support=support)
+    with pytest.raises(ValueError, match=rf"trajectory 1, logit position {t}: sampled token -1 is not a member"):
+        _score(case, sampled_ids=sampled, support=support, source=case.hidden, lm_head_weight=case.weight)
+
+
 def test_off_by_one_rows_are_caught(case):
     """Row ids shifted one position right (placed at token instead of logit positions)."""
     rows = torch.full_like(case.row_ids, -1)

@@ -47,6 +47,9 @@ def test_sampled_token_must_be_a_member():
     with pytest.raises(ValueError, match=r"support: trajectory 1, row 2: sampled token 7 is not a member of its support "
                                          r"row \[8, 6, 5, -1\]; rows and tokens are misaligned"):
         validate_support_rows(_rows(), cu_seqlens=CU, sampled_ids=torch.tensor([1, 9, 0, 4, 7]))
+    # -1 does not match a row's -1 padding.
+    with pytest.raises(ValueError, match=r"trajectory 1, row 2: sampled token -1 is not a member"):
+        validate_support_rows(_rows(), cu_seqlens=CU, sampled_ids=torch.tensor([1, 9, 0, 4, -1]))
     with pytest.raises(ValueError, match=r"sampled_ids has shape \(4,\), expected \(5,\)"):
         validate_support_rows(_rows(), sampled_ids=torch.tensor([1, 9, 0, 4]))
 
