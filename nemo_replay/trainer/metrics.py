@@ -109,16 +109,28 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _after(line: str, last: int) -> bool:
+    """Whether a metrics line is not among a checkpoint's rows up to step ``last``: a later step, or unreadable."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return True
+    return not isinstance(row, dict) or not isinstance(row.get("step"), int) or row["step"] > last
+
+
 def restore_rows(path: Union[str, os.PathLike], rows: Sequence[dict]) -> Optional[Path]:
     """Make ``path`` hold exactly ``rows`` (a checkpoint's history) before a resumed run appends.
 
     Rows already there past the last of ``rows`` are kept in a side file next to it, whose
-    path is returned (None when there were none).
+    path is returned (None when there were none); so is a line that does not parse (the
+    last row of a process killed while appending it), which would otherwise block the resume.
     """
     path = Path(path)
     existing = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
     last = rows[-1]["step"] if rows else -1
-    extra = [line for line in existing if line.strip() and json.loads(line).get("step", -1) > last]
+    extra = [line for line in existing if line.strip() and _after(line, last)]
+    if extra and not extra[-1].endswith("\n"):
+        extra[-1] += "\n"
     side = None
     if extra:
         side = path.with_name(f"{path.stem}.after-step-{last}-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
