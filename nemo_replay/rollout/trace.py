@@ -482,18 +482,19 @@ class RouteTrace:
         self._requests += 1
 
     def _cast(self, routes: torch.Tensor, where: str) -> torch.Tensor:
-        """``routes`` in the trace's dtype; values checked in int64 against ``[-1, dtype max]``."""
+        """``routes`` in the trace's dtype, every value checked against ``[-1, dtype max]`` first."""
         if routes.dtype.is_floating_point or routes.dtype.is_complex or routes.dtype == torch.bool:
             raise ValueError(f"{where}: routes have dtype {routes.dtype}, expected integer expert ids")
-        if routes.dtype == self.dtype or routes.numel() == 0:
+        if routes.numel() == 0:
             return routes.to(self.dtype)
-        wide = routes.to(torch.int64)
-        lo, hi = int(wide.min()), int(wide.max())
+        # Also in the trace's own dtype (-7 is no expert id either); read as Python ints, so a
+        # uint8 array is never compared with -1 in its own dtype.
+        lo, hi = (int(v) for v in torch.aminmax(routes))
         if lo < -1:
             raise ValueError(f"{where}: routes hold expert id {lo}; expert ids are >= 0, or -1 for none")
         if hi > torch.iinfo(self.dtype).max:
             raise ValueError(f"{where}: expert id {hi} does not fit the trace's {self.dtype}; build the RouteTrace with a wider dtype")
-        return wide.to(self.dtype)
+        return routes.to(self.dtype)
 
     def finish(self, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The routes of all tokens, ``(num_tokens, layers, topk)``, ``-1`` where none was recorded.

@@ -223,6 +223,14 @@ def test_route_trace_keeps_minus_one_representable_and_widens_engine_routes():
         small.add_request(torch.tensor([[[300]]]), start=0, num_generated=0)
     with pytest.raises(ValueError, match=r"expert id -2"):
         small.add_request(torch.tensor([[[-2]]]), start=0, num_generated=0)
+    # Routes already in the trace's dtype (the default int32) get the same check: -7 is no expert id.
+    same = RouteTrace(num_layers=1, topk=2)
+    same.add_tokens(2)
+    with pytest.raises(ValueError, match=r"RouteTrace request 0: routes hold expert id -7; expert ids are >= 0, or -1"):
+        same.add_request(torch.tensor([[[3, -7]], [[1, 0]]], dtype=torch.int32), start=0, num_generated=0)
+    assert same.request_start == 0  # nothing was stored
+    same.add_request(torch.tensor([[[3, -1]], [[1, 0]]], dtype=torch.int32), start=0, num_generated=0)
+    assert same.finish().tolist() == [[[3, -1]], [[1, 0]]]
 
 
 def test_support_rows_are_range_checked_before_the_int32_cast():
