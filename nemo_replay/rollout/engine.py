@@ -187,20 +187,12 @@ def assemble(
     if any(t < 0 or t > _INT32_MAX for t in flat):
         bad = next(t for t in flat if t < 0 or t > _INT32_MAX)
         raise ValueError(f"{where}: support holds token id {bad}, outside [0, 2**31)")
-    members = torch.tensor(flat, dtype=torch.int32)
-    lengths = [len(r) for r in kept]
-    one_segment = torch.tensor([0, n], dtype=torch.int32)
-    if width is None:
-        support: Union[PackedTensor, RaggedSupport] = RaggedSupport(
-            members, lengths_to_cu_seqlens(lengths).to(torch.int64), one_segment
-        )
-    else:
-        values = torch.full((n, width), -1, dtype=torch.int32)
-        if n:
-            cols = torch.cat([torch.arange(k) for k in lengths]) if flat else torch.empty(0, dtype=torch.int64)
-            row_of = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))
-            values[row_of, cols] = members
-        support = PackedTensor(values, one_segment)
+    ragged = RaggedSupport(
+        torch.tensor(flat, dtype=torch.int32),
+        lengths_to_cu_seqlens([len(r) for r in kept]).to(torch.int64),
+        torch.tensor([0, n], dtype=torch.int32),
+    )
+    support: Union[PackedTensor, RaggedSupport] = ragged if width is None else ragged.to_padded(width)
     validate_support(support, sampled_ids=sampled, vocab_size=vocab_size, where=where)
     if flagged.any():
         at = torch.nonzero(flagged).flatten().tolist()
