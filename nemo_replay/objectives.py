@@ -90,26 +90,42 @@ def _surrogate(ratio, advantages, clip_low: float, clip_high: float):
     return torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
 
 
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, empty: float) -> torch.Tensor:
+    """0-d float64 mean of ``x`` over ``mask``, ``empty`` when the mask is empty; no host sync."""
+    n = mask.sum()
+    mean = torch.where(mask, x.double(), 0.0).sum() / n.clamp(min=1)
+    return torch.where(n > 0, mean, torch.full_like(mean, empty))
+
+
 def _ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor, clip_low: float, clip_high: float) -> dict:
+    """``ratio_mean``, ``ratio_max_dev``, ``clip_fraction`` over ``mask`` as 0-d device tensors (read by :func:`_read`)."""
     with torch.no_grad():
-        r = ratio[mask]
-        if not r.numel():
-            return {"ratio_mean": 1.0, "ratio_max_dev": 0.0, "clip_fraction": 0.0}
+        r = ratio.detach()
         clipped = (r < 1 - clip_low) | (r > 1 + clip_high)
+        dev = torch.where(mask, (r.double() - 1).abs(), 0.0)
         return {
-            "ratio_mean": float(r.mean()),
-            "ratio_max_dev": float((r - 1).abs().max()),
-            "clip_fraction": float(clipped.double().mean()),
+            "ratio_mean": _masked_mean(r, mask, 1.0),
+            "ratio_max_dev": dev.amax() if dev.numel() else dev.new_zeros(()),
+            "clip_fraction": _masked_mean(clipped, mask, 0.0),
         }
 
 
 def _kl_term(logprobs, ref_logprobs, mask, kl_coef: float):
-    """(kl_coef * mean k3 over ``mask``, its detached float) or (0, None) without a reference."""
+    """(kl_coef * mean k3 over ``mask``, its detached 0-d tensor) or (0, None) without a reference."""
     if ref_logprobs is None:
         return 0.0, None
     kl = kl_k3(logprobs, ref_logprobs.detach())
     kl_mean = (kl * mask).sum() / mask.sum().clamp(min=1)
-    return (kl_coef * kl_mean if kl_coef > 0 else 0.0), float(kl_mean.detach())
+    return (kl_coef * kl_mean if kl_coef > 0 else 0.0), kl_mean.detach()
+
+
+def _read(metrics: dict) -> dict:
+    """The 0-d metric tensors as Python floats, in ONE host read (the backward is not queued until it returns)."""
+    names = [n for n, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if not names:
+        return dict(metrics)
+    values = torch.stack([metrics[n].detach().to(torch.float64) for n in names]).tolist()
+    return {**metrics, **dict(zip(names, values))}
 
 
 def clipped_policy_loss(
@@ -139,8 +155,18 @@ def clipped_policy_loss(
     Returns:
         loss: scalar, ``-mean(w * min(ratio * A, clip(ratio) * A)) + kl_coef * mean(kl)``.
         metrics: ``ratio_mean``, ``ratio_max_dev`` (max |ratio - 1|), ``clip_fraction``,
-            ``kl`` (when a reference is given), as Python floats.
+            ``kl`` (when a reference is given), as Python floats read in one host read.
     """
+    loss, metrics = _clipped_policy_loss(
+        logprobs, old_logprobs, advantages, loss_mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+        kl_coef=kl_coef, ref_logprobs=ref_logprobs, weights=weights,
+    )
+    return loss, _read(metrics)
+
+
+def _clipped_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_eps, clip_eps_high, kl_coef,
+                         ref_logprobs, weights) -> tuple[torch.Tensor, dict]:
+    """:func:`clipped_policy_loss` with its metrics left as 0-d device tensors."""
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs: run the reference role first or set kl_coef=0")
     high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -258,7 +284,7 @@ class SequenceRatioObjective(_ClippedRatio):
         kl_loss, kl = _kl_term(logprobs, ref, mask, self.kl_coef)
         if kl is not None:
             metrics["kl"] = kl
-        return loss + kl_loss, metrics
+        return loss + kl_loss, _read(metrics)
 
 
 @dataclass(frozen=True)
@@ -290,16 +316,14 @@ class TruncatedISObjective(_ClippedRatio):
         mask = mask.bool()
         log_w = torch.where(mask, old - rollout, torch.zeros_like(old))
         weights = torch.exp(log_w).clamp(max=self.cap)
-        loss, metrics = clipped_policy_loss(
+        loss, metrics = _clipped_policy_loss(
             logprobs, old, _field(batch, "advantages", logprobs), mask, clip_eps=self.clip_eps,
             clip_eps_high=self.clip_eps_high, kl_coef=self.kl_coef,
             ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True), weights=weights,
         )
-        with torch.no_grad():
-            w = weights[mask]
-            metrics["tis_weight_mean"] = float(w.mean()) if w.numel() else 1.0
-            metrics["tis_truncated_fraction"] = float((w >= self.cap).double().mean()) if w.numel() else 0.0
-        return loss, metrics
+        metrics["tis_weight_mean"] = _masked_mean(weights, mask, 1.0)
+        metrics["tis_truncated_fraction"] = _masked_mean(weights >= self.cap, mask, 0.0)
+        return loss, _read(metrics)
 
 
 def _check_clip(name: str, low: float, high: Optional[float], kl_coef: float) -> None:

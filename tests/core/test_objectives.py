@@ -255,3 +255,22 @@ def test_objectives_name_what_they_need():
         TokenRatioObjective()(lp, empty, torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"logprobs and mask of one shape \(B, A\), got \(2, 3\) and \(2, 2\)"):
         SequenceRatioObjective()(lp, empty, torch.ones(2, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("make", [lambda: TokenRatioObjective(kl_coef=0.1), lambda: SequenceRatioObjective(kl_coef=0.1),
+                                  lambda: TruncatedISObjective(kl_coef=0.1)])
+def test_objective_metrics_cost_one_host_read(make):
+    """Metrics are read in one host read per micro-batch (the backward waits behind each read), with the
+    empty-mask defaults kept."""
+    from benchmarks.syncs import HostReads
+
+    lp, batch, mask = _objective_batch(9, per_token=True)
+    obj = make()
+    with HostReads() as reads:
+        _, metrics = obj(lp, batch, mask)
+    assert reads.total == 1, dict(reads.where)
+    assert all(isinstance(v, float) for v in metrics.values()), metrics
+    _, empty = obj(lp, batch, torch.zeros_like(mask))
+    assert empty["ratio_mean"] == 1.0 and empty["ratio_max_dev"] == 0.0 and empty["clip_fraction"] == 0.0
+    if isinstance(obj, TruncatedISObjective):
+        assert empty["tis_weight_mean"] == 1.0 and empty["tis_truncated_fraction"] == 0.0
