@@ -175,6 +175,12 @@ def assemble(
         logprobs: (n,) float32 or None.
         reasons: counts of upstream flags by reason; updated here.
     """
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+        # 0 would flag every position, a float would fail deep in indexing: neither is a row width.
+        raise ValueError(
+            f"{where}: width={width!r}; expected an int >= 1 (fixed rows, e.g. the request's top_k) or None "
+            f"(ragged rows, every support whole)"
+        )
     n = len(rows)
     flagged = torch.tensor([r is None for r in rows], dtype=torch.bool)
     kept = [list(r) if r is not None else [] for r in rows]

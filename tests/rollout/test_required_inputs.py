@@ -11,7 +11,9 @@ from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.rollout.client import GenerateClient
 from nemo_replay.rollout.collate import collate_routes, collate_support
 from nemo_replay.rollout.server import GenerateServer
+from nemo_replay.rollout.sglang import support_from_sglang_meta_info
 from nemo_replay.rollout.trace import RouteTrace, SupportTrace, TokenAlignedAccumulator
+from nemo_replay.rollout.vllm import support_from_vllm_sampling_mask
 from nemo_replay.rollout.wire import WireError, decode_envelope, encode_array, support_to_wire
 from nemo_replay.support.packed import PackedTensor
 
@@ -33,6 +35,10 @@ CASES = [
     (lambda: GenerateServer(None, vocab_size=8), ValueError, "logits_fn .* must be callable"),
     (lambda: GenerateServer(lambda t: t, vocab_size=None), ValueError, "vocab_size=None"),
     (lambda: GenerateClient(None), ValueError, "base_url=None"),
+    # A row width of 0 flagged every position, 2.0 failed in indexing, True passed as 1.
+    (lambda: support_from_vllm_sampling_mask([[5, 1]], [5], width=0), ValueError, r"vLLM sampling-mask adapter: width=0; expected an int >= 1"),
+    (lambda: support_from_vllm_sampling_mask([[5, 1]], [5], width=2.0), ValueError, r"width=2.0; expected an int >= 1 .* or None"),
+    (lambda: support_from_sglang_meta_info({"output_token_sampling_mask": [[5, 1]]}, [5], width=True), ValueError, r"SGLang sampling-mask adapter: width=True"),
 ]
 
 
@@ -47,3 +53,5 @@ def test_the_checked_paths_still_accept_good_input():
     out = collate_support([ROWS], response_lengths=[2], sampled_ids=[torch.tensor([5, 9])])
     assert out.values.tolist() == ROWS.tolist()
     assert decode_envelope({"data": "AQI=", "shape": [2], "dtype": "uint8"}).tolist() == [1, 2]
+    rows = support_from_vllm_sampling_mask([[5, 1], [9], [2, 7, 3]], [1, 9, 3], width=2)
+    assert rows.support.values.tolist() == [[5, 1], [9, -1], [-1, -1]] and rows.flagged.tolist() == [False, False, True]
