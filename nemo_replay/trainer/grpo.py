@@ -124,6 +124,16 @@ class GRPOTrainer:
         # Before any model is built: a folder that cannot be used fails in seconds.
         self.run_dir = prepare_run_dir(cfg, self.fabric, output_suffix)
         self.output_dir = self.run_dir.path
+        try:
+            self._build(backend)
+        except BaseException:
+            # The folder's lock is this process's: a retry here (a notebook, a test) must find it free.
+            self.run_dir.release()
+            raise
+
+    def _build(self, backend) -> None:
+        """Models, optimizer, task, engine, RNGs, logger and checkpoints; then resume or record the recipe."""
+        cfg = self.cfg
         seed_all(cfg.trainer.seed, self.fabric)
         self.device = self.fabric.device
         self.backend = backend or make_backend(cfg, self.fabric)
@@ -272,9 +282,14 @@ class GRPOTrainer:
         ends the loop after the step in flight, with a checkpoint (:mod:`.preemption`).
         """
         signals = StopSignals(announce=self.fabric.is_global_zero)
-        with signals:
-            stopped_by = self._loop(signals)
-        return self._finish(stopped_by)
+        try:
+            with signals:
+                stopped_by = self._loop(signals)
+            return self._finish(stopped_by)
+        finally:
+            # Also when a step fails (a non-finite update, a lost rank): the folder is free again
+            # for this process, whose next run there resumes from the last checkpoint.
+            self.run_dir.release()
 
     def _loop(self, signals: StopSignals) -> Optional[str]:
         """The steps; returns the stop signal's name when one ended the loop early."""
@@ -311,7 +326,7 @@ class GRPOTrainer:
                 bar.close()
 
     def _finish(self, stopped_by: Optional[str]) -> RunResult:
-        """Plot and summary.json (rank 0), release the folder; the result on every rank."""
+        """Plot and summary.json (rank 0); the result on every rank."""
         summary = summarize(self.history)
         if self.fabric.is_global_zero:
             if self.cfg.trainer.plot and self.history:
@@ -319,7 +334,6 @@ class GRPOTrainer:
                 plot_runs([(label, self.history)], self.output_dir / "metrics.png", title=f"{self.cfg.replay.strategy}, {label}")
             write_summary(self.output_dir / "summary.json", dict(summary, stopped_by=stopped_by, first_step=self.start_step))
         self.fabric.barrier()
-        self.run_dir.release()
         return RunResult(self.output_dir, self.history, summary, stopped_by, self.checkpoints.last, self.start_step)
 
 

@@ -201,3 +201,22 @@ def test_non_finite_updates_stop_the_run_naming_step_quantity_and_causes(tmp_pat
     trainer = GRPOTrainer(load_config(overrides=tiny(tmp_path / "b", "trainer.lr=1e12", steps=3)))
     with pytest.raises(NonFiniteError, match=r"^step 1: sampling met non-finite logits .* trainer.lr=1e\+12 too large"):
         trainer.fit()
+
+
+def test_a_failed_run_frees_its_folder_for_the_next_run_in_the_same_process(tmp_path):
+    out = tmp_path / "run"
+    recipe = tiny(out, "trainer.lr=1e6", "trainer.checkpoint_every=1", steps=3)
+
+    class Broken:
+        def build_models(self):
+            raise RuntimeError("no models today")
+
+    with pytest.raises(RuntimeError, match="no models today"):  # fails after the folder was taken
+        GRPOTrainer(load_config(overrides=recipe), backend=Broken())
+    trainer = GRPOTrainer(load_config(overrides=recipe))
+    with pytest.raises(NonFiniteError, match="^step 1, minibatch 0: "):
+        trainer.fit()
+    # Same process, same command: it resumes after the last good step instead of finding the folder in use.
+    again = GRPOTrainer(load_config(overrides=recipe))
+    assert again.start_step == 1 and [r["step"] for r in again.history] == [0]
+    again.run_dir.release()
