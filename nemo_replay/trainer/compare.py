@@ -18,7 +18,6 @@ Output folder: ``<dir>/replay-on``, ``<dir>/replay-off`` (each a normal run fold
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -26,7 +25,7 @@ from typing import Optional
 from nemo_replay.config.schema import RecipeConfig
 from nemo_replay.config.validation import resolve_engine
 from nemo_replay.trainer.grpo import GRPOTrainer, RunResult
-from nemo_replay.trainer.metrics import plot_runs
+from nemo_replay.trainer.metrics import plot_runs, write_summary
 from nemo_replay.trainer.rundir import default_run_name, new_run_dir
 from nemo_replay.trainer.runtime import launch_fabric
 
@@ -120,7 +119,7 @@ def run_compare(cfg: RecipeConfig) -> CompareResult:
             ),
         )
         summary = {"replay_on": out.replay_on.summary, "replay_off": out.replay_off.summary, "effects": fx}
-        (root / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_summary(root / "summary.json", summary)
     fabric.barrier()
     return out
 

@@ -40,8 +40,13 @@ PLOTTED = (
 
 
 def _clean(value: Any) -> Any:
+    """``value`` as strict JSON holds it: non-finite floats as None, tensors as numbers, nested dicts and lists too."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
     if hasattr(value, "item"):
         return _clean(value.item())
     return value
@@ -140,9 +145,9 @@ def restore_rows(path: Union[str, os.PathLike], rows: Sequence[dict]) -> Optiona
 
 
 def write_summary(path: Union[str, os.PathLike], summary: dict) -> Path:
-    """``summary.json`` (non-finite values as null), written atomically."""
+    """``summary.json`` (non-finite values as null, nested ones too), written atomically."""
     path = Path(path)
-    _write_atomic(path, json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2) + "\n")
+    _write_atomic(path, json.dumps(_clean(summary), indent=2, allow_nan=False) + "\n")
     return path
 
 

@@ -20,6 +20,7 @@ def test_compare_replay_on_vs_off(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "NaN" not in (tmp_path / "summary.json").read_text() and summary["effects"]["engine"] == "hf"  # strict JSON
     on, off = summary["replay_on"], summary["replay_off"]
     assert on["mismatch_max"] < 1e-5 and on["first_step_ratio_max_dev"] < 1e-5
     assert off["mismatch_mean"] > 1e-2 and off["first_step_ratio_max_dev"] > 1e-2
