@@ -53,6 +53,7 @@ import torch
 
 from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.rollout.capture import check_capture_settings
+from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -269,8 +270,9 @@ class SupportRecorder:
             vocab_size: ids must be below it when given.
 
         Raises:
-            ValueError when a completion is longer than the steps recorded, holds a token
-            other than the one fed back to the model at that step, or a token outside its row.
+            ValueError when a completion is longer than the steps recorded or holds a token
+            other than the one fed back to the model at that step; SupportAlignmentError (a
+            ValueError) for a token outside its row.
         """
         where = "support capture (transformers generate)"
         B = self.steps[0].offsets.numel() - 1 if self.steps else len(completions)
@@ -330,7 +332,7 @@ class SupportRecorder:
             missing = (sampled[:, t] >= 0) & ~found
             if missing.any():
                 i = int(torch.nonzero(missing)[0])
-                raise ValueError(
+                raise SupportAlignmentError(
                     f"{where}: completion {i}, token {t} ({int(sampled[i, t])}) is not a member of the support "
                     f"recorded at that step {st.members[st.offsets[i] : st.offsets[i + 1]].tolist()[:16]}; the "
                     f"completions are not the tokens generate sampled"

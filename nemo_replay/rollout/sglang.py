@@ -50,6 +50,7 @@ from nemo_replay.rollout.engine import (
     strict_int,
     strict_logprob,
 )
+from nemo_replay.support.errors import SupportAlignmentError
 
 __all__ = [
     "SGLangAbortError",
@@ -135,7 +136,8 @@ def _sampled_logprob(value: Any, row: list[int], token: int, at: str) -> float:
         if len(value) != len(row):
             raise ValueError(f"{at}: {len(value)} support log-probs for a row of {len(row)} tokens; expected one per member")
         if token not in row:
-            raise ValueError(f"{at}: sampled token {token} is not a member of its row {row[:16]}; outputs are misaligned")
+            # The same failure validate_support names in "selected" mode: the same error class.
+            raise SupportAlignmentError(f"{at}: sampled token {token} is not a member of its row {row[:16]}; outputs are misaligned")
         value = value[row.index(token)]
     lp = strict_logprob(value, "sampling log-prob", at)
     if not math.isfinite(lp):

@@ -25,6 +25,7 @@ from nemo_replay.rollout.hf import (
     generate_with_support,
     record_support,
 )
+from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -271,9 +272,14 @@ def test_finish_refuses_completions_that_generate_did_not_sample(model):
     good = [r.tolist() for r in seq[:, ids.shape[1] :]]
     assert recorder.finish(good).lengths.tolist() == [3, 3, 3]
     swapped = [good[1], good[0], good[2]]
-    if swapped[0][0] != good[0][0]:
-        with pytest.raises(ValueError, match="completion 0, token 0 .* misaligned"):
-            recorder.finish(swapped)
+    assert swapped[0][0] != good[0][0], "the swap must change row 0's first token, or it tests nothing"
+    with pytest.raises(ValueError, match="completion 0, token 0 .* misaligned"):
+        recorder.finish(swapped)
+    # The last token is never fed back, so only its row can catch a wrong one: an alignment error.
+    st = recorder.steps[2]
+    outside = next(t for t in range(V) if t not in st.members[st.offsets[1] : st.offsets[2]].tolist())
+    with pytest.raises(SupportAlignmentError, match=rf"completion 1, token 2 \({outside}\) is not a member of the support"):
+        recorder.finish([good[0], good[1][:2] + [outside], good[2]])
     with pytest.raises(ValueError, match="holds 4 tokens but only 3 decoding steps"):
         recorder.finish([good[0] + [1], good[1], good[2]])
     with pytest.raises(ValueError, match="2 completions for a batch of 3"):

@@ -11,6 +11,7 @@ from nemo_replay.rollout.sglang import (
     support_from_sglang_meta_info,
     support_from_sglang_response,
 )
+from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from tests.rollout.engine_outputs import (
     sglang_abort_finish_reason,
@@ -96,6 +97,10 @@ def test_meta_info_errors(steps):
     other[6] = next(t for t in range(V) if t not in steps[6].row)
     with pytest.raises(ValueError, match=r"position 6: sampled token \d+ is not a member"):
         support_from_sglang_meta_info(meta, other)
+    # Either log-prob mode: the alignment failure integrations tell apart from configuration errors.
+    for mode in ("support", "selected"):
+        with pytest.raises(SupportAlignmentError, match=r"(position|row) 6: sampled token \d+ is not a member"):
+            support_from_sglang_meta_info(sglang_meta_info(steps, mode), other)
     with pytest.raises(ValueError, match="repetition_penalty"):
         support_from_sglang_meta_info(meta, ids, sampling_params={**PARAMS, "repetition_penalty": 1.2})
 
