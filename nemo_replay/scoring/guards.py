@@ -106,11 +106,13 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
         ValueError for a loss-active padding position; SupportAlignmentError otherwise.
 
     Strategies that shard a sequence call it on the whole sequence first, since a slice
-    cannot see another slice's positions.
+    cannot see another slice's positions. A batch that keeps the rule costs one host read
+    (:func:`synthetic_eos_flag`); only a failing one pays for naming the position.
     """
-    idx = torch.nonzero(fallback).flatten()
-    if idx.numel() == 0:
+    loss_mask = loss_mask.bool()
+    if not bool(synthetic_eos_flag(fallback, loss_mask, traj)):
         return
+    idx = torch.nonzero(fallback).flatten()
     t = traj[idx]
     if (t < 0).any():
         p = int(idx[torch.nonzero(t < 0)[0]])
@@ -141,6 +143,7 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
             f"not the trajectory's last loss-active token; only a synthetic EOS (the last token) may lack a row. "
             f"Support rows are misaligned (an off-by-one between token and logit positions?)"
         )
+    raise AssertionError("the synthetic-EOS flag was set but no position breaks the rule")  # pragma: no cover
 
 
 def raise_row_range(rows: torch.Tensor, traj: torch.Tensor, num_rows: int, pos_shape) -> None:

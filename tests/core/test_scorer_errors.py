@@ -333,3 +333,29 @@ def test_alignment_failures_are_support_alignment_errors(case):
         with pytest.raises(ValueError) as info:
             _score(case, **bad)
         assert not isinstance(info.value, SupportAlignmentError)
+
+
+def test_whole_sequence_synthetic_eos_check_costs_one_host_read(case):
+    """Strategies run the synthetic-EOS rule on every micro-batch before slicing it (SP, CP, NeMo-RL):
+    a batch that keeps the rule costs one host read, a batch that breaks it is still named."""
+    from benchmarks.syncs import HostReads
+    from nemo_replay.scoring.guards import check_synthetic_eos, has_support_row
+
+    lmask, traj = case.loss_mask.reshape(-1), case.trajectory_ids.reshape(-1)
+
+    def check(rows):
+        fallback = lmask & ~has_support_row(case.support, rows.reshape(-1))
+        check_synthetic_eos(fallback, lmask, traj, case.loss_mask.shape)
+
+    with HostReads() as reads:
+        check(case.row_ids)  # trajectory 1 ends with a synthetic EOS
+    assert reads.total == 1, dict(reads.where)
+    rows = case.row_ids.clone()
+    t = _valid_positions(case, 2)[0]
+    rows[2, t] = -1
+    with pytest.raises(ValueError, match=rf"trajectory 2, logit position {t}: loss-active with no support row but not"):
+        check(rows)
+    rows = case.row_ids.clone()
+    rows[1, _valid_positions(case, 1)[-1]] = -1
+    with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active positions without a support row"):
+        check(rows)
