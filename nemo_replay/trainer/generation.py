@@ -234,8 +234,9 @@ def rollout_batch(
     sits at column ``A - R_i + j``. Example A = 3, R = [3, 1]: row 0 holds tokens [0 1 2],
     row 1 holds [- - 0] (- = left of the response: loss mask False, log-prob 0).
     """
-    resp_len = torch.tensor([int(r.numel()) for r in responses], dtype=torch.int64, device=device)
-    A = int(resp_len.max())
+    lengths = [int(r.numel()) for r in responses]
+    resp_len = torch.tensor(lengths, dtype=torch.int64, device=device)
+    A = max(lengths)  # from the host list: no read back from the device
     loss_mask = torch.arange(A, device=device)[None, :] >= (A - resp_len)[:, None]
     rollout_lp = torch.zeros(len(responses), A, dtype=torch.float32, device=device)
     rollout_lp[loss_mask] = logprobs.to(device=device, dtype=torch.float32)  # row-major = response-major
