@@ -18,6 +18,7 @@ line of this package that called it, the step, and what to do.
 from __future__ import annotations
 
 import math
+import re
 import traceback
 from pathlib import Path
 from typing import Optional, Sequence
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 __all__ = ["NonFiniteError", "CollectiveError", "check_update", "diverged_rollout", "collective_failure"]
 
+_NON_FINITE_WORDS = re.compile(r"\b(nan|inf|infinity|non-finite)\b", re.IGNORECASE)
 _TIMEOUT_WORDS = ("timed out", "timeout", "time out")
 _PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused", "socket closed")
 
@@ -94,8 +96,8 @@ def diverged_rollout(cfg, exc: Exception, *, step: int, model, last_checkpoint: 
     Finite gradients can still carry the weights too far (a learning rate of 1e20): the
     next rollout then meets non-finite logits. Costs nothing unless sampling failed.
     """
-    text = str(exc).lower()
-    if "nan" not in text and "inf" not in text:
+    # Whole words: "inf" and "nan" also sit inside "inference", "information", "finance".
+    if not _NON_FINITE_WORDS.search(str(exc)):
         return None
     with torch.no_grad():
         # This rank's shards only (DTensor.to_local): other ranks may not be here to reduce with.

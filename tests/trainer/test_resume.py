@@ -220,3 +220,16 @@ def test_a_failed_run_frees_its_folder_for_the_next_run_in_the_same_process(tmp_
     again = GRPOTrainer(load_config(overrides=recipe))
     assert again.start_step == 1 and [r["step"] for r in again.history] == [0]
     again.run_dir.release()
+
+
+def test_only_a_non_finite_sampling_error_is_reported_as_divergence():
+    import torch
+
+    from nemo_replay.trainer.guards import diverged_rollout
+
+    cfg, model = load_config(), torch.nn.Linear(2, 2)
+    # An unrelated error whose words merely contain "inf" / "nan" passes through unchanged.
+    for text in ("prompt 3 is longer than the inference context; see the information above", "finance task unknown"):
+        assert diverged_rollout(cfg, ValueError(text), step=4, model=model) is None
+    err = diverged_rollout(cfg, ValueError("capture.sample: logits row 2 holds NaN or +inf, or no finite value"), step=4, model=model)
+    assert isinstance(err, NonFiniteError) and str(err).startswith("step 4: sampling met non-finite logits (capture.sample:")
