@@ -326,15 +326,15 @@ def _long_run(cfg: RecipeConfig, out: list[str]) -> None:
             out.append(problem)
 
 
-def _non_finite(cfg: RecipeConfig) -> list[str]:
-    """The dotted paths of float flags holding NaN or an infinity."""
-    bad = []
+def _non_finite(cfg: RecipeConfig) -> dict[str, float]:
+    """The float flags holding NaN or an infinity, by dotted path."""
+    bad = {}
     for path, _, _ in flag_docs():
         node = cfg
         for part in path.split("."):
             node = getattr(node, part)
         if isinstance(node, float) and not math.isfinite(node):
-            bad.append(path)
+            bad[path] = node
     return bad
 
 
@@ -353,11 +353,8 @@ def collect_problems(cfg: RecipeConfig, world_size: Optional[int] = None) -> lis
     if bad:
         # A range check may also have tripped on the value (nan > 0 is False): one line per flag.
         out = [p for p in out if not any(p.startswith(f"{path}=") for path in bad)]
-        for path in bad:
-            node = cfg
-            for part in path.split("."):
-                node = getattr(node, part)
-            out.insert(0, f"{path}={node} must be a finite number (NaN and infinity are refused); set a finite value")
+        for path, value in bad.items():
+            out.insert(0, f"{path}={value} must be a finite number (NaN and infinity are refused); set a finite value")
     return out
 
 
