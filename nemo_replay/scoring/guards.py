@@ -169,10 +169,15 @@ def raise_membership(missing: torch.Tensor, ids: torch.Tensor, sampled, rows, tr
     )
 
 
-def raise_sampled_vocab(bad: torch.Tensor, sampled, traj, vocab_size: int, pos_shape) -> None:
-    """Name the first position scored over the vocabulary whose sampled id lies outside it."""
+def raise_sampled_vocab(bad: torch.Tensor, sampled, traj, vocab_size, pos_shape) -> None:
+    """Name the first position scored over the vocabulary whose sampled id lies outside it.
+
+    ``vocab_size``: int, or None when only a negative id can be known wrong yet (a TP shard
+    that does not know the global size, before the MAX all-reduce).
+    """
     p = int(torch.nonzero(bad)[0])
+    vocab = "V" if vocab_size is None else vocab_size
     raise ValueError(
         f"trajectory {int(traj[p])}, logit position {position(p, pos_shape)}: sampled id {int(sampled[p])} outside "
-        f"the vocabulary [0, {vocab_size}); sampled ids are the tokens shifted by one, in the model's vocabulary"
+        f"the vocabulary [0, {vocab}); sampled ids are the tokens shifted by one, in the model's vocabulary"
     )

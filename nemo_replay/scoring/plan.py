@@ -127,14 +127,21 @@ def _check_channel(name: str, t, pos_shape, *, integer: bool) -> None:
         raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
+def _what(t) -> str:
+    """A tensor's dtype, or the type of anything else (for error messages)."""
+    return str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 def _check_source(source, lm_head_weight, temperature) -> None:
     if not isinstance(source, torch.Tensor) or not source.is_floating_point():
-        raise ValueError(f"source must be a floating-point tensor [*, V_local] or [*, H], got {type(source).__name__}")
+        raise ValueError(
+            f"source must be a floating-point tensor [*, V_local] (logits) or [*, H] (hidden states), got {_what(source)}"
+        )
     if source.dim() < 2:
         raise ValueError(f"source must have a position dimension and a last vocab/hidden dimension, got {tuple(source.shape)}")
     if lm_head_weight is not None:
         if not isinstance(lm_head_weight, torch.Tensor) or not lm_head_weight.is_floating_point():
-            raise ValueError(f"lm_head_weight must be a floating-point tensor [V_local, H], got {type(lm_head_weight).__name__}")
+            raise ValueError(f"lm_head_weight must be a floating-point tensor [V_local, H], got {_what(lm_head_weight)}")
         if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != source.shape[-1]:
             raise ValueError(
                 f"lm_head_weight must be [V_local, H={source.shape[-1]}] to match the hidden states, "

@@ -60,6 +60,13 @@ def test_bad_channels(case, name, make, match):
         _score(case, **{name: make(case)})
 
 
+def test_non_float_source_and_weight_name_their_dtype(case):
+    with pytest.raises(ValueError, match=r"source must be a floating-point tensor .* got torch.int64"):
+        _score(case, source=case.logits.long())
+    with pytest.raises(ValueError, match=r"lm_head_weight must be a floating-point tensor \[V_local, H\], got torch.int64"):
+        _score(case, source=case.hidden, lm_head_weight=case.weight.long())
+
+
 def test_bad_trajectory_ids(case):
     with pytest.raises(ValueError, match=r"trajectory_ids has shape \(57,\)"):
         _score(case, trajectory_ids=case.trajectory_ids.reshape(-1))

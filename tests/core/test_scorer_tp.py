@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from benchmarks.syncs import HostReads
 from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.guards import has_support_row
 from nemo_replay.scoring.shard import VocabShard
 from tests.core.batches import make_case
 from tests.spawn import run_workers
@@ -137,7 +138,16 @@ def _hand_built_shard(case, shard):
         error = None
     except ValueError as e:
         error = str(e)
-    return {"logprobs": out.logprobs, "host_reads": reads.total, "error": error}
+    # A negative sampled id at a synthetic EOS is caught before the collective, without the size.
+    sampled = case.sampled_ids.clone()
+    eos = torch.nonzero(case.loss_mask & ~has_support_row(case.support, case.row_ids))[0]
+    sampled[eos[0], eos[1]] = -1
+    try:
+        score_aligned_support(z, sampled, case.row_ids, case.loss_mask, case.support, shard=shard)
+        negative = None
+    except ValueError as e:
+        negative = str(e)
+    return {"logprobs": out.logprobs, "host_reads": reads.total, "error": error, "negative": negative}
 
 
 def test_tp2_uneven_split_equals_tp1_and_counts_collectives():
@@ -176,3 +186,4 @@ def test_tp2_uneven_split_equals_tp1_and_counts_collectives():
         torch.testing.assert_close(r["logprobs"], whole.logprobs, atol=1e-10, rtol=0)
         assert r["host_reads"] == 2, r["host_reads"]
         assert r["error"] is not None and f"holds an id >= vocab_size={V}" in r["error"], (rank, r["error"])
+        assert r["negative"] is not None and "sampled id -1 outside the vocabulary [0, V)" in r["negative"], r["negative"]
