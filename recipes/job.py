@@ -156,12 +156,9 @@ def job_from_args(ns: argparse.Namespace) -> Job:
     overrides = workload[1:] if config else workload
     if not any(o.startswith("trainer.output_dir=") for o in overrides):
         overrides = [pinned_output_dir(ns.job_name), *overrides]
-    mounts = ns.container_mounts
-    if isinstance(mounts, str):  # a Namespace built by hand
-        mounts = arguments.mounts(mounts)
     return Job(
         config=config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
-        container_image=ns.container_image, container_mounts=list(mounts),
+        container_image=ns.container_image, container_mounts=list(ns.container_mounts),
         workdir=ns.workdir, job_name=ns.job_name, partition=ns.partition, account=ns.account, time=ns.time,
         master_port=ns.master_port, mode=ns.mode, setup=ns.setup,
     )
