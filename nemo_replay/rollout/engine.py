@@ -182,6 +182,14 @@ def assemble(
             f"(ragged rows, every support whole)"
         )
     n = len(rows)
+    if logprobs is not None and (
+        not isinstance(logprobs, torch.Tensor) or not logprobs.dtype.is_floating_point or logprobs.shape != (n,)
+    ):
+        got = f"{logprobs.dtype} {tuple(logprobs.shape)}" if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__
+        raise ValueError(
+            f"{where}: logprobs must be a float ({n},) tensor, one sampled log-prob per generated token, got {got}; "
+            f"pass this response's own log-probs (torch.tensor(..., dtype=torch.float32)) or None"
+        )
     flagged = torch.tensor([r is None for r in rows], dtype=torch.bool)
     kept = [list(r) if r is not None else [] for r in rows]
     if width is not None:

@@ -39,6 +39,9 @@ CASES = [
     (lambda: support_from_vllm_sampling_mask([[5, 1]], [5], width=0), ValueError, r"vLLM sampling-mask adapter: width=0; expected an int >= 1"),
     (lambda: support_from_vllm_sampling_mask([[5, 1]], [5], width=2.0), ValueError, r"width=2.0; expected an int >= 1 .* or None"),
     (lambda: support_from_sglang_meta_info({"output_token_sampling_mask": [[5, 1]]}, [5], width=True), ValueError, r"SGLang sampling-mask adapter: width=True"),
+    # Sampled log-probs carried along with a mask: one per token, or they misalign (a list was kept as is).
+    (lambda: support_from_vllm_sampling_mask([[5, 1], [9]], [5, 9], logprobs=torch.tensor([-0.1])), ValueError, r"logprobs must be a float \(2,\) tensor, .* got torch.float32 \(1,\)"),
+    (lambda: support_from_vllm_sampling_mask([[5, 1], [9]], [5, 9], logprobs=[-0.1, -0.2]), ValueError, r"logprobs must be a float \(2,\) tensor, .* got list"),
 ]
 
 
