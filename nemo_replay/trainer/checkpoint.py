@@ -330,13 +330,16 @@ class Checkpointer:
         return final
 
     def _prune(self) -> None:
-        """Rank 0: drop checkpoints beyond ``keep`` and partial folders left by interrupted saves."""
+        """Rank 0: drop checkpoints beyond ``keep``, partial folders left by interrupted saves, and
+        the rest of deletions an earlier crash interrupted (``.deleting-*``)."""
         complete = sorted(
             (info for info in (_read_manifest(p) for p in self.root.iterdir() if _COMPLETE.match(p.name)) if info),
             key=lambda i: i.step,
         )
         doomed = [info.path for info in complete[: -self.keep]] if self.keep > 0 else []
         doomed += [p for p in self.root.iterdir() if p.name.startswith(".partial-")]
+        for leftover in self.root.glob(".deleting-*"):  # already renamed away: never a checkpoint
+            shutil.rmtree(leftover, ignore_errors=True)
         for path in doomed:
             # Renamed first: a folder half deleted must never look complete.
             trash = path.with_name(f".deleting-{path.name.lstrip('.')}-{secrets.token_hex(2)}")

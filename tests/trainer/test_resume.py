@@ -133,6 +133,8 @@ def test_resume_modes_and_folders_that_hold_runs(tmp_path):
     # Half-written checkpoints are never resumed from: a folder without complete.json, a partial one.
     (out / "checkpoints" / "step-0000009" / "state").mkdir(parents=True)
     (out / "checkpoints" / ".partial-step-0000010-abcdef").mkdir()
+    # A deletion a crash interrupted (renamed away, half removed) is finished by the next prune.
+    (out / "checkpoints" / ".deleting-step-0000000-1a2b" / "state").mkdir(parents=True)
     # Rows past the checkpoint (a run killed before its next checkpoint) move aside, never lost.
     with open(out / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 2, "reward": 0.5}) + "\n")
