@@ -133,6 +133,38 @@ def validate_support_rows(
     if values.numel() == 0:
         return
 
+    if bool(support_row_flags(values, vocab_size=vocab_size)):  # the one host read of valid rows
+        _name_row_failure(values, vocab_size, cu_seqlens, where)
+    if sampled_ids is not None:
+        if not isinstance(sampled_ids, torch.Tensor) or sampled_ids.dtype.is_floating_point or sampled_ids.dtype.is_complex or sampled_ids.dtype == torch.bool:
+            # A float id would be truncated to a member (3.7 -> 3) and pass.
+            raise ValueError(
+                f"{where}: sampled_ids must be an integer tensor of token ids, got "
+                f"{sampled_ids.dtype if isinstance(sampled_ids, torch.Tensor) else type(sampled_ids).__name__}"
+            )
+        if sampled_ids.shape != values.shape[:1]:
+            raise ValueError(
+                f"{where}: sampled_ids has shape {tuple(sampled_ids.shape)}, expected ({values.shape[0]},)"
+            )
+        has_row = values[:, 0] >= 0
+        # Compared in int64: a sampled id cast down to a narrow row dtype could wrap onto a member.
+        # Padding entries never match: a sampled id of -1 is not a member of a padded row.
+        wide = _wide(values).to(torch.int64)
+        member = ((wide == sampled_ids.to(device=values.device, dtype=torch.int64)[:, None]) & (wide >= 0)).any(1)
+        missing = has_row & ~member
+        if missing.any():
+            row = int(torch.nonzero(missing)[0])
+            raise SupportAlignmentError(
+                f"{where}: {describe_row(cu_seqlens, row)}: sampled token {int(sampled_ids[row])} is not a "
+                f"member of its support row {values[row].tolist()[:16]}; rows and tokens are misaligned "
+                f"(or the engine dropped the sampled token: repair it at capture)"
+            )
+
+
+def _name_row_failure(values: torch.Tensor, vocab_size, cu_seqlens, where: str) -> None:
+    """Raise for the first row :func:`support_row_flags` flagged, naming its trajectory and what it breaks."""
+    values = _wide(values)
+
     def fail(mask_rows: torch.Tensor, what: str) -> None:
         row = int(torch.nonzero(mask_rows)[0])
         raise ValueError(
@@ -160,27 +192,4 @@ def validate_support_rows(
                 rows = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
                 rows[start : start + block] = dup.any(1)
                 fail(rows, "holds a duplicate id")
-    if sampled_ids is not None:
-        if not isinstance(sampled_ids, torch.Tensor) or sampled_ids.dtype.is_floating_point or sampled_ids.dtype.is_complex or sampled_ids.dtype == torch.bool:
-            # A float id would be truncated to a member (3.7 -> 3) and pass.
-            raise ValueError(
-                f"{where}: sampled_ids must be an integer tensor of token ids, got "
-                f"{sampled_ids.dtype if isinstance(sampled_ids, torch.Tensor) else type(sampled_ids).__name__}"
-            )
-        if sampled_ids.shape != values.shape[:1]:
-            raise ValueError(
-                f"{where}: sampled_ids has shape {tuple(sampled_ids.shape)}, expected ({values.shape[0]},)"
-            )
-        has_row = ~pad[:, 0]
-        # Compared in int64: a sampled id cast down to a narrow row dtype could wrap onto a member.
-        # Padding entries never match: a sampled id of -1 is not a member of a padded row.
-        wide = _wide(values).to(torch.int64)
-        member = ((wide == sampled_ids.to(device=values.device, dtype=torch.int64)[:, None]) & (wide >= 0)).any(1)
-        missing = has_row & ~member
-        if missing.any():
-            row = int(torch.nonzero(missing)[0])
-            raise SupportAlignmentError(
-                f"{where}: {describe_row(cu_seqlens, row)}: sampled token {int(sampled_ids[row])} is not a "
-                f"member of its support row {values[row].tolist()[:16]}; rows and tokens are misaligned "
-                f"(or the engine dropped the sampled token: repair it at capture)"
-            )
+    raise AssertionError("the support flag was set but no row breaks the checks")  # pragma: no cover

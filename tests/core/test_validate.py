@@ -149,3 +149,21 @@ def test_required_support_arguments():
         RaggedSupport(torch.tensor([2**32 + 5]), torch.tensor([0, 1]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match=r"padded_rows: rows must be an integer tensor"):
         RaggedSupport(torch.tensor([1, 2]), torch.tensor([0, 2]), torch.tensor([0, 1])).padded_rows(None)
+
+
+def test_valid_rows_cost_two_host_reads_and_a_late_duplicate_is_still_named():
+    """Valid rows: one read for the row checks (whatever the number of sort blocks), one for membership."""
+    from benchmarks.syncs import HostReads
+    from nemo_replay.support.validate import SORT_BLOCK
+
+    k = 8
+    n = 3 * SORT_BLOCK // k + 5  # four sort blocks
+    g = torch.Generator().manual_seed(0)
+    rows = (torch.randint(0, 1000, (n, 1), generator=g) + torch.arange(k) * 1009).to(torch.int32)  # distinct per row
+    sampled = rows[:, 3].long()
+    with HostReads() as reads:
+        validate_support_rows(rows, vocab_size=1000 + 1009 * k, sampled_ids=sampled)
+    assert reads.total == 2, dict(reads.where)
+    rows[n - 2, 5] = rows[n - 2, 1]  # a duplicate in the last block
+    with pytest.raises(ValueError, match=rf"row {n - 2} holds a duplicate id"):
+        validate_support_rows(rows, vocab_size=1000 + 1009 * k)
