@@ -57,7 +57,12 @@ persistent buffer, the backward accumulates the U rows into it instead
   Rows go into ``main_grad``, ``grad_added_to_main_grad`` is set, and autograd gets what
   megatron's fused linear layers hand it: an uninitialised dummy its backward hook drops
   (so the hook still runs on the main thread), or nothing when ``zero_out_wgrad`` marks an
-  embedding tied to the LM head (the embedding's own gradient then carries the hook);
+  embedding tied to the LM head (the embedding's own gradient then carries the hook; megatron
+  hands zeros there, which that hook adds to ``main_grad`` as nothing). Source, megatron-core
+  0.16.1: ``tensor_parallel/layers.py`` ``LinearWithGradAccumulationAndAsyncCommunication.backward``
+  (the dummy, lines 581-610) and ``distributed/distributed_data_parallel.py``
+  ``_make_backward_post_hook`` (adds ``.grad`` to ``main_grad`` when ``grad_added_to_main_grad``
+  is unset or ``zero_out_wgrad`` is set, lines 427-445);
 - an existing ``.grad`` on a leaf weight whose gradient autograd is about to accumulate
   (``loss.backward()`` with ``.grad`` kept between micro-batches): rows are added to it in
   place and autograd gets nothing (its accumulation has nothing left to add).
