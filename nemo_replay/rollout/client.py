@@ -269,6 +269,8 @@ def _token_array(input_ids: Any) -> torch.Tensor:
         for i, t in enumerate(input_ids):
             if isinstance(t, bool) or not isinstance(t, int):
                 raise ValueError(f"input_ids[{i}]={t!r}: expected an int token id ({type(t).__name__} is not coerced)")
+            if not 0 <= t <= torch.iinfo(torch.int32).max:  # before torch's int64 conversion, which 2**64 overflows
+                raise ValueError(f"input_ids[{i}]={t}: token ids must lie in [0, 2**31)")
         ids = torch.tensor(list(input_ids), dtype=torch.int64)
     else:
         raise ValueError(f"input_ids: expected a list of ints or an integer tensor, got {type(input_ids).__name__}")

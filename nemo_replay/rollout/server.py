@@ -32,7 +32,8 @@ Hardening, in the order a request meets it:
    rows, at most ``max_new_tokens_cap`` of them.
 4. **Validation**: every field is checked before use -- no unknown keys; ``input_ids`` ints
    in ``[0, vocab_size)`` (a list of ints or an integer array; ``1.5`` or ``true`` is an
-   error, never coerced); ``sampling_params`` a mapping with known keys and typed values;
+   error, never coerced); ``sampling_params`` a mapping with known keys and typed values
+   (``top_k`` at most ``vocab_size``: rows are ``top_k`` wide);
    ``max_new_tokens`` an int in ``[1, max_new_tokens_cap]``; ``routes_start`` an int in the
    prompt; ``seed`` an int. A bad field is a 400 naming it, never a 500.
 5. **Generation** runs one step at a time in a worker thread and stops as soon as the client
@@ -93,7 +94,10 @@ def _input_ids(value: Any, vocab_size: int) -> torch.Tensor:
             raise ValueError(f"input_ids: expected a 1-D integer array, got {value.dtype} {list(value.shape)}")
         ids = value
     elif isinstance(value, list):
-        ids = torch.tensor([_strict_int(t, f"input_ids[{i}]") for i, t in enumerate(value)], dtype=torch.int64)
+        for i, t in enumerate(value):  # range-checked as Python ints: 2**64 never reaches torch's int64 conversion
+            if not 0 <= _strict_int(t, f"input_ids[{i}]") < vocab_size:
+                raise ValueError(f"input_ids[{i}]={t}: token ids must lie in [0, {vocab_size})")
+        ids = torch.tensor(value, dtype=torch.int64)
     else:
         raise ValueError(f"input_ids: expected a list of token ids, got {type(value).__name__}")
     if ids.numel() == 0:
@@ -105,7 +109,7 @@ def _input_ids(value: Any, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def _sampling(value: Any, cap: int) -> tuple[dict, int]:
+def _sampling(value: Any, cap: int, vocab_size: int) -> tuple[dict, int]:
     if not isinstance(value, dict):
         raise ValueError(
             f"sampling_params: expected an object with temperature (and top_k, top_p, min_p, ties, max_new_tokens), "
@@ -124,6 +128,13 @@ def _sampling(value: Any, cap: int) -> tuple[dict, int]:
     for key in ("top_p", "min_p"):
         if key in params and params[key] is None:
             raise ValueError(f"sampling_params.{key}=None: send a number or leave the key out")
+    top_k = params.get("top_k")
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > vocab_size:
+        # Fixed-width rows are top_k wide: top_k=10**8 would allocate and send 400 MB per token.
+        raise ValueError(
+            f"sampling_params.top_k={top_k}: expected at most the vocabulary size {vocab_size}; leave it out for no "
+            f"top-k bound"
+        )
     try:
         check_capture_settings(
             temperature=params.get("temperature"),
@@ -147,7 +158,7 @@ def parse_request(body: Any, *, vocab_size: int, max_new_tokens_cap: int) -> Gen
     if "input_ids" not in body:
         raise ValueError("input_ids: missing; send the conversation so far as token ids")
     ids = _input_ids(body["input_ids"], vocab_size)
-    sampling, max_new = _sampling(body.get("sampling_params"), max_new_tokens_cap)
+    sampling, max_new = _sampling(body.get("sampling_params"), max_new_tokens_cap, vocab_size)
     start, seed = body.get("routes_start"), body.get("seed")
     if start is not None and not 0 <= _strict_int(start, "routes_start") <= ids.numel():
         raise ValueError(f"routes_start={start}: must lie in [0, {ids.numel()}] (the prompt)")

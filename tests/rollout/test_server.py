@@ -60,6 +60,7 @@ BAD = [
     (edit("input_ids", [True, 6]), r"input_ids\[0\]=True: expected an int"),
     (edit("input_ids", [5, V]), rf"input_ids\[1\]={V}: token ids must lie in \[0, {V}\)"),
     (edit("input_ids", [-1]), r"input_ids\[0\]=-1"),
+    (edit("input_ids", [5, 2**64]), rf"input_ids\[1\]={2**64}: token ids must lie in \[0, {V}\)"),  # past int64
     (edit("input_ids", []), "input_ids: empty"),
     (edit("input_ids", "5 6 7"), "input_ids: expected a list"),
     (edit("input_ids", ...), "input_ids: missing"),
@@ -76,6 +77,9 @@ BAD = [
     (edit("sampling_params.max_new_tokens", "3"), "max_new_tokens='3': expected an int"),
     (edit("sampling_params.top_k", 6.0), "top_k=6.0"),
     (edit("sampling_params.top_k", True), "top_k=True"),
+    # Rows are top_k wide: an unbounded top_k would allocate and send top_k ids per token.
+    (edit("sampling_params.top_k", V + 1), rf"sampling_params.top_k={V + 1}: expected at most the vocabulary size {V}"),
+    (edit("sampling_params.top_k", 2**70), rf"sampling_params.top_k={2**70}: expected at most the vocabulary size"),
     (edit("sampling_params.temperature", "1"), "temperature='1'"),
     (edit("sampling_params.temperature", ...), "temperature=None"),
     (edit("sampling_params.top_p", None), "top_p=None"),
@@ -108,7 +112,8 @@ def test_client_refuses_coercion_before_sending():
     async def run(server):
         async with GenerateClient(server.url) as client:
             for ids, match in (([5, 1.5], r"input_ids\[1\]=1.5"), ([True], r"input_ids\[0\]=True"),
-                               (torch.tensor([5.0]), "1-D integer tensor"), ([-2], r"\[0, 2\*\*31\)")):
+                               (torch.tensor([5.0]), "1-D integer tensor"), ([-2], r"\[0, 2\*\*31\)"),
+                               ([5, 2**64], rf"input_ids\[1\]={2**64}: token ids must lie in \[0, 2\*\*31\)")):
                 with pytest.raises(ValueError, match=match):
                     await client.generate(ids, sampling_params=OK["sampling_params"])
             with pytest.raises(ValueError, match="seed=1.5"):
