@@ -134,13 +134,24 @@ class ReplayBatch:
                 f"loss_mask has shape {tuple(lm.shape)}, expected [B={B}, A] over the last A token columns with "
                 f"1 <= A <= S={S} (A = S: token-aligned)"
             )
-        if lm.shape[1] == S and (lm[:, 0] != 0).any():
-            i = int(torch.nonzero(lm[:, 0] != 0)[0])
-            raise ValueError(
-                f"trajectory {i}: loss_mask is set at token column 0, which no logit predicts; only tokens after "
-                f"the first can be loss-active (NeMo-RL-style masks mark generated tokens only)"
-            )
         A = lm.shape[1]
+        # A loss-active token needs a logit that predicts it: token column t with t - 1 and t
+        # both real, s_i < t < e_i. Example, S = 6, row ``_ p0 p1 r0 r1 _`` (s = 1, e = 5):
+        # columns 2..4 may be loss-active; column 1 (the first real token) and the padding
+        # columns 0 and 5 may not. The objective reads loss_mask as it is, so a flag there
+        # would count a position the scorer never scores.
+        cols = torch.arange(S - A, S, device=lm.device)
+        s_i, e_i = starts.to(lm.device)[:, None], ends.to(lm.device)[:, None]
+        unpredicted = (lm != 0) & ~((cols > s_i) & (cols < e_i))
+        if unpredicted.any():
+            i, a = (int(v) for v in torch.nonzero(unpredicted)[0])
+            t = S - A + a
+            what = "padding" if not (s_i[i, 0] <= t < e_i[i, 0]) else "the trajectory's first real token"
+            raise ValueError(
+                f"trajectory {i}: loss_mask is set at token column {t}, which no logit predicts ({what}; loss_mask "
+                f"column {a}, real tokens in columns {int(s_i[i, 0])}..{int(e_i[i, 0]) - 1}); only real tokens after the "
+                f"first can be loss-active: clear loss_mask on padding and on each row's first real token"
+            )
         for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages"):
             value = getattr(self, name)
             if value is None or (name == "advantages" and tuple(value.shape) == (B,)):

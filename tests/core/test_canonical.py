@@ -161,6 +161,13 @@ def _two_runs():
     return am
 
 
+def _loss_at(i, a):
+    """The batch's loss mask with trajectory i's loss_mask column a set as well."""
+    lm = _ragged_batch().loss_mask.clone()
+    lm[i, a] = True
+    return lm
+
+
 @pytest.mark.parametrize(
     "changes, match",
     [
@@ -174,6 +181,11 @@ def _two_runs():
         (dict(response_lengths=torch.tensor([4, 5, 5])), r"trajectory 1: response_length 5 must be in \[1, L_i - 1\]"),
         (dict(loss_mask=torch.ones(3, 10, dtype=torch.bool)), r"loss_mask has shape \(3, 10\), expected \[B=3, A\].*S=9"),
         (dict(loss_mask=torch.ones(3, 9, dtype=torch.bool)), r"trajectory 0: loss_mask is set at token column 0, which no logit"),
+        # Trajectory 1 (L = 5) is real in token columns 4..8; the [B, A=6] mask covers columns 3..8.
+        (dict(loss_mask=_loss_at(1, 0)),
+         r"trajectory 1: loss_mask is set at token column 3, which no logit predicts \(padding; loss_mask column 0"),
+        (dict(loss_mask=_loss_at(1, 1)),
+         r"trajectory 1: loss_mask is set at token column 4, which no logit predicts \(the trajectory's first real token"),
         (dict(old_logprobs=torch.zeros(3, 5)), r"old_logprobs has shape \(3, 5\), expected \(3, 6\): the columns of loss_mask"),
         (dict(advantages=torch.zeros(2)), r"advantages has shape \(2,\), expected \(3,\) or \(3, 6\)"),
         (dict(loss_mask=torch.ones(2, 6, dtype=torch.bool)), r"loss_mask has shape \(2, 6\)"),
