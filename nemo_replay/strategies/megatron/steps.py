@@ -200,8 +200,13 @@ class RoleForwardStep:
         scores = self._score(mb, source, weight, shard)
         p, lay = self.parallel, mb.layout
         canon = lambda t, fill: None if t is None else lay.to_canonical(t.detach(), fill, cp_group=p.cp_group)  # noqa: E731
+        # The policy role gathers the log-probs once, differentiably, for its objective; the
+        # stored result is that same tensor detached (a second all-gather would repeat it).
+        policy = self.role == "policy"
+        logprobs = scores.logprobs.float()
+        logprobs = gather_logits_to_canonical(logprobs, lay, p.cp_group) if policy else canon(logprobs, 0.0)
         result = {
-            "logprobs": canon(scores.logprobs.float(), 0.0),
+            "logprobs": logprobs.detach(),
             "valid_mask": canon(scores.valid_mask, False),
             "fallback_mask": canon(scores.fallback_mask, False),
             "entropy": canon(scores.entropy, 0.0),
@@ -209,11 +214,10 @@ class RoleForwardStep:
             "loss": None,
             "metrics": {},
         }
-        if self.role != "policy":
+        if not policy:
             self.results[mb.index] = result
             return torch.zeros((), device=source.device), {}
         batch = mb.batch
-        logprobs = gather_logits_to_canonical(scores.logprobs.float(), lay, p.cp_group)
         view = to_caller_columns(logprobs, batch.response_width)
         mask = batch.loss_mask.to(view.device) != 0
         loss, metrics = self.loss_fn(view, batch, mask)
