@@ -127,7 +127,7 @@ def check_capture_settings(
             f"temperature={temperature!r}: capture needs a number > 0 (greedy decoding has no "
             f"distribution to replay); set generation.temperature, e.g. 1.0"
         )
-    elif not (math.isfinite(temperature) and temperature > 0):
+    elif not (_finite(temperature) and temperature > 0):
         errors.append(
             f"temperature={temperature!r}: capture needs a finite temperature > 0 (temperature <= 0 "
             f"means greedy decoding); set generation.temperature, e.g. 1.0"
@@ -158,6 +158,14 @@ def check_capture_settings(
             )
     if errors:
         raise ValueError(f"{where}: sampling settings cannot be captured:\n  - " + "\n  - ".join(errors))
+
+
+def _finite(value: numbers.Real) -> bool:
+    """``math.isfinite`` that calls an int too large for a float (a JSON ``1e400`` written out) not finite."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _top_k_ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
