@@ -6,6 +6,7 @@ One concept per module:
 - :mod:`~nemo_replay.rollout.engine`   what every engine adapter returns (flagged positions)
 - :mod:`~nemo_replay.rollout.vllm`     vLLM 0.33 outputs -> support rows (masks, processed log-probs)
 - :mod:`~nemo_replay.rollout.sglang`   SGLang 0.5.23 ``/generate`` outputs -> support rows
+- :mod:`~nemo_replay.rollout.hf`       support capture from transformers' ``generate``
 - :mod:`~nemo_replay.rollout.boundary` support checks where rollout data enters
 - :mod:`~nemo_replay.rollout.trace`    multi-turn support and route (R3) traces
 - :mod:`~nemo_replay.rollout.wire`     base64 array envelopes in JSON bodies
