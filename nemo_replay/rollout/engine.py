@@ -137,6 +137,16 @@ def capture_settings_from_engine(params: Mapping[str, Any], *, engine: str) -> d
     return settings
 
 
+def id_rows(rows: Sequence[Any], where: str) -> list[list[int]]:
+    """An engine's sampling mask, one id list per generated token, as lists of strict ints."""
+    out = []
+    for j, r in enumerate(rows):
+        if not isinstance(r, (list, tuple)):
+            raise ValueError(f"{where}, position {j}: a mask row must be a list of token ids, got {type(r).__name__}")
+        out.append([strict_int(t, "mask token id", f"{where}, position {j}") for t in r])
+    return out
+
+
 def sampled_tensor(sampled_ids: Any, n: int, where: str) -> torch.Tensor:
     """(n,) int64 sampled ids from a list of ints or an integer tensor; no coercion."""
     if isinstance(sampled_ids, torch.Tensor):

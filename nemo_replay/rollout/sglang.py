@@ -46,8 +46,8 @@ from nemo_replay.rollout.engine import (
     EngineSupport,
     assemble,
     capture_settings_from_engine,
+    id_rows,
     sampled_tensor,
-    strict_int,
     strict_logprob,
 )
 from nemo_replay.support.errors import SupportAlignmentError
@@ -119,11 +119,7 @@ def _rows(meta_info: Mapping[str, Any], where: str) -> list[list[int]]:
         raise ValueError(f"{where}: meta_info has no 'output_token_sampling_mask'; send the request with \"return_sampling_mask\": true")
     if not isinstance(rows, list):
         raise ValueError(f"{where}: 'output_token_sampling_mask' must be a list of id lists, got {type(rows).__name__}")
-    out = []
-    for j, r in enumerate(rows):
-        if not isinstance(r, list):
-            raise ValueError(f"{where}, position {j}: a mask row must be a list of token ids, got {type(r).__name__}")
-        out.append([strict_int(t, "mask token id", f"{where}, position {j}") for t in r])
+    out = id_rows(rows, where)
     count = meta_info.get("output_token_sampling_mask_length")
     if count is not None and count != len(out):
         raise ValueError(f"{where}: output_token_sampling_mask_length={count!r} but {len(out)} rows arrived; truncated output")

@@ -67,6 +67,7 @@ from nemo_replay.rollout.engine import (
     as_mapping,
     assemble,
     capture_settings_from_engine,
+    id_rows,
     sampled_tensor,
     strict_int,
     strict_logprob,
@@ -365,12 +366,7 @@ def _mask_rows(mask: Any, where: str) -> list[list[int]]:
             f"{where}: expected CompletionOutput.sampling_mask (SamplingMask) or a list of id lists, got "
             f"{type(mask).__name__}; is vLLM started with --return-sampling-mask?"
         )
-    out = []
-    for j, r in enumerate(rows):
-        if not isinstance(r, (list, tuple)):
-            raise ValueError(f"{where}, position {j}: a mask row must be a list of token ids, got {type(r).__name__}")
-        out.append([strict_int(t, "mask token id", f"{where}, position {j}") for t in r])
-    return out
+    return id_rows(rows, where)
 
 
 def support_from_vllm_sampling_mask(
