@@ -47,7 +47,6 @@ import hmac
 import ipaddress
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -55,7 +54,7 @@ import torch
 from aiohttp import web
 
 from nemo_replay.rollout.capture import TIE_RULES, check_capture_settings, sample
-from nemo_replay.rollout.wire import WireError, dumps, loads, support_to_wire
+from nemo_replay.rollout.wire import dumps, loads, support_to_wire
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
