@@ -242,7 +242,7 @@ class GRPOTrainer:
             norm = self.backend.clip_gradients(self.policy, self.cfg.trainer.grad_clip)
             check_update(
                 self.cfg, step=self.current_step, minibatch=k, grad_norm=norm, last_checkpoint=self.checkpoints.last,
-                losses=[float(o.loss) for o in outs if o.loss is not None], device=self._flag_device(),
+                losses=[o.loss for o in outs if o.loss is not None], device=self._flag_device(),
             )
             self.optimizer.step()
             stats.add_mean("grad_norm", norm, 1)

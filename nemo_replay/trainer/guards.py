@@ -54,31 +54,35 @@ def _causes(cfg) -> str:
 
 
 def check_update(
-    cfg, *, step: int, minibatch: int, losses: Sequence[float], grad_norm: float,
+    cfg, *, step: int, minibatch: int, losses: Sequence[torch.Tensor], grad_norm: float,
     last_checkpoint: Optional[Path] = None, device: Optional[torch.device] = None,
 ) -> None:
     """Raise :class:`NonFiniteError` before a non-finite update (see the module doc); collective under a group.
 
+    One host read however many micro-batches: the losses are tested on their device and the
+    verdict travels with the gradient norm's in one flags tensor.
+
     Args:
         cfg: the run's recipe (for the likely causes).
         step, minibatch: where in the run (0-based).
-        losses: this rank's policy losses of the minibatch (one per micro-batch).
+        losses: this rank's policy losses of the minibatch, one 0-d tensor per micro-batch.
         grad_norm: the global gradient norm before clipping.
         last_checkpoint: where a resume would start, for the message.
         device: where the flags tensor lives (the process group's device).
     """
-    loss_bad = any(not math.isfinite(v) for v in losses)
-    norm_bad = not math.isfinite(grad_norm)
-    mine = loss_bad
+    # flags = [this rank has a non-finite loss, the gradient norm is not finite]
+    flags = torch.tensor([0, int(not math.isfinite(grad_norm))], dtype=torch.int64, device=device)
+    if losses:
+        finite = torch.stack([torch.as_tensor(loss, device=flags.device).detach().reshape(()).isfinite() for loss in losses])
+        flags[0] = (~finite.all()).to(torch.int64)
     if dist.is_available() and dist.is_initialized():
-        flags = torch.tensor([int(loss_bad), int(norm_bad)], dtype=torch.int64, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        loss_bad, norm_bad = bool(flags[0]), bool(flags[1])
+    loss_bad, norm_bad = (bool(v) for v in flags.tolist())
     if not (loss_bad or norm_bad):
         return
     what = []
     if loss_bad:
-        shown = next((v for v in losses if not math.isfinite(v)), None) if mine else None
+        shown = next((v for v in (float(loss) for loss in losses) if not math.isfinite(v)), None)  # None: another rank's
         what.append(f"the policy loss is {shown}" if shown is not None else "the policy loss is not finite on another rank")
     if norm_bad:
         what.append(f"the gradient norm is {grad_norm}")

@@ -235,3 +235,17 @@ def test_only_a_non_finite_sampling_error_is_reported_as_divergence():
         assert diverged_rollout(cfg, ValueError(text), step=4, model=model) is None
     err = diverged_rollout(cfg, ValueError("capture.sample: logits row 2 holds NaN or +inf, or no finite value"), step=4, model=model)
     assert isinstance(err, NonFiniteError) and str(err).startswith("step 4: sampling met non-finite logits (capture.sample:")
+
+
+def test_check_update_reads_tensor_losses_and_names_the_bad_quantity():
+    import torch
+
+    from nemo_replay.trainer.guards import check_update
+
+    cfg = load_config()
+    check_update(cfg, step=0, minibatch=0, losses=[torch.tensor(0.5), torch.tensor(-2.0)], grad_norm=1.0)  # finite: passes
+    check_update(cfg, step=0, minibatch=0, losses=[], grad_norm=1.0)
+    with pytest.raises(NonFiniteError, match=r"^step 3, minibatch 1: the policy loss is nan before the optimizer step"):
+        check_update(cfg, step=3, minibatch=1, losses=[torch.tensor(0.5), torch.tensor(float("nan"))], grad_norm=1.0)
+    with pytest.raises(NonFiniteError, match=r"^step 3, minibatch 0: the policy loss is inf and the gradient norm is inf "):
+        check_update(cfg, step=3, minibatch=0, losses=[torch.tensor(float("inf"))], grad_norm=float("inf"))
