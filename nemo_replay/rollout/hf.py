@@ -209,14 +209,15 @@ class SupportRecorder:
             raise ValueError("SupportRecorder: no temperature; use it through record_support(), or pass temperature=")
         step = len(self.steps)
         x = scores.detach().float()
-        if torch.isnan(x).any() or (x == math.inf).any() or not torch.isfinite(x).any(1).all():
-            r = int(torch.nonzero(torch.isnan(x).any(1) | (x == math.inf).any(1) | ~torch.isfinite(x).any(1))[0])
+        counts = torch.isfinite(x).sum(1)
+        broken = torch.isnan(x).any(1) | (x == math.inf).any(1) | (counts == 0)
+        any_broken, width = torch.stack([broken.any().to(counts.dtype), counts.max()]).tolist()  # one host read
+        if any_broken:
+            r = int(torch.nonzero(broken)[0])
             raise ValueError(
                 f"support capture, step {step}, row {r}: the processed scores hold NaN or +inf, or no finite "
                 f"value; the model output or a logits processor is broken at that position"
             )
-        counts = torch.isfinite(x).sum(1)
-        width = int(counts.max())
         vals, ids = torch.topk(x, width, dim=1)  # every finite entry of a row is among its top `width`
         ids, perm = torch.sort(ids, dim=1)  # ties by the smaller id: id-sorted, then a stable sort on score
         vals = vals.gather(1, perm)

@@ -224,6 +224,28 @@ def test_masking_processors_are_captured_rewriting_ones_refused(model):
         )
     assert "_get_logits_processor" not in vars(boosted)  # the wrap is gone after the call
 
+    class Broken:  # at step `at`, a NaN score in row 1 or no finite score in row 2
+        def __init__(self, at, row):
+            self.at, self.row, self.step = at, row, 0
+
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            if self.step == self.at:
+                scores[self.row] = -math.inf
+                if self.row == 1:
+                    scores[1, 3] = math.nan
+            self.step += 1
+            return scores
+
+    for step, row in ((1, 1), (2, 2)):
+        with record_support(model, SupportRecorder(1.0)), pytest.raises(
+            ValueError, match=rf"support capture, step {step}, row {row}: the processed scores hold NaN or \+inf, or no finite value"
+        ):
+            model.generate(
+                input_ids=ids, attention_mask=mask.long(), logits_processor=LogitsProcessorList([Broken(step, row)]),
+                generation_config=GenerationConfig(do_sample=True, temperature=1.0, top_k=4, max_new_tokens=4, pad_token_id=0),
+            )
+
 
 @pytest.mark.parametrize(
     "kwargs, flag",
