@@ -111,12 +111,15 @@ def check_capture_settings(
     presence_penalty: Optional[float] = 0.0,
     frequency_penalty: Optional[float] = 0.0,
     where: str = "capture",
+    prefix: str = "",
 ) -> None:
     """Refuse sampling settings under which a captured support cannot be replayed.
 
     Used by :func:`sample` and by every engine adapter, with the engine's settings
     translated to these names (``top_k=None`` means no top-k bound). All problems are
-    collected and reported together.
+    collected and reported together. ``where`` names the settings' owner (``"GRPOConfig"``,
+    ``"vllm sampling params"``); ``prefix`` is put before a flag the fix tells to set
+    (``"sampling_params."`` for a JSON body), so the fix names the caller's own field.
 
     Raises:
         ValueError naming each offending flag, the value received and the fix.
@@ -125,12 +128,12 @@ def check_capture_settings(
     if temperature is None or isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         errors.append(
             f"temperature={temperature!r}: capture needs a number > 0 (greedy decoding has no "
-            f"distribution to replay); set generation.temperature, e.g. 1.0"
+            f"distribution to replay); set {prefix}temperature, e.g. 1.0"
         )
     elif not (_finite(temperature) and temperature > 0):
         errors.append(
             f"temperature={temperature!r}: capture needs a finite temperature > 0 (temperature <= 0 "
-            f"means greedy decoding); set generation.temperature, e.g. 1.0"
+            f"means greedy decoding); set {prefix}temperature, e.g. 1.0"
         )
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
@@ -138,7 +141,7 @@ def check_capture_settings(
         elif top_k <= 1:
             errors.append(
                 f"top_k={top_k}: fixed-width support rows need top_k > 1 (top_k=1 is greedy; engines "
-                f"spell 'no bound' as 0 or -1, which here is top_k=None); set generation.top_k > 1 "
+                f"spell 'no bound' as 0 or -1, which here is top_k=None); set {prefix}top_k > 1 "
                 f"or leave it unset for ragged rows"
             )
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
@@ -154,7 +157,7 @@ def check_capture_settings(
             errors.append(
                 f"{flag}={value!r}: penalties rewrite the logits from the generation history, which "
                 f"the trainer does not reproduce, so the recorded support and log-probs could not be "
-                f"replayed; set {flag}={neutral} (or unset it)"
+                f"replayed; set {prefix}{flag}={neutral} (or unset it)"
             )
     if errors:
         raise ValueError(f"{where}: sampling settings cannot be captured:\n  - " + "\n  - ".join(errors))

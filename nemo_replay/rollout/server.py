@@ -134,16 +134,14 @@ def _sampling(value: Any, cap: int, vocab_size: int) -> tuple[dict, int]:
             f"sampling_params.top_k={top_k}: expected at most the vocabulary size {vocab_size}; leave it out for no "
             f"top-k bound"
         )
-    try:
-        check_capture_settings(
-            temperature=params.get("temperature"),
-            top_k=params.get("top_k"),
-            top_p=params.get("top_p", 1.0),
-            min_p=params.get("min_p", 0.0),
-            where="sampling_params",
-        )
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("set generation.", "set sampling_params.")) from None
+    check_capture_settings(
+        temperature=params.get("temperature"),
+        top_k=params.get("top_k"),
+        top_p=params.get("top_p", 1.0),
+        min_p=params.get("min_p", 0.0),
+        where="sampling_params",
+        prefix="sampling_params.",
+    )
     return params, max_new
 
 

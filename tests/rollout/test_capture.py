@@ -178,6 +178,20 @@ def test_errors_are_collected():
     assert "temperature" in msg and "top_k" in msg and "repetition_penalty" in msg
 
 
+def test_the_fix_names_the_callers_own_field():
+    # The settings come from a vLLM request, a GRPOConfig, a JSON body: no recipe's generation.* flag.
+    from nemo_replay.rollout.engine import capture_settings_from_engine
+
+    with pytest.raises(ValueError) as info:
+        capture_settings_from_engine({"temperature": 0.0, "top_k": 1, "repetition_penalty": 1.2}, engine="vllm")
+    msg = str(info.value)
+    assert msg.startswith("vllm sampling params: sampling settings cannot be captured")
+    assert "set temperature, e.g. 1.0" in msg and "set top_k > 1" in msg and "set repetition_penalty=1.0" in msg
+    assert "generation." not in msg
+    with pytest.raises(ValueError, match=r"set body\.temperature, e\.g\. 1\.0"):
+        check_capture_settings(temperature=None, where="request", prefix="body.")
+
+
 def test_broken_logits_are_refused():
     bad = torch.randn(4, 10)
     bad[2, 3] = float("nan")

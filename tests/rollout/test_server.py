@@ -82,6 +82,7 @@ BAD = [
     (edit("sampling_params.top_k", 2**70), rf"sampling_params.top_k={2**70}: expected at most the vocabulary size"),
     (edit("sampling_params.temperature", "1"), "temperature='1'"),
     (edit("sampling_params.temperature", ...), "temperature=None"),
+    (edit("sampling_params.temperature", 0.0), r"temperature=0.0: .* set sampling_params.temperature, e.g. 1.0"),
     (edit("sampling_params.temperature", 10**400), r"temperature=1000.*: capture needs a finite temperature > 0"),  # was a 500
     (edit("sampling_params.top_p", None), "top_p=None"),
     (edit("sampling_params.ties", "lowest"), "ties='lowest'"),
