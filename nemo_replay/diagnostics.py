@@ -16,7 +16,9 @@ whole row token-aligned) with a ``(B, A)`` bool mask of the positions that count
 :func:`record_mismatch` and :func:`record_policy` add one micro-batch's values to a
 :class:`StepStats`; the reference trainer and :class:`~nemo_replay.roles.ReplayRoles`
 both go through them. Each function returns sums / counts / maxima so ranks and micro-batches combine exactly
-(:class:`StepStats`), then :meth:`StepStats.reduce` all-reduces them once.
+(:class:`StepStats`), then :meth:`StepStats.reduce` all-reduces them once. Values stay
+tensors on their device until then: a step's diagnostics cost one host read, not several
+per micro-batch.
 """
 
 from __future__ import annotations
@@ -30,31 +32,34 @@ import torch.distributed as dist
 __all__ = ["StepStats", "masked_abs_diff", "ratio_deviation", "record_mismatch", "record_policy"]
 
 
-def masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, int]:
-    """(sum, max, count) of ``|a - b|`` over ``mask``; a, b (B, A) float, mask (B, A) bool."""
-    d = (a.double() - b.double().to(a.device)).abs()[mask.to(a.device).bool()]
-    if d.numel() == 0:
-        return 0.0, 0.0, 0
-    return float(d.sum()), float(d.max()), int(d.numel())
+def masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum, max, count) of ``|a - b|`` over ``mask``; a, b (B, A) float, mask (B, A) bool.
+
+    0-dim float64 / int64 tensors on a's device, no host read (:class:`StepStats` reads them
+    once, in :meth:`StepStats.reduce`); the max of an empty mask is 0.
+    """
+    m = mask.to(a.device).bool()
+    d = torch.where(m, (a.double() - b.double().to(a.device)).abs(), 0.0)
+    return d.sum(), (d.amax() if d.numel() else d.new_zeros(())), m.sum()
 
 
-def ratio_deviation(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, int]:
-    """(sum of ratios, max |ratio - 1|, count) of ``exp(logprobs - behaviour)`` over ``mask``."""
-    r = torch.exp(logprobs.double() - behaviour.double().to(logprobs.device))[mask.to(logprobs.device).bool()]
-    if r.numel() == 0:
-        return 0.0, 0.0, 0
-    return float(r.sum()), float((r - 1).abs().max()), int(r.numel())
+def ratio_deviation(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of ratios, max |ratio - 1|, count) of ``exp(logprobs - behaviour)`` over ``mask``, as :func:`masked_abs_diff`."""
+    m = mask.to(logprobs.device).bool()
+    r = torch.exp(logprobs.double() - behaviour.double().to(logprobs.device))
+    dev = torch.where(m, (r - 1).abs(), 0.0)
+    return torch.where(m, r, 0.0).sum(), (dev.amax() if dev.numel() else dev.new_zeros(())), m.sum()
 
 
 def record_mismatch(stats: "StepStats", rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    """``mismatch_mean`` / ``mismatch_max`` of one micro-batch; all (B, A), mask bool."""
+    """``mismatch_mean`` / ``mismatch_max`` of one micro-batch; all (B, A), mask bool. No host read."""
     total, peak, n = masked_abs_diff(rollout_logprobs, logprobs, mask)
     stats.add_mean("mismatch_mean", total, n)
     stats.add_max("mismatch_max", peak)
 
 
 def record_policy(stats: "StepStats", batch, out, *, first_forward: bool = True) -> None:
-    """The diagnostics of one policy-role output.
+    """The diagnostics of one policy-role output (no host read: values stay tensors until reduce).
 
     Args:
         batch: the :class:`~nemo_replay.layout.canonical.ReplayBatch` it scored.
@@ -67,18 +72,35 @@ def record_policy(stats: "StepStats", batch, out, *, first_forward: bool = True)
     ``ratio_old_max_dev`` (the ratio against the old log-probs the objective used).
     """
     mask = batch.loss_mask.bool()
-    n = int(mask.sum())
+    n = mask.sum().to(torch.float64)  # float64: a Python float times an int64 tensor would round to float32
     if first_forward and batch.rollout_logprobs is not None:
         total, dev, count = ratio_deviation(out.response(batch.response_width).logprobs, batch.rollout_logprobs, mask)
         stats.add_mean("ratio_mean", total, count)
         stats.add_max("ratio_max_dev", dev)
     if out.loss is not None:
-        stats.add_mean("loss", float(out.loss) * n, n)
+        loss = out.loss.detach().double()
+        stats.add_mean("loss", loss * n.to(loss.device), n)
     for key in ("clip_fraction", "kl"):
         if key in out.metrics:
             stats.add_mean(key, out.metrics[key] * n, n)
     if "ratio_max_dev" in out.metrics:
         stats.add_max("ratio_old_max_dev", out.metrics["ratio_max_dev"])
+
+
+def _as_float64(values: list, device: torch.device) -> torch.Tensor:
+    """(k,) float64 on ``device`` from numbers and 0-dim tensors: one copy per source device, no host read
+    unless a source lives on another device than ``device``."""
+    out = torch.zeros(max(1, len(values)), dtype=torch.float64, device=device)
+    groups: dict = {}
+    for i, v in enumerate(values):
+        groups.setdefault(v.device if isinstance(v, torch.Tensor) else None, []).append(i)
+    for source, index in groups.items():
+        if source is None:
+            part = torch.tensor([float(values[i]) for i in index], dtype=torch.float64)
+        else:
+            part = torch.stack([values[i].detach().reshape(()).to(torch.float64) for i in index])
+        out[torch.tensor(index, device=device)] = part.to(device)
+    return out
 
 
 @dataclass
@@ -92,31 +114,47 @@ class StepStats:
     counts: dict = field(default_factory=dict)
     maxima: dict = field(default_factory=dict)
 
-    def add_mean(self, name: str, total: float, count: int) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(total)
-        self.counts[name] = self.counts.get(name, 0) + int(count)
+    def add_mean(self, name: str, total, count) -> None:
+        """Add ``total`` over ``count`` items: numbers or 0-dim tensors (kept on their device until :meth:`reduce`)."""
+        self.sums[name] = self.sums.get(name, 0.0) + total
+        self.counts[name] = self.counts.get(name, 0) + count
 
-    def add_max(self, name: str, value: float) -> None:
-        self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
+    def add_max(self, name: str, value) -> None:
+        """Raise the maximum ``name`` to ``value`` (a number or a 0-dim tensor, no host read)."""
+        prev = self.maxima.get(name)
+        if prev is None:
+            self.maxima[name] = value
+        elif isinstance(prev, torch.Tensor) or isinstance(value, torch.Tensor):
+            # On the device of a tensor operand (a GPU one if either is), so nothing is read back.
+            tensors = [t for t in (prev, value) if isinstance(t, torch.Tensor)]
+            dev = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
+            as64 = lambda t: torch.as_tensor(t, dtype=torch.float64).to(dev)  # noqa: E731
+            self.maxima[name] = torch.maximum(as64(prev), as64(value))
+        else:
+            self.maxima[name] = max(prev, value)
 
     def reduce(self, group=None, device: Optional[torch.device] = None, *, across_ranks: bool = True) -> dict[str, float]:
         """Means and maxima over every rank of ``group`` (two all-reduces; none without a process
         group or with ``across_ranks=False``, which gives this rank's values).
 
+        One host read in all: values added as tensors stay on their device until then.
+        ``device`` is where the all-reduces run (default: a GPU the values live on, else the CPU).
         Every rank must have added the same names (the loop adds them unconditionally).
         """
         names = sorted(self.sums)
         maxes = sorted(self.maxima)
-        device = device or torch.device("cpu")
-        summed = torch.tensor([[self.sums[n], self.counts[n]] for n in names] or [[0.0, 0.0]], dtype=torch.float64, device=device)
-        peak = torch.tensor([self.maxima[n] for n in maxes] or [0.0], dtype=torch.float64, device=device)
+        values = [self.sums[n] for n in names] + [self.counts[n] for n in names] + [self.maxima[n] for n in maxes]
+        if device is None:
+            gpu = (v.device for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu")
+            device = next(gpu, torch.device("cpu"))
+        summed = _as_float64(values[: 2 * len(names)], device)
+        peak = _as_float64(values[2 * len(names) :], device)
         if across_ranks and dist.is_available() and dist.is_initialized():
             dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        out = {}
-        for i, n in enumerate(names):
-            total, count = float(summed[i, 0]), float(summed[i, 1])
-            out[n] = total / count if count > 0 else float("nan")
-        for i, n in enumerate(maxes):
-            out[n] = float(peak[i])
+        flat = torch.cat([summed, peak]).tolist()  # the one host read
+        k = len(names)
+        totals, counts, maxima = flat[:k], flat[k : 2 * k], flat[summed.numel() :]
+        out = {n: (t / c if c > 0 else float("nan")) for n, t, c in zip(names, totals, counts)}
+        out.update(zip(maxes, maxima))
         return out
