@@ -189,11 +189,25 @@ def _finish(m, s, zs, t):
     return logp, ent
 
 
-def _mass_rows(plan: Plan):
-    """Detached full logits rows ``src[sel] / T`` of the scored positions, chunk by chunk (support mass)."""
+def _mass_partials(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, s), each (n,): this rank's row maxima of the detached full rows ``src[sel] / T`` and
+    ``sum exp(z - m)``, in ONE pass over the rows, chunk by chunk (support mass).
+
+    Once the MAX all-reduce gives the global maxima M, ``s * exp(m - M)`` is this rank's share
+    of ``sum exp(z - M)``, so the ``[n, V_local]`` rows are read and converted once, not twice.
+    A row whose shard is all -inf gets ``m = lowest`` and ``s = 0``.
+    """
     call, sel = plan.call, plan.sel
+    maxima, sums = [], []
     for i in range(0, sel.numel(), call.chunk_size):
-        yield i, call.src[sel[i : i + call.chunk_size]].detach().to(call.cd) / call.temperature
+        z = call.src[sel[i : i + call.chunk_size]].detach().to(call.cd) / call.temperature
+        m = _row_max(z).clamp_min(call.lowest)
+        maxima.append(m)
+        sums.append(torch.exp(z - m[:, None]).sum(1))
+    if not maxima:
+        empty = torch.zeros(0, dtype=call.cd, device=call.device)
+        return empty, empty
+    return torch.cat(maxima), torch.cat(sums)
 
 
 def _deferred_checks(plan: Plan, vocab_max: torch.Tensor) -> None:
@@ -218,8 +232,8 @@ def _reduce(plan: Plan, local: _Local, compute_entropy: bool, compute_support_ma
     call, group = plan.call, plan.call.shard.group
     max_parts = [_row_max(local.z_sup), _row_max(local.z_eos)]
     if compute_support_mass:
-        full_max = [_row_max(z) for _, z in _mass_rows(plan)]
-        max_parts.append(torch.cat(full_max) if full_max else local.z_sup.new_zeros(0))
+        m_full_local, s_full_local = _mass_partials(plan)
+        max_parts.append(m_full_local)
     if plan.vocab_size is None:  # every rank learns the global vocabulary size
         max_parts.append(torch.tensor([float(call.shard.end)], dtype=call.cd, device=call.device))
     sizes = [p.numel() for p in max_parts]
@@ -230,9 +244,7 @@ def _reduce(plan: Plan, local: _Local, compute_entropy: bool, compute_support_ma
 
     sum_parts = _sums(local.z_sup, m_sup, local.zs_sup, compute_entropy) + _sums(local.z_eos, m_eos, local.zs_eos, compute_entropy)
     if compute_support_mass:
-        m_full = maxima[2]
-        full = [torch.exp(z - m_full[i : i + z.shape[0], None]).sum(1) for i, z in _mass_rows(plan)]
-        sum_parts.append(torch.cat(full) if full else local.z_sup.new_zeros(0))
+        sum_parts.append(s_full_local * torch.exp(m_full_local - maxima[2]))
     sizes = [p.numel() for p in sum_parts]
     totals = list(reduce_sum_from_shards(torch.cat(sum_parts), group).split(sizes))
     k = 3 if compute_entropy else 2

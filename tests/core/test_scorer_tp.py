@@ -120,7 +120,22 @@ def _tp_worker(rank, world_size):
     finally:
         dist.all_reduce = real_all_reduce
     results["hand_built_shard"] = _hand_built_shard(case, VocabShard(lo, hi, group))
+    results["masked_shard_mass"] = _masked_shard_mass(case, shard)
     return results
+
+
+def _masked_logits(case):
+    """The case's logits with rank 1's whole shard at -inf: that rank's full rows hold no finite score."""
+    z = case.logits.clone()
+    z[..., SPLIT[1]:] = float("-inf")
+    return z
+
+
+def _masked_shard_mass(case, shard):
+    z = _masked_logits(case)[..., shard.start : shard.end]
+    out = score_aligned_support(z, case.sampled_ids, case.row_ids, case.loss_mask, case.support, shard=shard,
+                                compute_support_mass=True, validate=False)
+    return out.support_logmass
 
 
 def _hand_built_shard(case, shard):
@@ -186,4 +201,9 @@ def test_tp2_uneven_split_equals_tp1_and_counts_collectives():
         torch.testing.assert_close(r["logprobs"], whole.logprobs, atol=1e-10, rtol=0)
         assert r["host_reads"] == 2, r["host_reads"]
         assert r["error"] is not None and f"holds an id >= vocab_size={V}" in r["error"], (rank, r["error"])
+        # A rank whose shard is all -inf adds nothing to the full-vocabulary mass (no NaN).
+        masked = score_aligned_support(_masked_logits(case), case.sampled_ids, case.row_ids, case.loss_mask, case.support,
+                                       compute_support_mass=True, validate=False).support_logmass
+        assert not torch.isnan(res["masked_shard_mass"]).any(), rank
+        torch.testing.assert_close(res["masked_shard_mass"], masked, atol=1e-10, rtol=0)
         assert r["negative"] is not None and "sampled id -1 outside the vocabulary [0, V)" in r["negative"], r["negative"]
