@@ -284,14 +284,8 @@ def _rows_of_positions(call: Call, support) -> tuple[torch.Tensor, torch.Tensor]
         return ids, valid & nonempty
     if R == 0 or support.member_ids.numel() == 0:
         return torch.full((call.N, 1), -1, dtype=torch.int32, device=call.device), torch.zeros_like(valid)
-    width = support.width_bound
-    starts = support.row_offsets[r]
-    lengths = support.row_offsets[r + 1] - starts
-    cols = torch.arange(width, device=call.device)
-    present = cols[None, :] < lengths[:, None]
-    at = (starts[:, None] + cols[None, :]).clamp_(max=support.member_ids.numel() - 1)
-    ids = torch.where(present, support.member_ids[at], torch.full((), -1, dtype=torch.int32, device=call.device))
-    return ids, valid & (lengths > 0)
+    ids = support.gather_padded(r, support.width_bound)
+    return ids, valid & (support.row_offsets[r + 1] > support.row_offsets[r])
 
 
 def _support_flag(support, vocab_size: Optional[int], validate: bool):

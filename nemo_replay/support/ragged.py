@@ -151,18 +151,35 @@ class RaggedSupport(Segmented):
         if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point or rows.dtype == torch.bool:
             raise ValueError(f"padded_rows: rows must be an integer tensor of row indices, got {type(rows).__name__}")
         rows = rows.to(device=self.device, dtype=torch.int64)
-        starts = self.row_offsets[rows]
-        lengths = self.row_offsets[rows + 1] - starts
+        lengths = self.row_offsets[rows + 1] - self.row_offsets[rows]
         if width is None:
             width = max(int(lengths.max()) if lengths.numel() else 0, 1)
         elif lengths.numel() and int(lengths.max()) > width:
             raise ValueError(f"a chosen row holds {int(lengths.max())} members, more than width={width}")
-        cols = torch.arange(width, device=self.device)
-        present = cols[None, :] < lengths[:, None]
-        flat = (starts[:, None] + cols[None, :]).clamp(max=max(self.member_ids.numel() - 1, 0))
+        return self.gather_padded(rows, width)
+
+    def gather_padded(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """:meth:`padded_rows` without its checks or host reads: ``width`` must bound every chosen row
+        (:attr:`width_bound` does).
+
+        Args:
+            rows: (n,), int64 row indices in ``[0, num_rows)``, on this support's device.
+            width: columns of the result (>= 1).
+
+        Returns:
+            (n, width), int32; row i is ``member_ids[row_offsets[rows[i]]:row_offsets[rows[i] + 1]]``
+            then -1. Example: rows {4, 9}, {}, {2, 3, 7}, ``rows = [2, 0]``, width 3 ->
+            ``[[2, 3, 7], [4, 9, -1]]``.
+        """
         if self.member_ids.numel() == 0:
             return torch.full((rows.numel(), width), -1, dtype=torch.int32, device=self.device)
-        return torch.where(present, self.member_ids[flat], torch.full_like(self.member_ids[flat], -1))
+        starts = self.row_offsets[rows]
+        lengths = self.row_offsets[rows + 1] - starts
+        cols = torch.arange(width, device=self.device)
+        present = cols[None, :] < lengths[:, None]
+        flat = (starts[:, None] + cols[None, :]).clamp_(max=self.member_ids.numel() - 1)
+        members = self.member_ids[flat]
+        return torch.where(present, members, torch.full_like(members, -1))
 
     def to_padded(self, width: int | None = None) -> PackedTensor:
         """The fixed-width form: ``[num_rows, width]`` int32 rows with trailing -1."""
