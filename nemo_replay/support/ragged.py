@@ -272,8 +272,11 @@ class RaggedSupport(Segmented):
         return bad | same.any()
 
     def validate(self, *, vocab_size: int | None = None, where: str = "support") -> None:
-        """Members in ``[0, vocab_size)`` and no duplicate id in a row (vectorised)."""
-        if self.member_ids.numel() == 0:
+        """Members in ``[0, vocab_size)`` and no duplicate id in a row (vectorised).
+
+        Valid rows cost one host read (:meth:`invalid_flag`); only a failure pays for naming the row.
+        """
+        if not bool(self.invalid_flag(vocab_size=vocab_size)):
             return
         ids, row_of, order = self._sorted_members()
 
@@ -291,6 +294,7 @@ class RaggedSupport(Segmented):
             bad = torch.zeros_like(ids, dtype=torch.bool)
             bad[order[1:][same]] = True
             fail(bad, "holds a duplicate id")
+        raise AssertionError("the support flag was set but no row breaks the checks")  # pragma: no cover
 
 
 def _positive(n: int) -> int:

@@ -130,6 +130,13 @@ def test_validate_names_trajectory_and_row():
         rs.validate()
     # The same id in two different rows is fine.
     RaggedSupport.from_rows([[[1, 2], [2, 1]], [[1]]]).validate(vocab_size=3)
+    # Valid rows cost one host read.
+    from benchmarks.syncs import HostReads
+
+    rs = RaggedSupport.from_rows([[[4, 9], []], [[2, 3, 7], [5, 1, 6]]])
+    with HostReads() as reads:
+        rs.validate(vocab_size=10)
+    assert reads.total == 1, dict(reads.where)
     RaggedSupport.from_rows([[[], []]]).validate(vocab_size=1)
 
 
