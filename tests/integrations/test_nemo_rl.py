@@ -27,6 +27,7 @@ import torch
 
 from tests.integrations.nemo_rl_batches import (
     TEMPERATURE,
+    VOCAB,
     ClippedPGStyleLoss,
     LossInputType,
     cp_chunks,
@@ -192,6 +193,21 @@ def _phase_dtensor(out, rank, data, raw32):
         out["dtensor_packed_logprobs"] = logprob_post(packed.detach(), data, inputs, B, W)
 
 
+def _phase_shards(out, g, raw32):
+    """The vocabulary shards the hooks build for Megatron and DTensor logits, global size included."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from nemo_replay.integrations.nemo_rl.scoring import vocab_shard_of
+
+    tr = g["tp_rank"]
+    local = vocab_shard(raw32, 2, tr).contiguous()
+    _, megatron = vocab_shard_of(local, tr, g["tp"])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    _, dtensor = vocab_shard_of(DTensor.from_local(local, mesh, [Shard(-1)], run_check=False), None, None)
+    out["shards"] = [(s.start, s.end, s.vocab_size) for s in (megatron, dtensor)]
+
+
 def _worker(rank, world_size):
     g = _groups(rank)
     data, raw32, sampler = make_batch(seed=0)
@@ -199,6 +215,7 @@ def _worker(rank, world_size):
     _phase_policy(out, g, data, raw32)
     _phase_reference(out, g, data)
     _phase_dtensor(out, rank, data, raw32)
+    _phase_shards(out, g, raw32)
     return out
 
 
@@ -257,6 +274,15 @@ def test_the_reference_pass_scores_the_same_support_or_the_full_vocabulary(ranks
         # row scores exactly 0, so nonzero is a subset).
         assert not (got[False][:, 1:] != 0)[~scored].any() and (got[False][:, 1:] != 0).sum() > 10
         assert (got[True][:, 1:] - got[False][:, 1:]).abs().max() > 1e-2  # the support normalisation matters
+
+
+def test_the_hooks_shards_know_the_global_vocabulary(ranks):
+    """Megatron's even split and DTensor's Shard(-1) both give V: the scorer checks ids before its
+    collectives rather than learning V from them (a deferred check and one more host read per call)."""
+    half = VOCAB // 2
+    for rank, r in enumerate(ranks):
+        tr = rank % 2
+        assert r["shards"] == [(tr * half, (tr + 1) * half, VOCAB)] * 2
 
 
 def test_dtensor_post_processors(ranks):

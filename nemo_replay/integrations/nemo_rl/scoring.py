@@ -73,7 +73,9 @@ def vocab_shard_of(logits, vocab_parallel_rank: Optional[int], vocab_parallel_gr
             f"vocab_parallel_rank={vocab_parallel_rank!r} is not this rank's rank {rank} in vocab_parallel_group; "
             f"pass NeMo-RL's get_tensor_model_parallel_rank() with its group"
         )
-    return logits, VocabShard(rank * v_local, (rank + 1) * v_local, vocab_parallel_group)
+    # The global size is known (an even split), so the scorer checks ids before its collectives
+    # instead of learning V from them and reading it back (one host read per call).
+    return logits, VocabShard(rank * v_local, (rank + 1) * v_local, vocab_parallel_group, v_local * tp)
 
 
 def _dtensor_shard(logits, Replicate, Shard):
@@ -95,7 +97,7 @@ def _dtensor_shard(logits, Replicate, Shard):
     group = mesh.get_group("tp")
     tp, rank = _group_size_rank(group)
     per = -(-logits.shape[-1] // tp)  # torch.chunk: ceil(V / tp) rows per rank, the last ones fewer
-    return local, VocabShard(rank * per, rank * per + local.shape[-1], group)
+    return local, VocabShard(rank * per, rank * per + local.shape[-1], group, logits.shape[-1])
 
 
 def _tensor(data: Mapping[str, Any], key: str, what: str) -> torch.Tensor:
