@@ -221,8 +221,3 @@ def completion_channels(
     return Channels(
         support.to(device), ids.to(device), row_ids.to(device), mask.to(device), rollout.to(device)
     )
-
-
-def optional_records(batch: dict) -> Optional[list]:
-    """The records of a TRL batch dict, or None when it has none."""
-    return batch.get(RECORDS_KEY)
