@@ -103,6 +103,8 @@ def _policy_logprobs(local, data, cfg, cu, loss_fn):
 
 
 def _phase_policy(out, g, data, raw32):
+    from nemo_replay.integrations.nemo_rl import next_token_logprobs
+
     lengths = data["input_lengths"].tolist()
     data64 = with_loss_inputs(data, raw32 / TEMPERATURE)
     scaled64 = (raw32.double() / TEMPERATURE).requires_grad_()
@@ -116,6 +118,12 @@ def _phase_policy(out, g, data, raw32):
         local32, cu = _local(raw32 / TEMPERATURE, lengths, cfg)
         with torch.no_grad():
             lp32, _ = _policy_logprobs(local32, data64, cfg, cu, ClippedPGStyleLoss())
+            # The whole micro-batch in one call (the log-prob post-processor's form): its masks.
+            tg, _, tr, cg, _, _, _, _ = cfg
+            whole = next_token_logprobs(
+                local32, data64, vocab_parallel_rank=tr, vocab_parallel_group=tg, context_parallel_group=cg,
+                cu_seqlens_padded=None if cu is None else torch.tensor(cu),
+            )
         # Gradients in float64 through the same hooks.
         local64, _ = _local(scaled64.detach(), lengths, cfg)
         local64.requires_grad_()
@@ -125,6 +133,7 @@ def _phase_policy(out, g, data, raw32):
         out[name] = dict(
             logprobs32=lp32.detach(), logprobs64=lp64.detach(), loss=float(loss.detach()) * cfg[4],
             grad=local64.grad, want_grad=want_grad, ref_loss=float(ref_loss.detach()),
+            whole=(whole.logprobs, whole.valid_mask, whole.fallback_mask),
         )
 
 
@@ -248,6 +257,10 @@ def test_prepare_fn_reproduces_the_sampler_within_1e5(ranks, config):
         torch.testing.assert_close(got[eos].double(), r["reference_logprobs"][eos], atol=1e-5, rtol=0)
         scored = rows | eos
         assert (got[~scored] == 0).all()
+        # One call over the whole micro-batch: the same log-probs, rows valid, the EOS the one fallback.
+        lp, valid, fallback = r[config]["whole"]
+        torch.testing.assert_close(lp, got, atol=1e-6, rtol=0)
+        assert torch.equal(valid, rows) and torch.equal(fallback, eos)
 
 
 @pytest.mark.parametrize("config", ["tp2", "cp2", "tp2cp2"])

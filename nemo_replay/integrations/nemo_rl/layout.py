@@ -169,18 +169,18 @@ class _GatherSlots(torch.autograd.Function):
     def forward(ctx, local, indices, numel: int, cp_group, cp_rank: int):
         ctx.own = indices[cp_rank]
         ctx.cp_group = cp_group
-        ctx.n = local.shape[0]
         if len(indices) == 1:
             parts = [local]
         else:
             wire = local.detach().contiguous()
             parts = [torch.empty_like(wire) for _ in indices]
             dist.all_gather(parts, wire, group=cp_group)
-        out = torch.zeros(numel, dtype=local.dtype, device=local.device)
+        # One spare element at the end takes every slot that fills nothing (index -1), so the
+        # scatter needs no count of the kept slots (a nonzero would read the device per rank).
+        out = torch.zeros(numel + 1, dtype=local.dtype, device=local.device)
         for part, index in zip(parts, indices):
-            keep = torch.nonzero(index >= 0).flatten()
-            out[index[keep]] = part[keep]
-        return out
+            out[torch.where(index >= 0, index, numel)] = part
+        return out[:numel]
 
     @staticmethod
     def backward(ctx, grad):

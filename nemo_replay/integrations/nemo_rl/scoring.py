@@ -230,15 +230,16 @@ def next_token_logprobs(
             source, ch.sampled_ids, ch.row_ids, ch.loss_mask, support.to(local.device), shard=shard,
             trajectory_ids=ch.trajectory_ids, validate=validate,
         )
-    indices = [ch.out_index] if cp == 1 else [
-        next_token_channels(local_slots(padded, cp, r, packed=packed), ids, lengths, mask, sample).out_index for r in range(cp)
+    indices = [  # where every CP rank's slots land; this rank's are already known
+        ch.out_index if r == cp_rank else
+        next_token_channels(local_slots(padded, cp, r, packed=packed), ids, lengths, mask, sample).out_index
+        for r in range(cp)
     ]
     out_shape = (N, W - 1)
     gather = lambda t: gather_slots(t, indices, out_shape, context_parallel_group, cp_rank)  # noqa: E731
-    with torch.no_grad():
-        valid = gather(scores.valid_mask.to(torch.uint8)) != 0
-        fallback = gather(scores.fallback_mask.to(torch.uint8)) != 0
-    return ReplayScores(gather(scores.logprobs), valid, fallback)
+    with torch.no_grad():  # both masks in one gather: bit 0 valid, bit 1 fallback
+        flags = gather(scores.valid_mask.to(torch.uint8) | (scores.fallback_mask.to(torch.uint8) << 1))
+    return ReplayScores(gather(scores.logprobs), (flags & 1) != 0, (flags & 2) != 0)
 
 
 def _padded_lengths(local: torch.Tensor, N: int, cp: int, cu_seqlens_padded) -> list[int]:
