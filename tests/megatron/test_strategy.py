@@ -166,6 +166,15 @@ def _phase_tp2(out, rank, batches, policy_batches):
     real = b.attention_mask[:, :-1] & b.attention_mask[:, 1:]
     out["cp_gather"] = (lay.to_canonical(lay.align_logits(x, 0.0), -1.0, cp_group=world), x, b.attention_mask)
     out["cp_gather_bool"] = (lay.to_canonical(lay.align_logits(real, False), False, cp_group=world), real)
+    # Every scorer output of a micro-batch in one gather: floats, masks and an absent field.
+    from types import SimpleNamespace
+
+    from nemo_replay.strategies.megatron.steps import _canonical_outputs
+
+    third = real & (x.long() % 3 == 0)
+    scores = SimpleNamespace(valid_mask=lay.align_logits(real & ~third, False), fallback_mask=lay.align_logits(third, False),
+                             entropy=lay.align_logits(x.double() / 7, 0.0), support_logmass=None)
+    out["cp_outputs"] = (_canonical_outputs(scores, lay.align_logits(-x, 0.0), lay, world), x, real, third)
     # The policy path's differentiable gather: forward = to_canonical, backward = its adjoint, no collective.
     from nemo_replay.strategies.megatron.steps import gather_logits_to_canonical
 
@@ -401,6 +410,17 @@ def test_a_caller_objective_on_right_padded_batches_matches_its_autograd_referen
         for o1, o2 in zip(r["tp1_gspo_right"], rk["tp2_gspo_right"]):
             _close(o2["loss"], o1["loss"], atol=1e-6)
             assert "ratio_mean" in o2["metrics"] and "kl" in o2["metrics"]
+
+
+def test_all_scorer_outputs_gather_back_to_canonical_over_cp_in_one_call(ranks):
+    for r in ranks:
+        got, x, real, third = r["cp_outputs"]
+        assert got["logprobs"].dtype == torch.float32 and torch.equal(got["logprobs"][real], -x[real])
+        assert (got["logprobs"][~real] == 0).all()
+        assert torch.equal(got["valid_mask"], real & ~third) and torch.equal(got["fallback_mask"], third)
+        assert third.any() and (real & ~third).any()
+        assert got["entropy"].dtype == torch.float64 and torch.equal(got["entropy"][real], x[real].double() / 7)
+        assert got["support_logmass"] is None
 
 
 def test_the_cp_gather_of_the_policy_path_is_the_adjoint_of_align_logits(ranks):

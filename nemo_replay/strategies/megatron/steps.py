@@ -99,6 +99,28 @@ def gather_logits_to_canonical(local: torch.Tensor, layout: TokenMetadataLayout,
     return _GatherToCanonical.apply(local, layout, cp_group)
 
 
+def _canonical_outputs(scores, logprobs: Optional[torch.Tensor], layout: TokenMetadataLayout, cp_group) -> dict:
+    """The scorer's per-slot outputs in canonical ``(B, S - 1)`` columns, with one all-gather over CP.
+
+    The fields present (``logprobs`` when given, the two masks, entropy and support mass when
+    computed) are stacked on a last dimension in one float dtype and gathered together;
+    the masks come back bool. Positions no rank predicts are 0 / False. Detached.
+    """
+    fields = {"logprobs": logprobs, "valid_mask": scores.valid_mask, "fallback_mask": scores.fallback_mask,
+              "entropy": scores.entropy, "support_logmass": scores.support_logmass}
+    present = {k: v for k, v in fields.items() if v is not None}
+    dtype = torch.float32
+    for v in present.values():
+        if v.is_floating_point():
+            dtype = torch.promote_types(dtype, v.dtype)
+    stacked = torch.stack([v.detach().to(dtype) for v in present.values()], -1)
+    canon = layout.to_canonical(stacked, 0.0, cp_group=cp_group)
+    out = dict.fromkeys(fields)
+    for i, (name, v) in enumerate(present.items()):
+        out[name] = canon[..., i] != 0 if v.dtype == torch.bool else canon[..., i].to(v.dtype)
+    return out
+
+
 @contextlib.contextmanager
 def _decoder_output(inner: torch.nn.Module, enabled: bool):
     """Make GPTModel return its decoder output instead of logits for one call."""
@@ -199,21 +221,15 @@ class RoleForwardStep:
         source, weight, shard = self._source(output, inner, hidden)
         scores = self._score(mb, source, weight, shard)
         p, lay = self.parallel, mb.layout
-        canon = lambda t, fill: None if t is None else lay.to_canonical(t.detach(), fill, cp_group=p.cp_group)  # noqa: E731
-        # The policy role gathers the log-probs once, differentiably, for its objective; the
-        # stored result is that same tensor detached (a second all-gather would repeat it).
+        # The policy role gathers the log-probs differentiably, for its objective; every other
+        # output (and the log-probs of the forward-only roles) travels in one detached gather.
         policy = self.role == "policy"
         logprobs = scores.logprobs.float()
-        logprobs = gather_logits_to_canonical(logprobs, lay, p.cp_group) if policy else canon(logprobs, 0.0)
-        result = {
-            "logprobs": logprobs.detach(),
-            "valid_mask": canon(scores.valid_mask, False),
-            "fallback_mask": canon(scores.fallback_mask, False),
-            "entropy": canon(scores.entropy, 0.0),
-            "support_logmass": canon(scores.support_logmass, 0.0),
-            "loss": None,
-            "metrics": {},
-        }
+        result = _canonical_outputs(scores, None if policy else logprobs, lay, p.cp_group)
+        if policy:
+            logprobs = gather_logits_to_canonical(logprobs, lay, p.cp_group)
+            result["logprobs"] = logprobs.detach()
+        result.update(loss=None, metrics={})
         if not policy:
             self.results[mb.index] = result
             return torch.zeros((), device=source.device), {}
