@@ -253,8 +253,13 @@ def real_runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
             f"trajectory {i}: attention_mask holds {int(runs[i])} separate runs of real tokens; a row holds one "
             f"trajectory whose real tokens are contiguous (padding on the left, the right or both sides)"
         )
+    return _run_bounds(real)
+
+
+def _run_bounds(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`real_runs` without its checks (no host read), for a mask already checked: (B, S) bool."""
     starts = torch.argmax(real.to(torch.int8), dim=1).to(torch.int64)
-    return starts, starts + lengths
+    return starts, starts + real.sum(1).to(torch.int64)
 
 
 def response_columns(
@@ -271,9 +276,10 @@ def response_columns(
         Example: R = [2, 0, 3], 8 columns -> batch [0 0 2 2 2], columns [6 7 5 6 7].
     """
     R = torch.as_tensor(response_lengths, dtype=torch.int64)
-    b = torch.repeat_interleave(torch.arange(R.numel(), device=R.device), R)
+    total = int(R.sum())  # the one host read: the output size
+    b = torch.repeat_interleave(torch.arange(R.numel(), device=R.device), R, output_size=total)
     starts = torch.cumsum(R, 0) - R
-    j = torch.arange(int(R.sum()), device=R.device) - starts[b]
+    j = torch.arange(total, device=R.device) - starts[b]
     end = torch.full_like(R, num_columns) if ends is None else torch.as_tensor(ends, dtype=torch.int64).to(R.device)
     return b, end[b] - R[b] + j
 
@@ -388,8 +394,9 @@ def canonical_channels(batch: ReplayBatch) -> CanonicalChannels:
     device = seq.device
     token_rows = torch.full((B, S), -1, dtype=torch.int64, device=device)
     if batch.support is not None:
-        _, ends = real_runs(batch.attention_mask)
-        b, col = response_columns(batch.response_lengths.to(device), S, ends.to(device))
+        # The batch checked its mask when it was built: read the runs without checking again.
+        _, ends = _run_bounds(batch.attention_mask.to(device).bool())
+        b, col = response_columns(batch.response_lengths.to(device), S, ends)
         # Rows are packed trajectory-major with R_i rows each (checked by the batch), so
         # the global row of (i, j) is cu_seqlens[i] + j = its index in this enumeration.
         token_rows[b, col] = torch.arange(b.numel(), device=device)

@@ -300,3 +300,14 @@ def test_position_ids_any_padding():
     am = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0]])
     assert position_ids(am).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 0, 0], [0, 0, 1, 2, 0]]
     assert [t.tolist() for t in real_runs(am)] == [[2, 0, 1], [5, 3, 4]]
+
+
+def test_canonical_channels_cost_one_host_read():
+    """The batch checked its mask when built; placing its rows reads back only their count
+    (the runs were checked again and repeat_interleave sized itself: four reads)."""
+    from benchmarks.syncs import HostReads
+
+    batch = _ragged_batch()
+    with HostReads() as reads:
+        canonical_channels(batch)
+    assert reads.total == 1, dict(reads.where)
