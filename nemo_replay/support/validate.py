@@ -156,8 +156,9 @@ def validate_support_rows(
             row = int(torch.nonzero(missing)[0])
             raise SupportAlignmentError(
                 f"{where}: {describe_row(cu_seqlens, row)}: sampled token {int(sampled_ids[row])} is not a "
-                f"member of its support row {values[row].tolist()[:16]}; rows and tokens are misaligned "
-                f"(or the engine dropped the sampled token: repair it at capture)"
+                f"member of its support row {values[row].tolist()[:16]}; rows and tokens are misaligned: row i "
+                f"must be the support token i was sampled from (docs/design.md §3). A sampled token missing "
+                f"from the engine's own output is an engine error, not something to patch into the row"
             )
 
 
