@@ -156,7 +156,7 @@ def _check_alignment(ids, lengths, mask, sample, support) -> None:
     active = torch.nonzero(full.loss_mask & has_row).flatten()
     if active.numel():
         rows = support.values[full.row_ids[active]].to(torch.int64)
-        hit = (rows == full.sampled_ids[active, None]).any(1)
+        hit = ((rows == full.sampled_ids[active, None]) & (rows >= 0)).any(1)  # -1 pads, never a member
         if not bool(hit.all()):
             s = int(active[torch.nonzero(~hit)[0]])
             i, c = divmod(s, W)
