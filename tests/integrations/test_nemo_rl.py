@@ -509,7 +509,7 @@ def test_the_recipe_overlay_switches_replay_on_and_the_check_names_each_flag():
     root = Path(__file__).resolve().parents[2] / "configs" / "nemo_rl"
     overlays = sorted(root.glob("*.yaml"))
     assert overlays, "configs/nemo_rl/ holds the NeMo-RL recipe overlays"
-    # The keys of NeMo-RL's grpo_math_1B.yaml the overlays override (examples/configs/grpo_math_1B.yaml:
+    # The keys of NeMo-RL's grpo_math_1B.yaml the overlays override (at commit 7ea279a, NEMO_RL_COMMIT; examples/configs/grpo_math_1B.yaml:
     # 141-143 dtensor_cfg, 171-185 megatron_cfg, 331-333 sequence_packing, 364-415 generation).
     base = OmegaConf.create({"policy": {
         "dtensor_cfg": {"enabled": True, "_v2": True, "context_parallel_size": 1},
