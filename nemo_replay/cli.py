@@ -85,9 +85,8 @@ def _train(args: Sequence[str], ns: argparse.Namespace) -> int:
 
     trainer = GRPOTrainer(cfg)
     zero = trainer.fabric.is_global_zero
-    if zero and trainer.run_dir.resume is not None:
-        info = trainer.run_dir.resume
-        print(f"nemo-replay train: resuming {trainer.output_dir} after step {info.step} ({info.path.name})", file=sys.stderr)
+    if zero and trainer.resume_line():
+        print(f"nemo-replay train: {trainer.resume_line()}", file=sys.stderr)
     result = trainer.fit()
     if not zero:
         return PREEMPTED_EXIT if result.stopped_by else 0

@@ -18,6 +18,7 @@ Output folder: ``<dir>/replay-on``, ``<dir>/replay-off`` (each a normal run fold
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -83,7 +84,13 @@ def effects_line(fx: dict) -> str:
 
 def _with_replay(cfg: RecipeConfig, enabled: bool, out_dir: Path) -> RecipeConfig:
     replay = dataclasses.replace(cfg.replay, enabled=enabled)
-    trainer = dataclasses.replace(cfg.trainer, output_dir=str(out_dir / f"replay-{'on' if enabled else 'off'}"))
+    # Each half keeps a checkpoint of its last step even with checkpoint_every=0: a compare
+    # stopped in its second half is continued by the same command, which must find the
+    # first half finished rather than a folder it cannot continue.
+    trainer = dataclasses.replace(
+        cfg.trainer, output_dir=str(out_dir / f"replay-{'on' if enabled else 'off'}"),
+        checkpoint_every=cfg.trainer.checkpoint_every or cfg.trainer.steps,
+    )
     return dataclasses.replace(cfg, replay=replay, trainer=trainer)
 
 
@@ -100,7 +107,10 @@ def run_compare(cfg: RecipeConfig) -> CompareResult:
     results = {}
     for enabled in (True, False):
         run_cfg = _with_replay(cfg, enabled, root)
-        results[enabled] = GRPOTrainer(run_cfg, fabric=fabric).fit()
+        trainer = GRPOTrainer(run_cfg, fabric=fabric)
+        if fabric.is_global_zero and trainer.resume_line():
+            print(f"nemo-replay compare: {trainer.resume_line()}", file=sys.stderr)
+        results[enabled] = trainer.fit()
         if results[enabled].stopped_by:  # a stop signal: the same command resumes where it left off
             return CompareResult(root, results[True], results.get(False), stopped_by=results[enabled].stopped_by)
     out = CompareResult(root, results[True], results[False], effects=effects(cfg, results[True], results[False]))

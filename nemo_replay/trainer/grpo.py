@@ -181,6 +181,11 @@ class GRPOTrainer:
         rank_state = {"rng": capture_rank_rng(self._generators())}
         return self.checkpoints.save(step, self.policy, self.optimizer, history=self.history, rank_state=rank_state)
 
+    def resume_line(self) -> Optional[str]:
+        """What this run continues from, for rank 0 to print; None for a new run."""
+        info = self.run_dir.resume
+        return None if info is None else f"resuming {self.output_dir} after step {info.step} ({info.path.name})"
+
     def _resume(self) -> None:
         """Weights, optimizer, RNGs and metrics from the run folder's latest checkpoint."""
         info = self.run_dir.resume

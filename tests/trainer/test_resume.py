@@ -87,6 +87,28 @@ def test_sigterm_mid_run_then_resume_matches_the_uninterrupted_run(tmp_path):
     assert json.loads((stopped / "summary.json").read_text())["first_step"] == done
 
 
+def test_compare_stopped_in_its_second_half_continues_with_the_same_command(tmp_path):
+    steps = 4
+    cmd = [*_cmd(tmp_path, "trainer.checkpoint_every=0", steps=steps), "trainer.plot=false"]
+    cmd[cmd.index("train")] = "compare"
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_rows(tmp_path / "replay-off" / "metrics.jsonl", proc, 1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == PREEMPTED_EXIT, err
+    assert "resume with: nemo-replay compare" in err and not (tmp_path / "summary.json").exists()
+    done = len(_rows(tmp_path / "replay-off"))
+    assert 1 <= done < steps, "the signal must land in the second half"
+    on_rows = _rows(tmp_path / "replay-on")
+    again = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"nemo-replay compare: resuming {tmp_path / 'replay-on'} after step {steps - 1}" in again.stderr
+    assert _rows(tmp_path / "replay-on") == on_rows  # the finished half is not run again
+    assert [r["step"] for r in _rows(tmp_path / "replay-off")] == list(range(steps))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["replay_on"]["steps"] == summary["replay_off"]["steps"] == steps
+
+
 def test_second_signal_exits_at_once_and_copies_of_one_signal_do_not_count(tmp_path):
     """The real handlers in a real process: a repeat within the window is ignored, a later one exits 128 + n."""
     script = (
