@@ -539,3 +539,9 @@ def test_the_recipe_overlay_switches_replay_on_and_the_check_names_each_flag():
         "sequence_packing": {"fuse_loss": True}}}))
     with pytest.raises(ValueError, match=r"(?s)use_fused_linear_logprobs=true: set false.*fuse_loss=true: set false"):
         check_nemo_rl_recipe(bad)
+    for cp, named in (("2", "'2': set an int >= 1"), (0, "0: set an int >= 1"), (2, "2: set 1, or use the Megatron backend")):
+        dtensor = OmegaConf.to_container(OmegaConf.merge(base, {"policy": {
+            "generation": {"top_k": 64, "vllm_cfg": {"logprobs_mode": "processed_logprobs"}},
+            "dtensor_cfg": {"context_parallel_size": cp}}}))
+        with pytest.raises(ValueError, match=rf"policy\.dtensor_cfg\.context_parallel_size={named}"):
+            check_nemo_rl_recipe(dtensor)

@@ -61,8 +61,10 @@ def check_nemo_rl_recipe(config: Mapping[str, Any]) -> None:
     if not megatron and bool(_get(config, "policy.dtensor_cfg.enabled", False)):
         if not _get(config, "policy.dtensor_cfg._v2", False):
             problems.append("policy.dtensor_cfg._v2=false: set true (replay replaces the automodel v2 post-processors)")
-        cp = _get(config, "policy.dtensor_cfg.context_parallel_size", 1) or 1
-        if cp > 1:
+        cp = _get(config, "policy.dtensor_cfg.context_parallel_size", 1)
+        if cp is not None and (isinstance(cp, bool) or not isinstance(cp, int) or cp < 1):
+            problems.append(f"policy.dtensor_cfg.context_parallel_size={cp!r}: set an int >= 1 (1: no context parallelism)")
+        elif cp is not None and cp > 1:
             problems.append(
                 f"policy.dtensor_cfg.context_parallel_size={cp}: set 1, or use the Megatron backend (replay lays out "
                 f"Megatron's context parallelism, not torch's context_parallel)"
