@@ -24,7 +24,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["nemo_replay", "nemo_replay.*"]),
-    package_data={"nemo_replay": ["configs/*.yaml"]},
+    package_data={"nemo_replay": ["configs/*.yaml", "integrations/nemo_rl/patches/*.patch"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy>=1.24", "omegaconf>=2.3"],
     extras_require=EXTRAS,

@@ -14,10 +14,17 @@ per-sequence packing; :mod:`.layout`). The pieces:
   selectable, :func:`reference_pass`); :class:`ReplayAutomodelLossPostProcessor` for the
   DTensor policy loss;
 - :func:`vllm_support_request` and :func:`generation_support_from_vllm` for the vLLM worker;
-- :func:`check_nemo_rl_recipe` for the recipe options replay depends on.
+- :func:`check_nemo_rl_recipe` for the recipe options replay depends on;
+- :mod:`.workers`: replay's vLLM generation worker and the policy worker extensions that
+  install the post-processors in each worker process;
+- :func:`install_data_path` (:mod:`.datapath`): ``generation_support`` kept and padded with
+  -1 through the driver's message logs and batches;
+- :mod:`.patch`: the one source patch (the rollout's per-message slicing) and the command
+  that applies it;
+- :mod:`.run_grpo`: the launcher, ``examples/run_grpo.py``'s command line with all of it wired.
 
-The recipe overlay and the guide (which NeMo-RL options to set, and why) are in
-``configs/nemo_rl/`` and the README; the contract is docs/design.md §9.
+The recipe overlays are in ``configs/nemo_rl/``; a NeMo-RL user's path from a checkout to a
+running job is in the README; the contract is docs/design.md §9.
 """
 
 from nemo_replay.integrations.nemo_rl.hooks import (
@@ -29,7 +36,9 @@ from nemo_replay.integrations.nemo_rl.hooks import (
     reference_pass,
     replay_prepare_fn,
 )
+from nemo_replay.integrations.nemo_rl.datapath import backfill_support, carry_support, install_data_path, with_support_pad
 from nemo_replay.integrations.nemo_rl.layout import NEMO_RL_COMMIT
+from nemo_replay.integrations.nemo_rl.patch import apply_patch, patch_state
 from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
 from nemo_replay.integrations.nemo_rl.rollout import (
     GenerationSupport,
@@ -56,4 +65,10 @@ __all__ = [
     "padding_rows",
     "vllm_support_request",
     "check_nemo_rl_recipe",
+    "install_data_path",
+    "backfill_support",
+    "carry_support",
+    "with_support_pad",
+    "apply_patch",
+    "patch_state",
 ]

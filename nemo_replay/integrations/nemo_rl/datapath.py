@@ -1,0 +1,242 @@
+"""``generation_support`` through NeMo-RL's driver: message logs, padding, the batches of ``grpo.py``.
+
+The rows leave the vLLM worker next to ``logprobs`` (:mod:`.workers`), are sliced into
+each generated assistant message by the patched rollout code (:mod:`.patch`), and must then
+survive every batch NeMo-RL builds on the way to its policy workers. At commit
+:data:`~.layout.NEMO_RL_COMMIT` each of those steps is a function boundary in the driver
+process, so :func:`install_data_path` wraps them at run time (docs/design.md §9):
+
+==========================================================  ==========================================
+NeMo-RL function (file)                                     what replay adds
+==========================================================  ==========================================
+``BatchedDataDict.from_batches``                            pads ``generation_support`` with -1, not 0
+(``distributed/batched_data_dict.py``; the vLLM workers'    (0 is a token id: a zero row on padding
+results, ``vllm_generation.py``; ``rollouts.py``)           reads as a real support)
+``add_grpo_token_loss_masks_and_generation_logprobs``       all -1 rows for every message nobody
+(``algorithms/grpo.py``)                                    sampled; flagged tokens leave
+                                                            ``token_loss_mask`` (:func:`backfill_support`)
+``batched_message_log_to_flat_message`` (as ``grpo.py``     pads ``generation_support`` with -1
+calls it)
+``_preserve_router_replay_routed_experts`` (``grpo.py``;    copies ``generation_support`` into the
+called on ``train_data``, its async twin and               batch (:func:`carry_support`): the key
+``logprob_data``, which feeds the old-policy and the        lists of those batches are fixed
+reference pass)
+==========================================================  ==========================================
+
+The pure parts (:func:`with_support_pad`, :func:`backfill_support`, :func:`carry_support`)
+take NeMo-RL's plain data (lists of message dicts, mappings of tensors) and import nothing
+of NeMo-RL.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, MutableMapping, Optional, Sequence
+
+import torch
+
+from nemo_replay.integrations.nemo_rl.rollout import padding_rows
+from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
+
+__all__ = ["SUPPORT_PAD", "with_support_pad", "backfill_support", "carry_support", "install_data_path", "DataPath"]
+
+#: The pad value of support rows: never a token id.
+SUPPORT_PAD = -1
+
+_WRAPPED = "__nemo_replay_wraps__"
+
+
+def with_support_pad(pad_value_dict: Optional[dict] = None, *, key: str = SUPPORT_KEY) -> dict:
+    """``pad_value_dict`` with ``key: -1`` added (a copy; the caller's dict is not changed).
+
+    Raises:
+        ValueError when the caller asked another pad value for ``key``.
+    """
+    pads = dict(pad_value_dict or {})
+    if pads.setdefault(key, SUPPORT_PAD) != SUPPORT_PAD:
+        raise ValueError(
+            f"pad_value_dict[{key!r}]={pads[key]!r}: support rows are padded with {SUPPORT_PAD} (any other value is a "
+            f"token id, read as a recorded support); drop the entry"
+        )
+    return pads
+
+
+def _rows_of(message: dict, key: str, where: str) -> torch.Tensor:
+    rows = message[key]
+    num_tokens = int(message["token_ids"].shape[0])
+    if (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[0] != num_tokens
+            or rows.is_floating_point() or rows.dtype == torch.bool):
+        got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(
+            f"{where}: {key} must be integer rows (num_tokens={num_tokens}, k), one per token_ids entry, got {got}; "
+            f"slice the vLLM worker's rows as generation_logprobs is sliced ([i, input_length:total_length])"
+        )
+    return rows
+
+
+def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY) -> int:
+    """Give every message support rows and take flagged tokens out of the loss, in place.
+
+    Runs after NeMo-RL's ``add_grpo_token_loss_masks_and_generation_logprobs``, which set
+    ``token_loss_mask`` to ones on generated assistant messages and zeros elsewhere. Then:
+    messages without ``key`` (prompt, tool output, a prompt's own assistant turns) get all
+    -1 rows; rows narrower than the batch's widest are padded with -1 (the mask path
+    returns sets of any size); a generated token whose row is all -1 (the engine's support
+    could not be recorded exactly) leaves ``token_loss_mask``.
+
+    Args:
+        message_logs: NeMo-RL's batch of message logs; each message a dict with
+            ``token_ids (n,)`` and ``token_loss_mask (n,)``, generated ones also
+            ``key (n, k)`` int.
+
+    Returns:
+        How many generated tokens left the loss.
+
+    Raises:
+        ValueError naming the trajectory and message of a generated message without rows
+        or with rows of the wrong shape.
+    """
+    width = 0
+    for i, log in enumerate(message_logs):
+        for j, message in enumerate(log):
+            if key in message:
+                width = max(width, int(_rows_of(message, key, f"trajectory {i}, message {j}").shape[1]))
+    dropped = 0
+    for i, log in enumerate(message_logs):
+        for j, message in enumerate(log):
+            tokens, mask = message["token_ids"], message["token_loss_mask"]
+            if key not in message:
+                if bool(mask.any()):
+                    raise ValueError(
+                        f"trajectory {i}, message {j} ({message.get('role')!r}, {tokens.shape[0]} tokens) was generated "
+                        f"but carries no {key}: the rollout code did not slice the vLLM worker's rows into it (apply the "
+                        f"patch: python -m nemo_replay.integrations.nemo_rl.patch apply NEMO_RL_DIR) or the generation "
+                        f"worker is not replay's (launch with python -m nemo_replay.integrations.nemo_rl.run_grpo)"
+                    )
+                if width:
+                    message[key] = padding_rows(tokens.shape[0], width).to(tokens.device)
+                continue
+            rows = message[key].to(torch.int32)
+            if rows.shape[1] < width:
+                rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=SUPPORT_PAD)
+            recorded = (rows >= 0).any(-1)
+            flagged = (mask != 0) & ~recorded.to(mask.device)
+            dropped += int(flagged.sum())
+            message[key] = rows
+            message["token_loss_mask"] = mask.masked_fill(flagged, 0)
+    return dropped
+
+
+def carry_support(target: MutableMapping[str, Any], flat_messages: MutableMapping[str, Any], *, key: str = SUPPORT_KEY) -> None:
+    """``target[key] = flat_messages[key]``, checked against ``target``'s ``input_ids``.
+
+    Raises:
+        ValueError when the flattened batch has no rows or rows not ``[B, S, k]`` over its tokens.
+    """
+    if key not in flat_messages:
+        raise ValueError(
+            f"the flattened rollout batch has no {key!r}: no message carried support rows (launch with python -m "
+            f"nemo_replay.integrations.nemo_rl.run_grpo, which installs replay's vLLM worker and this data path)"
+        )
+    rows, ids = flat_messages[key], target["input_ids"]
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 3 or tuple(rows.shape[:2]) != tuple(ids.shape):
+        got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(
+            f"flattened {key} has shape {got}; expected [B, S, k] over input_ids {tuple(ids.shape)} (token-aligned, "
+            f"-1 padded)"
+        )
+    target[key] = rows
+
+
+# ------------------------------------------------------------------------------ run-time install
+
+
+@dataclass
+class DataPath:
+    """What :func:`install_data_path` wrapped, by module and name."""
+
+    wrapped: list[str]
+
+
+def _mark(wrapper, original):
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, _WRAPPED, original)
+    return wrapper
+
+
+def _is_wrapped(fn) -> bool:
+    return getattr(getattr(fn, "__func__", fn), _WRAPPED, None) is not None
+
+
+def _check_patched(rollouts, key: str) -> None:
+    """The rollout code slices ``key`` only when the patch is applied: refuse early otherwise."""
+    source = inspect.getsource(rollouts.generate_responses)
+    if f'"{key}"' not in source:
+        root = Path(rollouts.__file__).resolve().parents[2]
+        raise ValueError(
+            f"NeMo-RL at {root} does not slice {key} into the assistant messages (nemo_rl/experience/rollouts.py is "
+            f"unpatched): run `python -m nemo_replay.integrations.nemo_rl.patch apply {root}` once, then launch again"
+        )
+
+
+def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: str = SUPPORT_KEY) -> DataPath:
+    """Wrap NeMo-RL's driver-side data path so ``key`` reaches every policy batch (table above).
+
+    Call once in the driver before NeMo-RL's ``setup``; a second call changes nothing.
+    The modules default to NeMo-RL's own (``nemo_rl.algorithms.grpo``,
+    ``nemo_rl.distributed.batched_data_dict``, ``nemo_rl.experience.rollouts``).
+
+    Raises:
+        ValueError when the rollout patch is not applied to the NeMo-RL that is imported.
+    """
+    grpo = grpo or importlib.import_module("nemo_rl.algorithms.grpo")
+    batched_data_dict = batched_data_dict or importlib.import_module("nemo_rl.distributed.batched_data_dict")
+    rollouts = rollouts or importlib.import_module("nemo_rl.experience.rollouts")
+    _check_patched(rollouts, key)
+    wrapped = []
+
+    cls = batched_data_dict.BatchedDataDict
+    if not _is_wrapped(cls.from_batches):
+        from_batches = cls.from_batches.__func__
+
+        def padded_from_batches(cls_, batches, pad_value_dict=None, **kwargs):
+            return from_batches(cls_, batches, with_support_pad(pad_value_dict, key=key), **kwargs)
+
+        cls.from_batches = classmethod(_mark(padded_from_batches, from_batches))
+        wrapped.append("BatchedDataDict.from_batches")
+
+    flatten = grpo.batched_message_log_to_flat_message
+    if not _is_wrapped(flatten):
+
+        def padded_flatten(message_log_batch, pad_value_dict=None, *args, **kwargs):
+            return flatten(message_log_batch, with_support_pad(pad_value_dict, key=key), *args, **kwargs)
+
+        grpo.batched_message_log_to_flat_message = _mark(padded_flatten, flatten)
+        wrapped.append("grpo.batched_message_log_to_flat_message")
+
+    add_masks = grpo.add_grpo_token_loss_masks_and_generation_logprobs
+    if not _is_wrapped(add_masks):
+
+        def masks_and_support(message_logs, *args, **kwargs):
+            out = add_masks(message_logs, *args, **kwargs)
+            backfill_support(message_logs, key=key)
+            return out
+
+        grpo.add_grpo_token_loss_masks_and_generation_logprobs = _mark(masks_and_support, add_masks)
+        wrapped.append("grpo.add_grpo_token_loss_masks_and_generation_logprobs")
+
+    preserve = grpo._preserve_router_replay_routed_experts
+    if not _is_wrapped(preserve):
+
+        def preserve_with_support(target, flat_messages, *args, **kwargs):
+            out = preserve(target, flat_messages, *args, **kwargs)
+            carry_support(target, flat_messages, key=key)
+            return out
+
+        grpo._preserve_router_replay_routed_experts = _mark(preserve_with_support, preserve)
+        wrapped.append("grpo._preserve_router_replay_routed_experts")
+    return DataPath(wrapped)

@@ -1,0 +1,346 @@
+"""NeMo-RL switched on end to end, the parts that run without NeMo-RL: data path, workers, patch, launcher.
+
+Objects are built field for field as NeMo-RL builds them at commit 7ea279a (file:line there):
+
+- a generated assistant message: ``{"role": "assistant", "content", "token_ids":
+  output_ids[i, input_length:total_length], "generation_logprobs": logprobs[i, ...]}``
+  (``nemo_rl/experience/rollouts.py:516-524``); prompt and environment messages carry
+  ``role``, ``content``, ``token_ids`` only;
+- ``add_grpo_token_loss_masks_and_generation_logprobs`` (``nemo_rl/algorithms/grpo.py:1910-1942``)
+  sets ``token_loss_mask`` to ones on generated assistant messages and zeros elsewhere, and
+  zero ``generation_logprobs`` where missing;
+- the vLLM worker's output: ``output_ids`` / ``logprobs`` ``[B, padded_input_length + max
+  generated]``, prompt at ``[0, input_length)``, generated tokens after it
+  (``nemo_rl/models/generation/vllm/vllm_worker.py:925-1075``); its sampling params from
+  ``_build_sampling_params`` (``vllm_worker.py:641-668``, ``logprobs=0``).
+
+The same data path through NeMo-RL's own functions runs in tests/integrations/test_nemo_rl_source.py
+when a NeMo-RL tree is at hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from nemo_replay.integrations.nemo_rl import (
+    backfill_support,
+    carry_support,
+    install_data_path,
+    next_token_logprobs,
+    patch_state,
+    with_support_pad,
+)
+from nemo_replay.integrations.nemo_rl import patch as patch_mod
+from nemo_replay.integrations.nemo_rl import workers
+from tests.integrations.nemo_rl_batches import TEMPERATURE, make_logits
+from tests.rollout.engine_outputs import vllm_offline_output, vllm_steps
+
+K = 5
+VOCAB = 64
+
+
+def _message(role, ids, rows=None, generated=False):
+    m = {"role": role, "content": "", "token_ids": torch.tensor(ids, dtype=torch.int64)}
+    if generated:
+        m["generation_logprobs"] = -torch.rand(len(ids))
+    if rows is not None:
+        m["generation_support"] = torch.tensor(rows, dtype=torch.int32)
+    return m
+
+
+def _nemo_rl_masks(message_logs):
+    """grpo.py:1910-1942, the loss mask and the missing generation_logprobs (what replay runs after)."""
+    for log in message_logs:
+        for m in log:
+            generated = m["role"] == "assistant" and "generation_logprobs" in m
+            m["token_loss_mask"] = (torch.ones_like if generated else torch.zeros_like)(m["token_ids"])
+            m.setdefault("generation_logprobs", torch.zeros_like(m["token_ids"], dtype=torch.float32))
+
+
+def _multi_turn_logs():
+    """Trajectory 0: prompt, generated turn (k=5, its second token flagged), tool output, generated
+    turn from the mask path (rows 3 wide). Trajectory 1: prompt with a history assistant turn, one turn."""
+    t0 = [
+        _message("user", [11, 12, 13]),
+        _message("assistant", [21, 22, 23], [[21, 1, 2, 3, 4], [-1] * 5, [23, 5, -1, -1, -1]], generated=True),
+        _message("user", [31, 32]),
+        _message("assistant", [41, 42], [[41, 7, 8], [42, -1, -1]], generated=True),
+    ]
+    t1 = [
+        _message("user", [51]),
+        _message("assistant", [52, 53]),  # a prompt's own assistant turn: not generated, no rows
+        _message("assistant", [61], [[61, 9, 10, 11, 12]], generated=True),
+    ]
+    return [t0, t1]
+
+
+def test_backfill_gives_every_message_rows_and_takes_flagged_tokens_out_of_the_loss():
+    logs = _multi_turn_logs()
+    _nemo_rl_masks(logs)
+    assert backfill_support(logs) == 1
+    for log in logs:
+        for m in log:
+            rows = m["generation_support"]
+            assert rows.dtype == torch.int32 and rows.shape == (m["token_ids"].shape[0], K)
+    t0, t1 = logs
+    assert (t0[0]["generation_support"] == -1).all() and (t0[2]["generation_support"] == -1).all()
+    assert (t1[1]["generation_support"] == -1).all() and t1[1]["token_loss_mask"].sum() == 0
+    assert t0[1]["token_loss_mask"].tolist() == [1, 0, 1]  # the flagged token left the loss
+    assert t0[3]["generation_support"].tolist() == [[41, 7, 8, -1, -1], [42, -1, -1, -1, -1]]
+    assert t1[2]["token_loss_mask"].tolist() == [1]
+    # Concatenated per trajectory (llm_message_utils.py:118-135) the rows stay token-aligned.
+    flat = torch.cat([m["generation_support"] for m in t0])
+    ids = torch.cat([m["token_ids"] for m in t0])
+    recorded = (flat >= 0).any(-1)
+    assert (flat[recorded, 0] == ids[recorded]).all()
+
+
+def test_backfill_refuses_a_generated_message_without_rows_or_with_misshaped_rows():
+    logs = _multi_turn_logs()
+    del logs[1][2]["generation_support"]
+    _nemo_rl_masks(logs)
+    with pytest.raises(ValueError, match=r"trajectory 1, message 2 \('assistant', 1 tokens\) was generated but carries no "
+                                         r"generation_support.*patch apply NEMO_RL_DIR"):
+        backfill_support(logs)
+    logs = _multi_turn_logs()
+    logs[0][3]["generation_support"] = logs[0][3]["generation_support"][:1]
+    _nemo_rl_masks(logs)
+    with pytest.raises(ValueError, match=r"trajectory 0, message 3: generation_support must be integer rows "
+                                         r"\(num_tokens=2, k\), one per token_ids entry, got torch.int32 \(1, 3\)"):
+        backfill_support(logs)
+
+
+def test_pads_and_carrying_into_the_policy_batches():
+    given = {"token_ids": 0}
+    assert with_support_pad(given) == {"token_ids": 0, "generation_support": -1} and given == {"token_ids": 0}
+    assert with_support_pad(None) == {"generation_support": -1}
+    with pytest.raises(ValueError, match=r"pad_value_dict\['generation_support'\]=0: support rows are padded with -1"):
+        with_support_pad({"generation_support": 0})
+    flat = {"token_ids": torch.zeros(2, 6, dtype=torch.int64), "generation_support": torch.full((2, 6, K), -1)}
+    train = {"input_ids": flat["token_ids"]}
+    carry_support(train, flat)
+    assert train["generation_support"] is flat["generation_support"]
+    with pytest.raises(ValueError, match=r"flattened rollout batch has no 'generation_support'"):
+        carry_support({"input_ids": flat["token_ids"]}, {"token_ids": flat["token_ids"]})
+    with pytest.raises(ValueError, match=r"flattened generation_support has shape \(2, 5, 5\); expected \[B, S, k\] over "
+                                         r"input_ids \(2, 6\)"):
+        carry_support(train, {"generation_support": torch.full((2, 5, K), -1)})
+
+
+# ------------------------------------------------------------------------------ install_data_path
+
+
+def _module(tmp_path: Path, name: str, source: str):
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _stand_ins(tmp_path, patched=True):
+    """Modules with NeMo-RL's names and signatures (batched_data_dict.py:190-197, llm_message_utils.py:257-261,
+    grpo.py:1910 and 2115-2122, rollouts.py:469); each records what it was called with."""
+    bdd = _module(tmp_path, "bdd_standin", """
+        calls = []
+        class BatchedDataDict(dict):
+            @classmethod
+            def from_batches(cls, batches, pad_value_dict=None, *, allow_missing_packed_tensors=False):
+                calls.append(pad_value_dict)
+                return cls()
+    """)
+    grpo = _module(tmp_path, "grpo_standin", """
+        calls = []
+        def batched_message_log_to_flat_message(message_log_batch, pad_value_dict=None, make_sequence_length_divisible_by=1):
+            calls.append(pad_value_dict)
+            return message_log_batch, None
+        def add_grpo_token_loss_masks_and_generation_logprobs(message_logs):
+            for log in message_logs:
+                for m in log:
+                    generated = m["role"] == "assistant" and "generation_logprobs" in m
+                    m["token_loss_mask"] = m["token_ids"] * 0 + int(generated)
+        def _preserve_router_replay_routed_experts(target, flat_messages, policy_config):
+            calls.append("routes")
+    """)
+    slicing = '        if "generation_support" in generation_outputs:\n            pass\n' if patched else ""
+    rollouts = _module(tmp_path, "rollouts_standin" + ("" if patched else "_unpatched"),
+                       "def generate_responses(generation_outputs):\n    if True:\n" + slicing + "        return None\n")
+    return grpo, bdd, rollouts
+
+
+def test_install_data_path_wraps_each_boundary_once_and_refuses_an_unpatched_tree(tmp_path):
+    grpo, bdd, rollouts = _stand_ins(tmp_path)
+    done = install_data_path(grpo=grpo, batched_data_dict=bdd, rollouts=rollouts)
+    assert done.wrapped == ["BatchedDataDict.from_batches", "grpo.batched_message_log_to_flat_message",
+                            "grpo.add_grpo_token_loss_masks_and_generation_logprobs",
+                            "grpo._preserve_router_replay_routed_experts"]
+    assert install_data_path(grpo=grpo, batched_data_dict=bdd, rollouts=rollouts).wrapped == []
+    bdd.BatchedDataDict.from_batches([{}], pad_value_dict={"output_ids": 7})
+    assert bdd.calls == [{"output_ids": 7, "generation_support": -1}]
+    grpo.batched_message_log_to_flat_message([], pad_value_dict={"token_ids": 0})
+    logs = _multi_turn_logs()
+    grpo.add_grpo_token_loss_masks_and_generation_logprobs(logs)
+    assert logs[0][1]["token_loss_mask"].tolist() == [1, 0, 1] and logs[0][0]["generation_support"].shape == (3, K)
+    target = {"input_ids": torch.zeros(1, 3)}
+    grpo._preserve_router_replay_routed_experts(target, {"generation_support": torch.zeros(1, 3, K)}, {})
+    assert grpo.calls == [{"token_ids": 0, "generation_support": -1}, "routes"] and "generation_support" in target
+    (tmp_path / "u").mkdir()
+    _, _, unpatched = _stand_ins(tmp_path / "u", patched=False)
+    with pytest.raises(ValueError, match=r"does not slice generation_support into the assistant messages.*"
+                                         r"python -m nemo_replay.integrations.nemo_rl.patch apply"):
+        install_data_path(grpo=grpo, batched_data_dict=bdd, rollouts=unpatched)
+
+
+# ------------------------------------------------------------------------------ the patch command
+
+
+def test_the_patch_refuses_a_tree_at_another_commit_by_name(tmp_path):
+    text = patch_mod.PATCH_FILE.read_text()
+    assert "+++ b/nemo_rl/experience/rollouts.py" in text and "+++ b/nemo_rl/experience/rollout_manager.py" in text
+    assert sum(line.startswith("+") and not line.startswith("+++") for line in text.splitlines()) == 12
+    with pytest.raises(ValueError, match=r"is not a NeMo-RL source tree \(no nemo_rl/__init__.py\)"):
+        patch_state(tmp_path)
+    tree = tmp_path / "RL"
+    (tree / "nemo_rl" / "experience").mkdir(parents=True)
+    (tree / "nemo_rl" / "__init__.py").write_text("")
+    (tree / "nemo_rl" / "experience" / "rollouts.py").write_text("# another commit's file\n")
+    with pytest.raises(ValueError, match=r"nemo_rl/experience/rollouts.py differs from that commit's: the replay patch is "
+                                         r"written for NeMo-RL 7ea279a"):
+        patch_state(tree)
+    git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run([sys.executable, "-m", "nemo_replay.integrations.nemo_rl.patch", "apply", str(tree)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2, done.stdout
+    assert f"is at commit {head[:12]}; the replay patch is written for NeMo-RL 7ea279a" in done.stderr
+
+
+# ------------------------------------------------------------------------------ workers
+
+
+class _SamplingParams:
+    """The fields NeMo-RL's _build_sampling_params sets (vllm_worker.py:656-668)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+class _RequestOutput:
+    """vllm/outputs.py RequestOutput: the worker reads ``outputs[0]`` (vllm_worker.py:944-946)."""
+
+    def __init__(self, request_id, prompt_token_ids, outputs):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, None, prompt_token_ids
+        self.prompt_logprobs, self.outputs, self.finished = None, outputs, True
+
+
+class _NemoRLVllmWorker:
+    """NeMo-RL's VllmGenerationWorkerImpl as far as replay touches it: ``_build_sampling_params``
+    (vllm_worker.py:641-668) and ``generate``'s layout of output_ids / logprobs (925-1075)."""
+
+    def __init__(self, cfg, llm):
+        self.cfg, self.llm = cfg, llm
+
+    def _build_sampling_params(self, *, greedy, stop_strings, max_new_tokens=None):
+        return _SamplingParams(temperature=0.0 if greedy else self.cfg["temperature"], top_p=self.cfg["top_p"],
+                               top_k=1 if greedy else self.cfg["top_k"], max_tokens=max_new_tokens, logprobs=0)
+
+    def generate(self, data, greedy=False):
+        ids, lengths = data["input_ids"], data["input_lengths"]
+        params = self._build_sampling_params(greedy=greedy, stop_strings=None)
+        outputs = self.llm.generate([ids[i, : lengths[i]].tolist() for i in range(len(ids))], params, use_tqdm=False)
+        longest = max(len(o.outputs[0].token_ids) for o in outputs)
+        total = ids.shape[1] + longest
+        out_ids, logprobs = torch.zeros(len(ids), total, dtype=ids.dtype), torch.zeros(len(ids), total)
+        for i, o in enumerate(outputs):
+            gen, n = o.outputs[0], int(lengths[i])
+            out_ids[i, :n] = ids[i, :n]
+            out_ids[i, n : n + len(gen.token_ids)] = torch.tensor(gen.token_ids)
+            for j, (tok, lp) in enumerate(zip(gen.token_ids, gen.logprobs)):
+                logprobs[i, n + j] = lp[tok].logprob
+        return {"output_ids": out_ids, "logprobs": logprobs}
+
+
+class _LLM:
+    """vllm.LLM.generate(prompts, sampling_params, use_tqdm=...) returning prepared RequestOutputs."""
+
+    def __init__(self, outputs):
+        self.outputs, self.params = outputs, []
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.params.append(sampling_params)
+        return self.outputs
+
+
+def _engine_batch(top_k):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (3, 5)]
+    gen = [4, 2]
+    logits = make_logits(2, 5 + max(gen), seed=9, dtype=torch.float32)
+    outputs = []
+    for i, (p, n) in enumerate(zip(prompts, gen)):
+        steps = vllm_steps(logits[i, len(p) - 1 : len(p) - 1 + n], TEMPERATURE, top_k=top_k, top_p=0.9,
+                           num_logprobs=top_k + 1, seed=i)
+        outputs.append(_RequestOutput(str(i), p.tolist(), [vllm_offline_output(steps, top_k + 1)]))
+    ids = torch.zeros(2, 5, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    return {"input_ids": ids, "input_lengths": torch.tensor([3, 5])}, outputs, logits
+
+
+def test_the_vllm_worker_asks_for_the_support_and_returns_rows_that_reproduce_the_engine():
+    top_k = 6
+    data, outputs, logits = _engine_batch(top_k)
+    worker_cls = type("W", (workers.ReplayVllmMixin, _NemoRLVllmWorker), {})
+    llm = _LLM(outputs)
+    worker = worker_cls({"temperature": TEMPERATURE, "top_p": 0.9, "top_k": top_k}, llm)
+    result = worker.generate(data)
+    assert llm.params[-1].logprobs == top_k + 1 and "generate" not in vars(llm)  # the recorder is gone again
+    rows = result["generation_support"]
+    assert rows.shape == (2, 9, top_k) and rows.dtype == torch.int32
+    assert (rows[0, :3] == -1).all() and (rows[0, 7:] == -1).all() and (rows[1, :5] == -1).all()
+    token_mask = (rows >= 0).any(-1).float()
+    batch = {"input_ids": result["output_ids"], "input_lengths": torch.tensor([7, 7]), "token_mask": token_mask,
+             "sample_mask": torch.ones(2), "generation_support": rows}
+    scores = next_token_logprobs(logits / TEMPERATURE, batch)
+    active = token_mask[:, 1:] != 0
+    torch.testing.assert_close(scores.logprobs[active], result["logprobs"][:, 1:][active], atol=1e-5, rtol=0)
+    greedy = worker.generate(data, greedy=True)
+    assert "generation_support" not in greedy and llm.params[-1].logprobs == 0
+    with pytest.raises(ValueError, match=r"policy.generation.top_k set to an int > 1"):
+        worker_cls({"temperature": 1.0, "top_p": 1.0, "top_k": None}, llm).generate(data)
+
+
+def test_policy_workers_install_replays_post_processors_in_their_process(monkeypatch):
+    from nemo_replay.integrations.nemo_rl import hooks
+
+    for name, (module_name, impl, _actor) in workers.WORKERS.items():
+        if name == "ReplayVllmGenerationWorker":
+            continue
+        module = types.ModuleType(module_name)
+        module.LossPostProcessor = module.LogprobsPostProcessor = object
+        monkeypatch.setitem(sys.modules, module_name, module)
+        seen = []
+        base = type(impl, (), {"__init__": lambda self, *a, **k: seen.append((module.LossPostProcessor, a, k))})
+        cls = type(name, (workers.ReplayPolicyMixin, base), {"nemo_rl_worker_module": module_name})
+        cls("config", tokenizer="tok")
+        assert seen[0][1:] == (("config",), {"tokenizer": "tok"})
+        assert seen[0][0] in (hooks.ReplayLossPostProcessor, hooks.ReplayAutomodelLossPostProcessor)
+        assert module.LogprobsPostProcessor in (hooks.ReplayLogprobsPostProcessor, hooks.ReplayAutomodelLogprobsPostProcessor)
+        assert workers.worker_fqn(name) == f"nemo_replay.integrations.nemo_rl.workers.{name}"
+    with pytest.raises(ValueError, match=r"nemo_rl_worker_module='': expected one of"):
+        type("Bare", (workers.ReplayPolicyMixin,), {})()
+    with pytest.raises(AttributeError):
+        workers.NoSuchWorker  # noqa: B018
