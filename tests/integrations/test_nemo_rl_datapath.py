@@ -21,6 +21,7 @@ when a NeMo-RL tree is at hand.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -42,7 +43,7 @@ from nemo_replay.integrations.nemo_rl import (
 from nemo_replay.integrations.nemo_rl import patch as patch_mod
 from nemo_replay.integrations.nemo_rl import workers
 from tests.integrations.nemo_rl_batches import TEMPERATURE, make_logits
-from tests.rollout.engine_outputs import vllm_offline_output, vllm_steps
+from tests.rollout.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
 
 K = 5
 VOCAB = 64
@@ -238,14 +239,6 @@ class _SamplingParams:
         self.__dict__.update(fields)
 
 
-class _RequestOutput:
-    """vllm/outputs.py RequestOutput: the worker reads ``outputs[0]`` (vllm_worker.py:944-946)."""
-
-    def __init__(self, request_id, prompt_token_ids, outputs):
-        self.request_id, self.prompt, self.prompt_token_ids = request_id, None, prompt_token_ids
-        self.prompt_logprobs, self.outputs, self.finished = None, outputs, True
-
-
 class _NemoRLVllmWorker:
     """NeMo-RL's VllmGenerationWorkerImpl as far as replay touches it: ``_build_sampling_params``
     (vllm_worker.py:641-668) and ``generate``'s layout of output_ids / logprobs (925-1075)."""
@@ -293,7 +286,7 @@ def _engine_batch(top_k):
     for i, (p, n) in enumerate(zip(prompts, gen)):
         steps = vllm_steps(logits[i, len(p) - 1 : len(p) - 1 + n], TEMPERATURE, top_k=top_k, top_p=0.9,
                            num_logprobs=top_k + 1, seed=i)
-        outputs.append(_RequestOutput(str(i), p.tolist(), [vllm_offline_output(steps, top_k + 1)]))
+        outputs.append(RequestOutput(str(i), None, p.tolist(), None, [vllm_offline_output(steps, top_k + 1)], True))
     ids = torch.zeros(2, 5, dtype=torch.int64)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
@@ -344,3 +337,114 @@ def test_policy_workers_install_replays_post_processors_in_their_process(monkeyp
         type("Bare", (workers.ReplayPolicyMixin,), {})()
     with pytest.raises(AttributeError):
         workers.NoSuchWorker  # noqa: B018
+
+
+# ------------------------------------------------------------------------------ the launcher
+
+
+class _Master:
+    """grpo.MasterConfig: the recipe's sections as attributes (run_grpo.py reads config.policy, .logger, .data, .env)."""
+
+    def __init__(self, **sections):
+        self.__dict__.update(sections)
+
+
+def _nemo_rl_stand_in(tmp_path, recipe: dict, calls: list):
+    """NeMo-RL's entry points as run_grpo.py calls them (examples/run_grpo.py:70-270), each recording its call."""
+    from nemo_replay.integrations.nemo_rl.run_grpo import NemoRL
+
+    grpo, bdd, rollouts = _stand_ins(tmp_path)
+
+    def record(name, result=None):
+        def call(*args, **kwargs):
+            calls.append((name, args, kwargs))
+            return result(*args, **kwargs) if callable(result) else result
+        return call
+
+    class Checkpointer:
+        def __enter__(self):
+            calls.append(("checkpointer.enter", (), {}))
+
+        def __exit__(self, *exc):
+            calls.append(("checkpointer.exit", (), {}))
+
+    generation = types.SimpleNamespace(shutdown=record("generation.shutdown"))
+    setup_out = ("policy", generation, None, None, "dataloader", None, "loss_fn", "logger", Checkpointer(), "state",
+                 "master", {}, {})
+    grpo.setup = record("setup", setup_out)
+    grpo.grpo_train = record("grpo_train")
+    grpo.shutdown_environments = record("shutdown_environments")
+    vllm_generation = types.SimpleNamespace(resolve_generation_worker_cls=lambda default_cls, config: default_cls)
+    registry = {workers.nemo_rl_fqn(name): f"uv run --locked --extra {name}" for name in workers.WORKERS}
+    return NemoRL(
+        register_omegaconf_resolvers=record("register_omegaconf_resolvers"),
+        load_config=record("load_config", lambda path: OmegaConf.create(recipe)),
+        parse_hydra_overrides=record("parse_hydra_overrides", lambda cfg, overrides: OmegaConf.merge(
+            cfg, OmegaConf.from_dotlist(overrides))),
+        to_container=lambda cfg: OmegaConf.to_container(cfg, resolve=True),
+        MasterConfig=_Master,
+        get_next_experiment_dir=record("get_next_experiment_dir", lambda d: str(tmp_path / "logs" / "exp_001")),
+        init_ray=record("init_ray"),
+        get_tokenizer=record("get_tokenizer", "tokenizer"),
+        configure_generation_config=record("configure_generation_config", lambda cfg, tok, **kw: cfg),
+        setup_response_data=record("setup_response_data", ("data", None, {}, {})),
+        Policy=record("Policy"),
+        grpo=grpo,
+        batched_data_dict=bdd,
+        rollouts=rollouts,
+        vllm_generation=vllm_generation,
+        actor_registry=registry,
+        create_local_venv_on_each_node=record("create_local_venv_on_each_node",
+                                              lambda py_executable, venv_name: f"/venvs/{venv_name}/bin/python"),
+    )
+
+
+@pytest.mark.parametrize("overlay, policy_worker", [
+    ("grpo_math_1B_replay.yaml", "ReplayDTensorPolicyWorkerV2"),
+    ("grpo_math_1B_megatron_replay.yaml", "ReplayMegatronPolicyWorker"),
+])
+def test_the_launcher_wires_replay_then_runs_nemo_rls_setup_and_grpo_train(tmp_path, monkeypatch, overlay, policy_worker):
+    from nemo_replay.integrations.nemo_rl import run_grpo
+    from tests.integrations.test_nemo_rl_recipe import replay_recipe
+
+    recipe = replay_recipe(overlay)
+    recipe.update(logger={"log_dir": "logs"}, data={}, env={})
+    recipe["policy"].update(tokenizer={"name": "t"}, draft={"enabled": False})
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    calls = []
+    nemo = _nemo_rl_stand_in(tmp_path, recipe, calls)
+    assert run_grpo.main(["--config", "examples/configs/x.yaml", "policy.generation.top_k=32"], nemo=nemo) == 0
+    names = [c[0] for c in calls]
+    assert names == ["register_omegaconf_resolvers", "load_config", "parse_hydra_overrides", "get_next_experiment_dir",
+                     "init_ray", "create_local_venv_on_each_node", "create_local_venv_on_each_node", "get_tokenizer",
+                     "configure_generation_config", "setup_response_data", "setup", "checkpointer.enter", "grpo_train",
+                     "checkpointer.exit", "shutdown_environments", "generation.shutdown"]
+    setup = calls[names.index("setup")]
+    assert setup[1][0].policy["generation"]["top_k"] == 32  # the override reached NeMo-RL's setup
+    factory = setup[2]["policy_factory"]
+    factory(cluster="c")
+    assert calls[-1] == ("Policy", (), {"cluster": "c", "worker_extension_cls_fqn": workers.worker_fqn(policy_worker)})
+    # The driver's data path is wrapped, NeMo-RL's vLLM worker resolves to replay's, workers find the package.
+    assert nemo.grpo.add_grpo_token_loss_masks_and_generation_logprobs.__nemo_replay_wraps__ is not None
+    vllm = workers.nemo_rl_fqn("ReplayVllmGenerationWorker")
+    assert nemo.vllm_generation.resolve_generation_worker_cls(vllm, {}) == workers.worker_fqn("ReplayVllmGenerationWorker")
+    entry = Path(os.environ["PYTHONPATH"].split(os.pathsep)[0])
+    assert os.environ["PYTHONPATH"].endswith("/somewhere") and (entry / "nemo_replay" / "scoring").is_dir()
+    for name in ("ReplayVllmGenerationWorker", policy_worker):  # in the very environment of the class they extend
+        assert nemo.actor_registry[workers.worker_fqn(name)] == f"/venvs/{workers.nemo_rl_fqn(name)}/bin/python"
+
+
+def test_the_launcher_stops_before_any_cluster_on_a_recipe_replay_cannot_run(tmp_path, capsys):
+    from nemo_replay.integrations.nemo_rl import run_grpo
+    from tests.integrations.test_nemo_rl_recipe import replay_recipe
+
+    calls = []
+    nemo = _nemo_rl_stand_in(tmp_path, replay_recipe(), calls)
+    code = run_grpo.main(["--config", "x.yaml", "policy.generation.vllm_kwargs.max_logprobs=20",
+                          "policy.generation.vllm_cfg.async_engine=true"], nemo=nemo)
+    err = capsys.readouterr().err
+    assert code == 2 and "policy.generation.vllm_kwargs.max_logprobs=20: set an int >= 65" in err
+    assert "policy.generation.vllm_cfg.async_engine=True: set false" in err
+    assert [c[0] for c in calls] == ["register_omegaconf_resolvers", "load_config", "parse_hydra_overrides"]
+    with pytest.raises(SystemExit):
+        run_grpo.main([], nemo=nemo)  # --config is required, as the usage line says

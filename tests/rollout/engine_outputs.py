@@ -79,6 +79,28 @@ class CompletionOutput:
     weight_versions: object = None
 
 
+@dataclass
+class RequestOutput:
+    """vllm/outputs.py:169-190 (``RequestOutput.__init__``'s parameters in order); ``LLM.generate``
+    returns one per prompt, its ``outputs`` holding the ``CompletionOutput`` of each sample."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: Optional[list]
+    prompt_logprobs: object
+    outputs: list
+    finished: bool
+    metrics: object = None
+    lora_request: object = None
+    encoder_prompt: Optional[str] = None
+    encoder_prompt_token_ids: Optional[list] = None
+    num_cached_tokens: Optional[int] = None
+    num_cache_creation_tokens: Optional[int] = None
+    prompt_token_id_logprobs: object = None
+    kv_transfer_params: Optional[dict] = None
+    ec_transfer_params: Optional[dict] = None
+
+
 # ---------------------------------------------------------------------------------- vLLM sampler
 
 

@@ -1,0 +1,129 @@
+"""generation_support through NeMo-RL's own data-path functions, from a vLLM output to replay_prepare_fn.
+
+Run by tests/integrations/test_nemo_rl_source.py in a fresh process whose ``nemo_rl`` is a
+patched copy of the tree ``NEMO_RL_SRC`` names (commit 7ea279a). Everything below is NeMo-RL's
+code except vLLM itself (not installed: ``llm.generate`` hands back RequestOutputs built field
+for field, tests/rollout/engine_outputs.py), the tokenizer's ``batch_decode`` and the logits:
+
+1. ``VllmGenerationWorkerImpl.generate`` (vllm_worker.py:850-1075) with replay's mixin, two
+   data-parallel shards of different widths;
+2. ``BatchedDataDict.from_batches`` joining them as ``VllmGeneration.generate`` does
+   (vllm_generation.py:676-678);
+3. ``generate_responses`` (rollouts.py:469-552, patched) slicing each message;
+4. ``add_grpo_token_loss_masks_and_generation_logprobs`` and
+   ``batched_message_log_to_flat_message`` as ``grpo_train`` calls them (grpo.py:3150-3162),
+   ``_build_async_grpo_train_data`` (grpo.py:2130-2146) and the ``logprob_data`` dict of
+   grpo.py:3218-3235;
+5. ``replay_prepare_fn`` with NeMo-RL's ``LossInputType``: the sampler's log-probs back.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import torch
+
+
+def main() -> None:
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.loss.interfaces import LossInputType
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    from nemo_rl.experience import rollouts
+    from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
+
+    from nemo_replay.integrations.nemo_rl import install_data_path, replay_prepare_fn
+    from nemo_replay.integrations.nemo_rl.workers import ReplayVllmMixin
+    from tests.integrations.nemo_rl_batches import TEMPERATURE, make_logits
+    from tests.rollout.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
+
+    assert rollouts.__file__.startswith(sys.argv[1]), f"nemo_rl came from {rollouts.__file__}, not the patched copy"
+    installed = install_data_path()
+    assert len(installed.wrapped) == 4, installed
+
+    top_k, vocab, pad = 6, 64, 0
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (3, 5, 4, 2)]
+    gen_lengths = [4, 2, 5, 3]
+    logits = make_logits(4, 16, seed=9, dtype=torch.float32)  # column t - 1 drew token t
+
+    class SamplingParams:  # vllm.SamplingParams keyword fields (vllm/sampling_params.py:271-470)
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    class LLM:
+        def __init__(self, rows):
+            self.rows = rows
+            self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: vocab))
+
+        def generate(self, prompts_in, params, use_tqdm=True):
+            assert params.logprobs == top_k + 1, params.__dict__
+            out = []
+            for i in self.rows:
+                p, n = prompts[i], gen_lengths[i]
+                steps = vllm_steps(logits[i, len(p) - 1 : len(p) - 1 + n], TEMPERATURE, top_k=top_k, top_p=0.9,
+                                   num_logprobs=top_k + 1, seed=i)
+                out.append(RequestOutput(str(i), None, p.tolist(), None, [vllm_offline_output(steps, top_k + 1)], True))
+            return out
+
+    cfg = {"top_k": top_k, "top_p": 0.9, "temperature": TEMPERATURE, "max_new_tokens": 8, "stop_token_ids": None,
+           "stop_strings": None, "_pad_token_id": pad, "vllm_cfg": {"use_tqdm": False}, "vllm_kwargs": {}}
+    worker_cls = type("ReplayWorker", (ReplayVllmMixin, VllmGenerationWorkerImpl), {})
+
+    def shard(rows):
+        w = object.__new__(worker_cls)
+        w.cfg, w.llm, w.SamplingParams, w.routed_experts_dtype = cfg, LLM(rows), SamplingParams, torch.int16
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.int64)
+        for j, i in enumerate(rows):
+            ids[j, : len(prompts[i])] = prompts[i]
+        data = BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([len(prompts[i]) for i in rows])})
+        return w.generate(data)
+
+    class Generation:  # VllmGeneration.generate's join of its data-parallel workers (vllm_generation.py:676-678)
+        def generate(self, data, greedy=False):
+            return BatchedDataDict.from_batches([shard([0, 1]), shard([2, 3])], pad_value_dict={"output_ids": pad})
+
+    joined = Generation().generate(None)
+    rows = joined["generation_support"]
+    assert rows.dtype == torch.int32 and rows.shape == (4, 5 + 5, top_k), rows.shape
+    assert (rows[0, 7:] == -1).all() and (rows[1, 7:] == -1).all(), "from_batches padded the rows with another value"
+
+    batch = BatchedDataDict({"message_log": [[{"role": "user", "content": "", "token_ids": p}] for p in prompts]})
+    input_lengths = torch.tensor([len(p) for p in prompts])
+    tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens=True: ["" for _ in ids], pad_token_id=pad)
+    batch, _, _ = rollouts.generate_responses(Generation(), BatchedDataDict({}), batch, tokenizer, input_lengths)
+    for i, log in enumerate(batch["message_log"]):
+        reply = log[-1]
+        assert reply["generation_support"].shape == (gen_lengths[i], top_k)
+        assert (reply["generation_support"] == reply["token_ids"][:, None]).any(1).all()
+
+    grpo.add_grpo_token_loss_masks_and_generation_logprobs(batch["message_log"])
+    flat, lengths = grpo.batched_message_log_to_flat_message(
+        batch["message_log"], pad_value_dict={"token_ids": pad}, make_sequence_length_divisible_by=8,
+    )
+    policy_config = {"precision": "float32"}
+    repeated = BatchedDataDict({"loss_multiplier": torch.ones(4)})
+    train_data = grpo._build_async_grpo_train_data(flat, lengths, repeated, policy_config)
+    logprob_data = BatchedDataDict({  # grpo.py:3218-3225
+        "input_ids": train_data["input_ids"], "input_lengths": train_data["input_lengths"],
+        "token_mask": flat["token_loss_mask"], "sample_mask": repeated["loss_multiplier"],
+    })
+    grpo._preserve_router_replay_routed_experts(logprob_data, flat, policy_config)
+    W = train_data["input_ids"].shape[1]
+    assert W == 16 and train_data["generation_support"].shape == (4, W, top_k)
+    assert logprob_data["generation_support"] is flat["generation_support"]
+    assert (train_data["generation_support"][0, 7:] == -1).all(), "flattening padded the rows with another value"
+
+    scaled = logits[:, :W] / TEMPERATURE
+    loss_fn = SimpleNamespace(input_type=LossInputType.LOGPROB)
+    out, _ = replay_prepare_fn(logits=scaled, data=train_data, loss_fn=loss_fn)
+    mask = train_data["token_mask"][:, 1:] != 0
+    assert int(mask.sum()) == sum(gen_lengths)
+    err = (out["next_token_logprobs"][mask] - train_data["generation_logprobs"][:, 1:][mask]).abs().max()
+    assert float(err) < 1e-5, float(err)
+    print(f"ok {float(err):.2e}")
+
+
+if __name__ == "__main__":
+    main()
