@@ -7,6 +7,10 @@ position and the fix: the failure path is the only one that pays for the message
 
     guard           what it catches                                       error
     row_range       a row id outside [-1, rows)                           ValueError
+    id_range        an id of a scored row outside [-1, V): always on,     ValueError
+                    whatever ``validate`` or a row's check record skips,
+                    since the kernels index the logits / LM-head rows
+                    with these ids
     support         rows breaking the §2 invariants (when validating)     ValueError
     synthetic_eos   row-less loss-active positions breaking the §3 rule   SupportAlignmentError
     membership      a scored sampled token that is not in its row         SupportAlignmentError
@@ -30,11 +34,12 @@ __all__ = [
     "check_synthetic_eos",
     "synthetic_eos_flag",
     "raise_row_range",
+    "raise_id_range",
     "raise_membership",
     "raise_sampled_vocab",
 ]
 
-GUARDS = ("row_range", "support", "synthetic_eos", "membership", "sampled_vocab")
+GUARDS = ("row_range", "support", "id_range", "synthetic_eos", "membership", "sampled_vocab")
 
 
 def position(flat: int, shape: torch.Size) -> str:
@@ -152,6 +157,21 @@ def raise_row_range(rows: torch.Tensor, traj: torch.Tensor, num_rows: int, pos_s
     raise ValueError(
         f"trajectory {int(traj[p])}, logit position {position(p, pos_shape)}: row id {int(rows[p])} outside "
         f"[-1, {num_rows}) for a support of {num_rows} rows; row ids index the support's rows (-1 for none)"
+    )
+
+
+def raise_id_range(bad: torch.Tensor, ids: torch.Tensor, rows, traj, vocab_size, pos_shape) -> None:
+    """Name the first scored position whose row holds an id outside ``[-1, vocab_size)``.
+
+    ``bad``: (N, w) bool; ``ids``: (N, w) the row of every position.
+    """
+    p, c = (int(i) for i in torch.nonzero(bad)[0])
+    vocab = "V" if vocab_size is None else vocab_size
+    raise ValueError(
+        f"trajectory {int(traj[p])}, logit position {position(p, pos_shape)}: its support row {int(rows[p])} holds id "
+        f"{int(ids[p, c])}, outside [-1, {vocab}) (-1 pads a row; every other id must be a token of the model's "
+        f"vocabulary). The rows were changed after their check, or built without one: rebuild them, or score with "
+        f"validate=True on rows that carry no check"
     )
 
 

@@ -29,6 +29,7 @@ from nemo_replay.scoring.collectives import group_size
 from nemo_replay.scoring.guards import (
     GUARDS,
     check_synthetic_eos,
+    raise_id_range,
     raise_membership,
     raise_row_range,
     raise_sampled_vocab,
@@ -36,7 +37,7 @@ from nemo_replay.scoring.guards import (
 )
 from nemo_replay.scoring.projection import PairChunk
 from nemo_replay.scoring.shard import VocabShard
-from nemo_replay.support.checked import checked, record_checked
+from nemo_replay.support.checked import checked, record_checked, stale_flag
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import support_row_flags, validate_support_rows
@@ -298,23 +299,24 @@ def _support_flag(support, vocab_size: Optional[int], validate: bool):
     if not validate:
         return None, False
     rec = checked(support)
-    if rec is not None and rec.covers(vocab_size):
-        return None, False
     ids = support.values if isinstance(support, PackedTensor) else support.member_ids
-    if rec is not None:  # invariants known to hold; only the vocabulary bound is new
-        return (ids.amax() >= vocab_size) if ids.numel() else None, True
+    if rec is not None:  # invariants held at the check; the rows may have changed behind the version counter
+        flag = stale_flag(support)
+        if not rec.covers(vocab_size):  # and the vocabulary bound is new
+            flag = flag | (ids.amax() >= vocab_size) if ids.numel() else flag
+        return flag, False
     if isinstance(support, PackedTensor):
         return support_row_flags(ids, vocab_size=vocab_size), True
     return support.invalid_flag(vocab_size=vocab_size), True
 
 
 def raise_support(support, vocab_size: Optional[int]) -> None:
-    """Name the first row that breaks the §2 invariants."""
+    """Name the first row that breaks the §2 invariants; rows that pass (a record whose rows changed
+    behind the version counter but are still valid) are recorded again and the call goes on."""
     if isinstance(support, PackedTensor):
         validate_support_rows(support.values, vocab_size=vocab_size, cu_seqlens=support.cu_seqlens, where="scorer support")
     else:
         support.validate(vocab_size=vocab_size, where="scorer support")
-    raise AssertionError("the support flag was set but the row checks pass")  # pragma: no cover
 
 
 def _chunk_rows(local_all: torch.Tensor, scored: torch.Tensor, chunk_size: int):
@@ -388,6 +390,11 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
 
     reads = _Reads(call.device)
     reads.add("row_range", ((call.rows < -1) | (call.rows >= support.num_rows)).any())
+    # Memory safety on every path: the kernels read logits / LM-head rows at these ids. Under
+    # TP without the global size only ids inside this shard are read, so only < -1 is known bad.
+    outside = ids_all < -1 if vocab is None else (ids_all < -1) | (ids_all >= vocab)
+    bad_ids = scored[:, None] & outside
+    reads.add("id_range", bad_ids.any())
     support_flag, record = _support_flag(support, vocab, validate)
     if support_flag is not None:
         reads.add("support", support_flag)
@@ -407,12 +414,13 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
 
     check_guards(got, {
         "row_range": lambda: raise_row_range(call.rows, call.traj, support.num_rows, call.pos_shape),
+        "id_range": lambda: raise_id_range(bad_ids, ids_all, call.rows, call.traj, vocab, call.pos_shape),
         "support": lambda: raise_support(support, vocab),
         "synthetic_eos": lambda: check_synthetic_eos(fallback, call.lmask, call.traj, call.pos_shape),
         "membership": lambda: raise_membership(missing, ids_all, call.sampled, call.rows, call.traj, call.pos_shape),
         "sampled_vocab": lambda: raise_sampled_vocab(bad_sampled, call.sampled, call.traj, vocab, call.pos_shape),
     })
-    if record:
+    if record or got.get("support"):  # got here: the rows passed, recorded now or again (a stale record)
         record_checked(support, vocab)
     n, e = got["n"], got["e"]
     sel, eos = nonzero(scored, n), nonzero(fallback, e)

@@ -14,7 +14,11 @@ Where the record lives. On the support's id tensor itself (``values`` of a
   bumps the version and voids the record, so a stale record is never trusted;
 - batch operations that build new tensors from checked rows (slicing, ``gather``,
   ``repeat``, ``cat``, ``to``) copy the record over with :func:`carry_checked`: rows taken
-  from checked rows are checked rows.
+  from checked rows are checked rows;
+- writes the version counter never sees (through ``.data``, a ``.numpy()`` or
+  ``torch.from_numpy`` alias, a DLPack view) are caught by a fingerprint of the ids taken
+  with the record: :func:`stale_flag` recomputes it on the device, and the scorer reads it
+  with its other guards (no extra host read) and checks the rows again when it changed.
 
 Worked example::
 
@@ -33,7 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["Checked", "checked", "record_checked", "carry_checked", "tensor_version"]
+__all__ = ["Checked", "checked", "record_checked", "carry_checked", "tensor_version", "fingerprint", "stale_flag"]
 
 _ATTR = "_nemo_replay_checked"
 
@@ -61,6 +65,40 @@ class _Record:
     version: Optional[int]
     offsets: Optional[weakref.ref]  # RaggedSupport: the row_offsets checked with the members
     offsets_version: Optional[int]
+    fingerprint: torch.Tensor  # 0-d int64 on the ids' device, :func:`fingerprint` at the check
+
+
+# Odd 64-bit constants (as signed values): entry i is weighted by 2 * _STEP * i + _ODD, an odd number, so changing
+# one entry by d != 0 changes the sum by d times an odd weight (never 0 mod 2**64), and swapping two distinct entries
+# changes it by their difference times 2 * _STEP * (i - j) (0 only for index gaps of 2**63 or more).
+_STEP, _ODD = 0x5851F42D4C957F2D, 0x14057B7EF767814F
+_WEIGHTS: dict = {}  # (device, dtype) -> the weights of the longest tensor fingerprinted there
+
+
+def _weights(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (device, dtype)
+    w = _WEIGHTS.get(key)
+    if w is None or w.numel() < n:
+        i = torch.arange(max(n, 1024), device=device, dtype=torch.int64)
+        w = (i * (2 * _STEP) + _ODD).to(dtype)  # int32: the low 32 bits, still odd
+        _WEIGHTS[key] = w
+    return w[:n]
+
+
+def fingerprint(ids: torch.Tensor) -> torch.Tensor:
+    """0-d int64 on ``ids``' device: ``sum_i ids[i] * weight_i`` (wrapping), no host sync.
+
+    Integer ids only; computed in their own dtype (int32 rows stay int32 until the sum).
+    Catches any single changed entry and any swap of two entries; it is a check against
+    accidental edits, not against an adversary.
+    """
+    flat = ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        flat = flat.to(torch.int64)
+    weights = _weights(flat.numel(), flat.device, flat.dtype)
+    if flat.device.type == "cpu":  # an integer dot product: one pass, no temporary (a tenth of mul + sum here)
+        return torch.dot(flat, weights).to(torch.int64)
+    return torch.sum(flat * weights, dtype=torch.int64)  # CUDA has no integer dot
 
 
 def tensor_version(t: torch.Tensor) -> Optional[int]:
@@ -94,6 +132,11 @@ def checked(support) -> Optional[Checked]:
     return rec.check
 
 
+def _fingerprint_of(ids: torch.Tensor, offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    fp = fingerprint(ids)
+    return fp if offsets is None else fp * 3 + fingerprint(offsets.to(ids.device))
+
+
 def record_checked(support, vocab_size: Optional[int]) -> None:
     """Record that ``support`` passed the §2 checks (ids < ``vocab_size`` when given)."""
     ids, offsets = _parts(support)
@@ -102,8 +145,18 @@ def record_checked(support, vocab_size: Optional[int]) -> None:
         tensor_version(ids),
         None if offsets is None else weakref.ref(offsets),
         None if offsets is None else tensor_version(offsets),
+        _fingerprint_of(ids, offsets),
     )
     setattr(ids, _ATTR, rec)
+
+
+def stale_flag(support) -> Optional[torch.Tensor]:
+    """0-d bool on the ids' device: True when the rows changed since their record without the
+    version counter knowing (:func:`fingerprint`); None when there is no valid record."""
+    if checked(support) is None:
+        return None
+    ids, offsets = _parts(support)
+    return _fingerprint_of(ids, offsets) != getattr(ids, _ATTR).fingerprint
 
 
 def _keeps_ids(old: torch.dtype, new: torch.dtype) -> bool:

@@ -125,3 +125,67 @@ def test_a_record_for_another_vocabulary_still_gets_the_bound():
     sup = PackedTensor(vals.clone(), case.support.cu_seqlens)
     validate_support(sup, vocab_size=100, where="test")
     torch.testing.assert_close(_score(case, sup, validate=False).logprobs, _score(case, case.support).logprobs)
+
+
+def test_edits_the_version_counter_never_sees_are_caught_by_the_fingerprint():
+    """Through ``.data``, a ``.numpy()`` alias and ``torch.from_numpy``: the record's version still
+    matches, so only the fingerprint read with the guards notices; broken rows are refused, rows
+    still valid are checked again (one sort), recorded anew and scored as they now are."""
+    import numpy as np
+
+    case = make_case(B=3, T=19, V=61, k=5, eos=(1,), seed=21)
+    used = int(case.row_ids[case.loss_mask][0])
+    members = case.support.values[used]
+    for edit in ("data", "numpy", "from_numpy"):
+        sup = PackedTensor(case.support.values.clone(), case.support.cu_seqlens)
+        validate_support(sup, vocab_size=61, where="test")
+        rows = {"data": sup.values.data, "numpy": torch.from_numpy(sup.values.numpy()),
+                "from_numpy": torch.from_numpy(np.asarray(sup.values))}[edit]
+        version = sup.values._version
+        rows[used, 1] = rows[used, 0]  # a duplicate: [a, a, ...] would score -log 2 for a
+        assert sup.values._version == version and sup.checked == Checked(61)  # the version counter saw nothing
+        with pytest.raises(ValueError, match=r"holds a duplicate id"):
+            _score(case, sup)
+    sup = PackedTensor(case.support.values.clone(), case.support.cu_seqlens)
+    validate_support(sup, vocab_size=61, where="test")
+    active = torch.nonzero(case.loss_mask.reshape(-1)).flatten()
+    for p in active.tolist():  # a scored row with a member besides its sampled token
+        used, token = int(case.row_ids.reshape(-1)[p]), int(case.sampled_ids.reshape(-1)[p])
+        cols = [c for c, t in enumerate(case.support.values[used].tolist()) if t >= 0 and t != token]
+        if cols:
+            col = cols[0]
+            break
+    spare = next(v for v in range(61) if v not in case.support.values[used].tolist())
+    sup.values.data[used, col] = spare  # still a valid row, another support
+    with _Sorts() as sorts:
+        got = _score(case, sup)
+    assert sorts.n >= 1 and sup.checked == Checked(61)
+    fresh = PackedTensor(sup.values.clone(), case.support.cu_seqlens)
+    torch.testing.assert_close(got.logprobs, _score(case, fresh).logprobs, atol=0, rtol=0)
+    with _Sorts() as again:
+        _score(case, sup)
+    assert again.n == 0  # recorded anew
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_no_path_reads_outside_the_vocabulary(hidden):
+    """An id >= V in a scored row, with validate=False or behind a stale record, is a ValueError naming
+    the trajectory, the position and the id: it used to clamp to V - 1 (logits) or read out of bounds
+    (hidden mode's sampled product, SIGSEGV at 5e7)."""
+    case = make_case(B=2, T=11, V=61, k=5, eos=(), seed=3)
+    p = int(torch.nonzero(case.loss_mask.reshape(-1))[0])
+    row = int(case.row_ids.reshape(-1)[p])
+    g = torch.Generator().manual_seed(0)
+    H = 16
+    src = torch.randn(*case.logits.shape[:-1], H, generator=g) if hidden else case.logits
+    kw = {"lm_head_weight": torch.randn(61, H, generator=g)} if hidden else {}
+    for bad in (61, 50_000_000):
+        vals = case.support.values.clone()
+        vals[row, (vals[row] >= 0).sum() - 1] = bad  # a member that is not the sampled token
+        if int(case.sampled_ids.reshape(-1)[p]) not in vals[row].tolist():
+            vals[row, 0] = int(case.sampled_ids.reshape(-1)[p])
+        for validate in (False, True):
+            sup = PackedTensor(vals.clone(), case.support.cu_seqlens)
+            match = r"holds id \d+, outside \[-1, 61\)" if not validate else r"holds an id >= vocab_size=61"
+            with pytest.raises(ValueError, match=match):
+                score_aligned_support(src, case.sampled_ids, case.row_ids, case.loss_mask, sup, validate=validate, **kw)
