@@ -25,7 +25,28 @@ from types import SimpleNamespace
 import torch
 
 
+def _cpu_shims() -> None:
+    """What this CPU test process stands in for, before NeMo-RL is imported (tests only):
+
+    - below Python 3.12 pydantic refuses ``typing.TypedDict`` fields, which NeMo-RL's
+      ``MasterConfig`` (grpo.py:357) has; NeMo-RL targets 3.13, where they are
+      ``typing_extensions``' own, so they are that here;
+    - a CPU build of torch has no NVTX, which wraps the vLLM worker's ``generate``
+      (nemo_rl/utils/nsys.py:118): its range markers become no-ops.
+    """
+    if sys.version_info < (3, 12):
+        import typing
+
+        import typing_extensions
+
+        typing.TypedDict = typing_extensions.TypedDict
+    if not torch.cuda.is_available():
+        torch.cuda.nvtx.range_push = lambda msg: 0
+        torch.cuda.nvtx.range_pop = lambda: 0
+
+
 def main() -> None:
+    _cpu_shims()
     from nemo_rl.algorithms import grpo
     from nemo_rl.algorithms.loss.interfaces import LossInputType
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -44,7 +65,7 @@ def main() -> None:
     top_k, vocab, pad = 6, 64, 0
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (3, 5, 4, 2)]
-    gen_lengths = [4, 2, 5, 3]
+    gen_lengths = [4, 2, 5, 7]  # the shards' widths differ: 5 + 4 and 4 + 7
     logits = make_logits(4, 16, seed=9, dtype=torch.float32)  # column t - 1 drew token t
 
     class SamplingParams:  # vllm.SamplingParams keyword fields (vllm/sampling_params.py:271-470)
@@ -86,8 +107,8 @@ def main() -> None:
 
     joined = Generation().generate(None)
     rows = joined["generation_support"]
-    assert rows.dtype == torch.int32 and rows.shape == (4, 5 + 5, top_k), rows.shape
-    assert (rows[0, 7:] == -1).all() and (rows[1, 7:] == -1).all(), "from_batches padded the rows with another value"
+    assert rows.dtype == torch.int32 and rows.shape == (4, 4 + 7, top_k), rows.shape
+    assert (rows[:2, 9:] == -1).all(), "from_batches padded the narrower shard's rows with another value"
 
     batch = BatchedDataDict({"message_log": [[{"role": "user", "content": "", "token_ids": p}] for p in prompts]})
     input_lengths = torch.tensor([len(p) for p in prompts])

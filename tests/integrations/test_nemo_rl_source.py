@@ -2,8 +2,10 @@
 
 Runs when ``NEMO_RL_SRC`` names a NeMo-RL checkout at commit 7ea279a (``git clone
 https://github.com/NVIDIA-NeMo/RL && git -C RL checkout 7ea279a``); ``NEMO_RL_PYTHON`` names
-a Python that imports NeMo-RL's data-path modules (default: this one). The tree itself is
-never modified: its ``nemo_rl`` package is copied and patched with the package's command.
+a Python that imports NeMo-RL's data-path modules (default: this one; NeMo-RL's ``grpo.py``
+needs Python >= 3.12 for its pydantic models). ``PYTHONPATH`` entries are kept after the
+patched copy and this repository. The tree itself is never modified: its ``nemo_rl`` package
+is copied and patched with the package's command.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def test_the_patch_applies_once_and_the_patched_modules_compile(patched_tree):
 
 def test_generation_support_through_nemo_rls_own_data_path(patched_tree):
     python = os.environ.get("NEMO_RL_PYTHON", sys.executable)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_tree), str(REPO)])}
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_tree), str(REPO), *extra])}
     done = subprocess.run([python, "-m", "tests.integrations.nemo_rl_source_checks", str(patched_tree)], cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1].startswith("ok"), done.stdout + done.stderr
