@@ -121,12 +121,14 @@ class ReplayBatch:
         R = torch.as_tensor(self.response_lengths)
         if R.shape != (B,):
             raise ValueError(f"response_lengths has shape {tuple(R.shape)}, expected ({B},)")
-        bad = torch.nonzero((R < 1) | (R >= lengths.to(R.device)))
+        # 0 is an empty response (the engine returned no token: a prompt at the length limit, an
+        # aborted request): no rows, nothing scored, the trajectory contributes nothing.
+        bad = torch.nonzero((R < 0) | (R >= lengths.to(R.device)))
         if bad.numel():
             i = int(bad[0])
             raise ValueError(
-                f"trajectory {i}: response_length {int(R[i])} must be in [1, L_i - 1] with L_i={int(lengths[i])} "
-                f"real tokens (a response needs at least one prompt token before it)"
+                f"trajectory {i}: response_length {int(R[i])} must be in [0, L_i - 1] with L_i={int(lengths[i])} "
+                f"real tokens (a response needs at least one prompt token before it; 0: the engine returned none)"
             )
         lm = self.loss_mask
         if lm.dim() != 2 or lm.shape[0] != B or not 1 <= lm.shape[1] <= S:
@@ -225,6 +227,12 @@ class CanonicalChannels:
     row_ids: torch.Tensor
     loss_mask: torch.Tensor
     trajectory_ids: torch.Tensor
+
+    @property
+    def token_positions(self) -> torch.Tensor:
+        """(B, S - 1) int64: the column of ``sequences`` holding the token each logit position predicts."""
+        B, W = self.sampled_ids.shape
+        return torch.arange(1, W + 1, device=self.sampled_ids.device).expand(B, W)
 
 
 def real_runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "all_reduce_max", "reduce_sum_from_shards", "copy_to_shards"]
+__all__ = ["group_size", "all_reduce_max", "reduce_sum_from_shards", "copy_to_shards", "agree"]
 
 
 def group_size(group) -> int:
@@ -77,3 +77,39 @@ def copy_to_shards(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1 or not x.requires_grad:
         return x
     return _CopyToShards.apply(x, group)
+
+
+def agree(fn, group, *, device, name: str):
+    """Run ``fn`` on every rank of ``group``; when any rank raises ValueError, every rank raises it.
+
+    A check that fails on one rank only (its slice of a sequence under context or sequence
+    parallelism) would leave the others waiting in the next collective until a timeout. Here
+    one int32 MAX all-reduce tells every rank (plus one object all-gather when some rank
+    failed); each then raises the same exception class (:class:`SupportAlignmentError` or
+    ValueError) with the same message, the first failing rank's, prefixed with
+    ``"<name> rank r of n: "``. With ``group`` None or of size 1 it is ``fn()``.
+
+    Args:
+        device: where the flag lives (the group's backend: CUDA for NCCL, CPU for gloo).
+        name: the group's name in the message (``"CP"``, ``"SP"``).
+    """
+    from nemo_replay.support.errors import SupportAlignmentError
+
+    size = group_size(group)
+    if size == 1:
+        return fn()
+    error, result = None, None
+    try:
+        result = fn()
+    except ValueError as exc:
+        error = exc
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag) == 0:
+        return result
+    got = [None] * size
+    mine = None if error is None else (isinstance(error, SupportAlignmentError), str(error))
+    dist.all_gather_object(got, mine, group=group)
+    rank = next(r for r, m in enumerate(got) if m is not None)
+    alignment, message = got[rank]
+    raise (SupportAlignmentError if alignment else ValueError)(f"{name} rank {rank} of {size}: {message}") from error

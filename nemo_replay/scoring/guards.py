@@ -20,7 +20,7 @@ position and the fix: the failure path is the only one that pays for the message
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -30,6 +30,7 @@ from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = [
     "GUARDS",
+    "Where",
     "has_support_row",
     "check_synthetic_eos",
     "synthetic_eos_flag",
@@ -47,6 +48,27 @@ def position(flat: int, shape: torch.Size) -> str:
     if len(shape) == 0:
         return "0"
     return str(flat % shape[-1]) if len(shape) > 1 else str(flat)
+
+
+class Where:
+    """Names a flattened position in an error: the caller's trajectory and token position.
+
+    ``token_positions`` (N,) int64: the caller's column of the token each position predicts
+    (strategies pass it: the same token is then named the same whatever the packing, context
+    or sequence parallel slicing); without it, the position along the input's last axis.
+    ``rank``: appended when given (the rank of the group that saw it).
+    """
+
+    def __init__(self, traj: torch.Tensor, pos_shape, token_positions: Optional[torch.Tensor] = None,
+                 rank: Optional[str] = None):
+        self.traj, self.pos_shape, self.token_positions, self.rank = traj, pos_shape, token_positions, rank
+
+    def __call__(self, p: int) -> str:
+        if self.token_positions is not None:
+            at = f"trajectory {int(self.traj[p])}, token position {int(self.token_positions[p])}"
+        else:
+            at = f"trajectory {int(self.traj[p])}, logit position {position(p, self.pos_shape)}"
+        return at if self.rank is None else f"{at} ({self.rank})"
 
 
 def has_support_row(support: Union[PackedTensor, RaggedSupport], row_ids: torch.Tensor) -> torch.Tensor:
@@ -96,7 +118,7 @@ def synthetic_eos_flag(fallback: torch.Tensor, loss_mask: torch.Tensor, traj: to
     return (fb_s & ((key_s < 0) | later)).any()
 
 
-def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
+def check_synthetic_eos(fallback, loss_mask, traj, pos_shape, where: Optional[Where] = None) -> None:
     """The synthetic-EOS rule (docs/design.md §3): at most one loss-active position without a support
     row per trajectory, and it is that trajectory's last loss-active position.
 
@@ -106,6 +128,7 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
         traj: (N,), int64 trajectory ids, -1 on padding. Positions of one trajectory must
             appear in increasing order (true after unpadding, packing, CP and SP slicing).
         pos_shape: the unflattened position shape, for error messages.
+        where: names a position (default: trajectory and position along ``pos_shape``'s last axis).
 
     Raises:
         ValueError for a loss-active padding position; SupportAlignmentError otherwise.
@@ -117,13 +140,14 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
     loss_mask = loss_mask.bool()
     if not bool(synthetic_eos_flag(fallback, loss_mask, traj)):
         return
+    where = where or Where(traj, pos_shape)
     idx = torch.nonzero(fallback).flatten()
     t = traj[idx]
     if (t < 0).any():
         p = int(idx[torch.nonzero(t < 0)[0]])
         raise ValueError(
-            f"position {position(p, pos_shape)} is loss-active but belongs to no trajectory (trajectory id -1, "
-            f"padding); padding must be loss-masked"
+            f"{where(p)} is loss-active but belongs to no trajectory (trajectory id -1, padding); padding must be "
+            f"loss-masked"
         )
     counts = torch.bincount(t)
     many = torch.nonzero(counts > 1).flatten().tolist()
@@ -144,23 +168,23 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape) -> None:
     if not_last.any():
         p = int(idx[torch.nonzero(not_last)[0]])
         raise SupportAlignmentError(
-            f"trajectory {int(traj[p])}, logit position {position(p, pos_shape)}: loss-active with no support row but "
+            f"{where(p)}: loss-active with no support row but "
             f"not the trajectory's last loss-active token; only a synthetic EOS (the last token) may lack a row. "
             f"Support rows are misaligned (an off-by-one between token and logit positions?)"
         )
     raise AssertionError("the synthetic-EOS flag was set but no position breaks the rule")  # pragma: no cover
 
 
-def raise_row_range(rows: torch.Tensor, traj: torch.Tensor, num_rows: int, pos_shape) -> None:
+def raise_row_range(rows: torch.Tensor, num_rows: int, where: Where) -> None:
     """Name the first position whose row id is outside ``[-1, num_rows)``."""
     p = int(torch.nonzero((rows < -1) | (rows >= num_rows))[0])
     raise ValueError(
-        f"trajectory {int(traj[p])}, logit position {position(p, pos_shape)}: row id {int(rows[p])} outside "
+        f"{where(p)}: row id {int(rows[p])} outside "
         f"[-1, {num_rows}) for a support of {num_rows} rows; row ids index the support's rows (-1 for none)"
     )
 
 
-def raise_id_range(bad: torch.Tensor, ids: torch.Tensor, rows, traj, vocab_size, pos_shape) -> None:
+def raise_id_range(bad: torch.Tensor, ids: torch.Tensor, rows, vocab_size, where: Where) -> None:
     """Name the first scored position whose row holds an id outside ``[-1, vocab_size)``.
 
     ``bad``: (N, w) bool; ``ids``: (N, w) the row of every position.
@@ -168,14 +192,14 @@ def raise_id_range(bad: torch.Tensor, ids: torch.Tensor, rows, traj, vocab_size,
     p, c = (int(i) for i in torch.nonzero(bad)[0])
     vocab = "V" if vocab_size is None else vocab_size
     raise ValueError(
-        f"trajectory {int(traj[p])}, logit position {position(p, pos_shape)}: its support row {int(rows[p])} holds id "
+        f"{where(p)}: its support row {int(rows[p])} holds id "
         f"{int(ids[p, c])}, outside [-1, {vocab}) (-1 pads a row; every other id must be a token of the model's "
         f"vocabulary). The rows were changed after their check, or built without one: rebuild them, or score with "
         f"validate=True on rows that carry no check"
     )
 
 
-def raise_membership(missing: torch.Tensor, ids: torch.Tensor, sampled, rows, traj, pos_shape) -> None:
+def raise_membership(missing: torch.Tensor, ids: torch.Tensor, sampled, rows, where: Where) -> None:
     """Name the first scored position whose sampled token is not in its row.
 
     ``missing``: (N,) bool; ``ids``: (N, w) the row of every position.
@@ -183,13 +207,13 @@ def raise_membership(missing: torch.Tensor, ids: torch.Tensor, sampled, rows, tr
     p = int(torch.nonzero(missing)[0])
     members = ids[p][ids[p] >= 0][:16].tolist()
     raise SupportAlignmentError(
-        f"trajectory {int(traj[p])}, logit position {position(p, pos_shape)}: sampled token {int(sampled[p])} is not a "
+        f"{where(p)}: sampled token {int(sampled[p])} is not a "
         f"member of its support row {members} (row {int(rows[p])}); token and support coordinates are misaligned "
         f"(support rows sit at logit positions: row j of a response predicts token P + j)"
     )
 
 
-def raise_sampled_vocab(bad: torch.Tensor, sampled, traj, vocab_size, pos_shape) -> None:
+def raise_sampled_vocab(bad: torch.Tensor, sampled, vocab_size, where: Where) -> None:
     """Name the first position scored over the vocabulary whose sampled id lies outside it.
 
     ``vocab_size``: int, or None when only a negative id can be known wrong yet (a TP shard
@@ -198,6 +222,6 @@ def raise_sampled_vocab(bad: torch.Tensor, sampled, traj, vocab_size, pos_shape)
     p = int(torch.nonzero(bad)[0])
     vocab = "V" if vocab_size is None else vocab_size
     raise ValueError(
-        f"trajectory {int(traj[p])}, logit position {position(p, pos_shape)}: sampled id {int(sampled[p])} outside "
+        f"{where(p)}: sampled id {int(sampled[p])} outside "
         f"the vocabulary [0, {vocab}); sampled ids are the tokens shifted by one, in the model's vocabulary"
     )

@@ -28,6 +28,7 @@ import torch
 from nemo_replay.scoring.collectives import group_size
 from nemo_replay.scoring.guards import (
     GUARDS,
+    Where,
     check_synthetic_eos,
     raise_id_range,
     raise_membership,
@@ -68,6 +69,7 @@ class Call:
     cd: torch.dtype
     temperature: float
     chunk_size: int
+    where: Where
 
     @property
     def N(self) -> int:
@@ -177,7 +179,7 @@ def compute_dtype(source: torch.Tensor, weight: Optional[torch.Tensor]) -> torch
 
 
 def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, lm_head_weight, temperature,
-            chunk_size, needs_rows: bool) -> Call:
+            chunk_size, needs_rows: bool, token_positions=None, rank: Optional[str] = None) -> Call:
     """Check every argument (host only, no device read) and flatten the channels."""
     _check_source(source, lm_head_weight, temperature)
     pos_shape = source.shape[:-1]
@@ -188,6 +190,8 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
         _check_channel("loss_mask", loss_mask, pos_shape, integer=False)
     if trajectory_ids is not None:
         _check_channel("trajectory_ids", trajectory_ids, pos_shape, integer=True)
+    if token_positions is not None:
+        _check_channel("token_positions", token_positions, pos_shape, integer=True)
     given = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
     try:
         chunk_size = -1 if isinstance(given, bool) else operator.index(given)
@@ -220,6 +224,7 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
         cd=compute_dtype(source, lm_head_weight),
         temperature=float(temperature),
         chunk_size=chunk_size,
+        where=Where(traj, pos_shape, None if token_positions is None else token_positions.reshape(-1), rank),
     )
 
 
@@ -413,12 +418,12 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     got = reads.read()  # THE host read of this call's guards and sizes
 
     check_guards(got, {
-        "row_range": lambda: raise_row_range(call.rows, call.traj, support.num_rows, call.pos_shape),
-        "id_range": lambda: raise_id_range(bad_ids, ids_all, call.rows, call.traj, vocab, call.pos_shape),
+        "row_range": lambda: raise_row_range(call.rows, support.num_rows, call.where),
+        "id_range": lambda: raise_id_range(bad_ids, ids_all, call.rows, vocab, call.where),
         "support": lambda: raise_support(support, vocab),
-        "synthetic_eos": lambda: check_synthetic_eos(fallback, call.lmask, call.traj, call.pos_shape),
-        "membership": lambda: raise_membership(missing, ids_all, call.sampled, call.rows, call.traj, call.pos_shape),
-        "sampled_vocab": lambda: raise_sampled_vocab(bad_sampled, call.sampled, call.traj, vocab, call.pos_shape),
+        "synthetic_eos": lambda: check_synthetic_eos(fallback, call.lmask, call.traj, call.pos_shape, call.where),
+        "membership": lambda: raise_membership(missing, ids_all, call.sampled, call.rows, call.where),
+        "sampled_vocab": lambda: raise_sampled_vocab(bad_sampled, call.sampled, vocab, call.where),
     })
     if record or got.get("support"):  # got here: the rows passed, recorded now or again (a stale record)
         record_checked(support, vocab)
@@ -449,7 +454,7 @@ def plan_full(call: Call) -> Plan:
     reads.add("sampled_vocab", bad.any())
     reads.add("e", call.lmask.sum())
     got = reads.read()
-    check_guards(got, {"sampled_vocab": lambda: raise_sampled_vocab(bad, call.sampled, call.traj, vocab, call.pos_shape)})
+    check_guards(got, {"sampled_vocab": lambda: raise_sampled_vocab(bad, call.sampled, vocab, call.where)})
     empty = torch.zeros(0, dtype=torch.int64, device=call.device)
     none = torch.zeros(call.N, dtype=torch.bool, device=call.device)
     return Plan(call, empty, nonzero(call.lmask, got["e"]), none, call.lmask, vocab_size=vocab)

@@ -224,7 +224,7 @@ def _deferred_checks(plan: Plan, vocab_max: torch.Tensor) -> None:
     if len(got) > 2 and got[2]:
         raise_support(plan.support, vocab)
     if got[1]:
-        raise_sampled_vocab(bad, call.sampled, call.traj, vocab, call.pos_shape)
+        raise_sampled_vocab(bad, call.sampled, vocab, call.where)
 
 
 def _reduce(plan: Plan, local: _Local, compute_entropy: bool, compute_support_mass: bool) -> _Totals:
@@ -293,6 +293,8 @@ def score_aligned_support(
     compute_support_mass: bool = False,
     chunk_size: Optional[int] = None,
     validate: bool = True,
+    token_positions: Optional[torch.Tensor] = None,
+    rank: Optional[str] = None,
 ) -> SupportScores:
     """Score each sampled token over its recorded support.
 
@@ -318,8 +320,13 @@ def score_aligned_support(
         validate: check the support invariants (docs/design.md §2) of rows that were not
             checked where they entered (a support records a passed check: rows from capture,
             the engine adapters, wire decode, traces and collation, and rows this function
-            already checked, skip the sort). The alignment guard and the synthetic-EOS rule
-            always run.
+            already checked, skip the sort). The alignment guard, the synthetic-EOS rule and
+            the range of every id the kernels read always run.
+        token_positions: (*,), int. The caller's column of the token each position
+            predicts, for error messages (a strategy passes it, so errors name the same token
+            the same way under any packing or slicing); default the position along the last
+            axis of the input.
+        rank: appended to error messages (e.g. ``"CP rank 1 of 2"``).
 
     Scored positions: loss-active with a row (``valid_mask``), plus at most one loss-active
     position per trajectory without a row, which must be its last loss-active position
@@ -337,7 +344,8 @@ def score_aligned_support(
         and the logit position.
     """
     call = prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, shard=shard, lm_head_weight=lm_head_weight,
-                   temperature=temperature, chunk_size=chunk_size, needs_rows=True)
+                   temperature=temperature, chunk_size=chunk_size, needs_rows=True, token_positions=token_positions,
+                   rank=rank)
     hidden = lm_head_weight is not None
     if hidden and compute_support_mass:
         raise ValueError(

@@ -233,3 +233,37 @@ def test_score_hands_out_differentiable_logprobs_for_the_callers_backward(model,
         strategy.run_role("recompute", model, batches, settings, loss_fn=gspo)
     with pytest.raises(ValueError, match=r"loss_fn must be callable as loss_fn\(logprobs \[B, A\], batch, mask \[B, A\]\)"):
         strategy.run_role("policy", model, batches, settings, loss_fn="gspo")
+
+
+def test_an_empty_response_contributes_nothing_and_trains_on(model, reference_model):
+    """The engine returned no token (a prompt at the length limit, an aborted request): the trajectory
+    has no rows and nothing is scored; the others score and train exactly as without it."""
+    from tests.fsdp.fixtures import Trajectory
+
+    from nemo_replay.strategies.megatron.batch import prepare_micro_batch
+
+    spec = dict(trajs=[Trajectory(4, 3), Trajectory(5, 0), Trajectory(3, 2, eos=True)], seq_len=9, seed=4)
+    batch = with_old_and_ref(reference_model, make_batch(**spec), TEMPERATURE)
+    assert batch.response_lengths.tolist() == [3, 0, 2] and batch.support.num_rows == 5
+    kept = [0, 2]
+    alone = ReplayBatch(batch.sequences[kept], batch.attention_mask[kept], batch.response_lengths[kept],
+                        batch.loss_mask[kept], support=batch.support.gather(kept), advantages=batch.advantages[kept],
+                        old_logprobs=batch.old_logprobs[kept], ref_logprobs=batch.ref_logprobs[kept])
+    strategy = FSDPStrategy()
+    settings = RoleSettings(temperature=TEMPERATURE, kl_coef=0.1)
+    got, want = strategy.run_role("recompute", model, [batch, alone], settings)
+    assert not got.valid_mask[1].any() and not got.fallback_mask[1].any() and (got.logprobs[1] == 0).all()
+    torch.testing.assert_close(got.logprobs[kept], want.logprobs, **TOL)
+    model.zero_grad(set_to_none=True)
+    with_empty = strategy.run_role("policy", model, [batch], settings)[0]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    without = strategy.run_role("policy", model, [alone], settings)[0]
+    torch.testing.assert_close(with_empty.loss, without.loss, **TOL)
+    for n, p in model.named_parameters():
+        assert torch.isfinite(grads[n]).all()
+    # The Megatron layout takes it too: no row for the empty trajectory (docs/design.md §3).
+    mb = prepare_micro_batch(0, batch, role="recompute", settings=settings, tp_size=1, cp_size=1, cp_rank=0, fp8=False,
+                             packed=True, device="cpu")
+    rows = mb.row_ids[mb.trajectory_ids == 1]
+    assert rows.numel() and (rows == -1).all() and set(mb.row_ids[mb.row_ids >= 0].tolist()) == set(range(5))

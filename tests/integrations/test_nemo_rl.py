@@ -17,6 +17,7 @@ Megatron's order) runs every multi-process check, each layout as NeMo-RL builds 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -217,10 +218,32 @@ def _phase_shards(out, g, raw32):
     out["shards"] = [(s.start, s.end, s.vocab_size) for s in (megatron, dtensor)]
 
 
+def _phase_one_cp_rank_fails(out, g, data, raw32):
+    """validate=False and an id >= V in a row only one CP rank scores: the memory-safety guard fires on
+    that rank alone, and every rank of the CP group raises its error (else the other waits in the gather)."""
+    from nemo_replay.integrations.nemo_rl import next_token_logprobs
+
+    rows = data["generation_support"].clone()
+    active = _active_with_row(data)
+    i, c = (int(v) for v in torch.nonzero(active)[0])  # next-token column c scores input_ids column c + 1
+    token = int(data["input_ids"][i, c + 1])
+    slot = next(j for j, t in enumerate(rows[i, c + 1].tolist()) if t != token)
+    rows[i, c + 1, slot] = VOCAB + 36
+    bad = {**data, "generation_support": rows}
+    cfg = _configs(g)["cp2"]
+    local, cu = _local(raw32 / TEMPERATURE, data["input_lengths"].tolist(), cfg)
+    try:
+        next_token_logprobs(local, bad, context_parallel_group=cfg[3], cu_seqlens_padded=torch.tensor(cu), validate=False)
+        out["one_cp_rank_fails"] = dict(error=None, row=i, column=c + 1)
+    except ValueError as exc:
+        out["one_cp_rank_fails"] = dict(error=str(exc), row=i, column=c + 1)
+
+
 def _worker(rank, world_size):
     g = _groups(rank)
     data, raw32, sampler = make_batch(seed=0)
     out = {"data": data, "sampler": sampler}
+    _phase_one_cp_rank_fails(out, g, data, raw32)
     _phase_policy(out, g, data, raw32)
     _phase_reference(out, g, data)
     _phase_dtensor(out, rank, data, raw32)
@@ -240,6 +263,14 @@ def _active_with_row(data):
     """(B, W - 1) bool: next tokens that are loss-active and carry a recorded row."""
     nxt = (data["token_mask"][:, 1:] != 0) & (data["sample_mask"][:, None] != 0)
     return nxt & (data["generation_support"][:, 1:, 0] >= 0)
+
+
+def test_a_check_one_cp_rank_fails_raises_the_same_error_on_every_rank(ranks):
+    for group in ([0, 2], [1, 3]):  # the CP groups (rank = 2 * cp_rank + tp_rank)
+        got = [ranks[r]["one_cp_rank_fails"] for r in group]
+        assert got[0]["error"] is not None and got[0]["error"] == got[1]["error"]
+        assert re.match(rf"CP rank [01] of 2: trajectory {got[0]['row']}, token position {got[0]['column']}: its support "
+                        rf"row \d+ holds id 100, outside \[-1, 64\)", got[0]["error"]), got[0]["error"]
 
 
 @pytest.mark.parametrize("config", ["tp2", "cp2", "tp2cp2"])

@@ -261,7 +261,7 @@ def test_rows_that_do_not_fit_their_trajectory_are_refused_naming_it():
     am = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool)
     lay = TokenMetadataLayout.build(am)
     # A response as long as the whole sequence has no logit for its first row.
-    with pytest.raises(ValueError, match=r"trajectory 1: response length 3 must be in \[1, L - 1\] with L=3"):
+    with pytest.raises(ValueError, match=r"trajectory 1: response length 3 must be in \[0, L - 1\] with L=3"):
         lay.support_row_ids(torch.tensor([3, 3]), torch.tensor([0, 3, 6]))
     with pytest.raises(ValueError, match=r"trajectory 0: response length 0"):
         lay.support_row_ids(torch.tensor([0, 1]), torch.tensor([0, 0, 1]))

@@ -189,12 +189,48 @@ def _phase_tp2(out, rank, batches, policy_batches):
         y=y.detach(), plain=lay.to_canonical(local.detach(), 0.0, cp_group=world), grad=local.grad,
         aligned=lay.align_logits(g, 0.0), y_dot_g=float((y.detach() * g).sum()), x_dot_grad=float(inner),
     )
+    out["cp_one_rank_fails"] = _cp_one_rank_fails(rank, world, b)
     cp = MegatronParallel(cp_group=world, cp_size=2, cp_rank=rank, pp_last_rank=rank)
     try:
         get_strategy("megatron").factory(parallel=cp).run_role("recompute", model, batches, RoleSettings())
         out["cp_unpacked_error"] = None
     except ValueError as exc:
         out["cp_unpacked_error"] = str(exc)
+
+
+def _cp_one_rank_fails(rank, world, b):
+    """A sampled token outside its row, in the slice of one CP rank only, through the role step's loss
+    closure (the scorer, then the CP gather): every rank raises the same error, or the others wait in
+    the gather (gloo: a raw RuntimeError after the timeout)."""
+    from types import SimpleNamespace
+
+    from nemo_replay.layout.canonical import canonical_channels
+    from nemo_replay.strategies.megatron import MegatronParallel
+    from nemo_replay.strategies.megatron.batch import prepare_micro_batch
+    from nemo_replay.strategies.megatron.steps import RoleForwardStep
+
+    ch = canonical_channels(b)
+    i, c = (int(v) for v in torch.nonzero(ch.row_ids == 0)[0])  # trajectory 0's first response row
+    token = int(ch.sampled_ids[i, c])
+    values = b.support.values.clone()
+    values[0] = -1
+    values[0, 0] = (token + 1) % 64
+    bad = ReplayBatch(b.sequences, b.attention_mask, b.response_lengths, b.loss_mask,
+                      support=PackedTensor(values, b.support.cu_seqlens))
+    parallel = MegatronParallel(cp_group=world, cp_size=2, cp_rank=rank, pp_last_rank=rank)
+    mb = prepare_micro_batch(0, bad, role="recompute", settings=RoleSettings(), tp_size=1, cp_size=2, cp_rank=rank,
+                             fp8=False, packed=True, device="cpu")
+    held = bool(mb.layout.align_logits(torch.nn.functional.one_hot(torch.tensor(i * ch.row_ids.shape[1] + c),
+                                                                     ch.row_ids.numel()).view(ch.row_ids.shape).bool(),
+                                       False).any())
+    step = RoleForwardStep("recompute", RoleSettings(), parallel, SimpleNamespace(sequence_parallel=False))
+    inner = SimpleNamespace(output_layer=SimpleNamespace(weight=torch.zeros(64, 8)))
+    logits = torch.randn(*mb.layout.local_shape, 64, generator=torch.Generator().manual_seed(rank))
+    try:
+        step._loss(mb, inner, False, logits)
+        return dict(error=None, held=held, token=token, column=c + 1)
+    except ValueError as exc:
+        return dict(error=str(exc), kind=type(exc).__name__, held=held, token=token, column=c + 1)
 
 
 def _phase_pp2(out, batches, policy_batches):
@@ -447,6 +483,16 @@ def test_context_parallel_outputs_gather_back_to_canonical(ranks):
         assert "packed=True" in r["cp_unpacked_error"]
 
 
+def test_a_check_one_cp_rank_fails_raises_the_same_named_error_on_every_rank(ranks):
+    got = [r["cp_one_rank_fails"] for r in ranks]
+    holder = [g["held"] for g in got].index(True)
+    assert [g["held"] for g in got].count(True) == 1  # one rank's slice holds the bad token
+    for g in got:
+        assert g["kind"] == "SupportAlignmentError" and g["error"] == got[0]["error"]
+        assert g["error"].startswith(f"CP rank {holder} of 2: trajectory 0, token position {g['column']}: sampled token "
+                                     f"{g['token']} is not a member of its support row")
+
+
 def test_pipeline_parallel_2_matches_tp1(ranks):
     ref = ranks[0]
     for r in ranks:  # both stages return the broadcast results
@@ -530,7 +576,7 @@ def test_missing_support_and_policy_inputs_are_refused():
     assert prepare_micro_batch(0, eos, role="recompute", settings=RoleSettings(), **common).replay
     rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[-1, -1], [11, 3]])])
     early = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
-    with pytest.raises(ValueError, match="trajectory 1, logit position 1: .*not the trajectory's last loss-active"):
+    with pytest.raises(ValueError, match="trajectory 1, token position 2: .*not the trajectory's last loss-active"):
         prepare_micro_batch(0, early, role="recompute", settings=RoleSettings(), **common)
     rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[-1, -1], [-1, -1]])])
     many = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.integrations.nemo_rl.layout import check_width, gather_slots, local_slots, next_token_channels
+from nemo_replay.scoring.collectives import agree
 from nemo_replay.scoring.scorer import check_synthetic_eos, has_support_row, score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.packed import PackedTensor
@@ -226,10 +227,12 @@ def next_token_logprobs(
     if full_vocab:
         scores = score_full_vocabulary(source, ch.sampled_ids, loss_mask=ch.trajectory_ids >= 0, shard=shard)
     else:
-        scores = score_aligned_support(
+        # input_ids column of the token each slot predicts, so errors name it whatever the packing and CP split.
+        columns = torch.where(ch.out_index >= 0, ch.out_index % (W - 1) + 1, -1)
+        scores = agree(lambda: score_aligned_support(
             source, ch.sampled_ids, ch.row_ids, ch.loss_mask, support.to(local.device), shard=shard,
-            trajectory_ids=ch.trajectory_ids, validate=validate,
-        )
+            trajectory_ids=ch.trajectory_ids, validate=validate, token_positions=columns,
+        ), context_parallel_group, device=local.device, name="CP")
     indices = [  # where every CP rank's slots land; this rank's are already known
         ch.out_index if r == cp_rank else
         next_token_channels(local_slots(padded, cp, r, packed=packed), ids, lengths, mask, sample).out_index

@@ -71,6 +71,8 @@ class FSDPLayout:
         row_ids: (R, T), torch.int64. Support row per logit position, -1 none.
         loss_mask: (R, T), torch.bool. Rolled with the targets.
         trajectory_ids: (R, T), torch.int64. -1 on padding.
+        token_positions: (R, T), torch.int64. The column of ``batch.sequences`` holding the
+            token each position predicts (rolled with the targets), for error messages.
         ulysses_plan: the SP group and full-sequence segment ids, None without SP.
         canonical: the canonical channels the layout was built from.
         unpadding: the non-pad indices, None in padded mode.
@@ -85,6 +87,7 @@ class FSDPLayout:
     row_ids: torch.Tensor
     loss_mask: torch.Tensor
     trajectory_ids: torch.Tensor
+    token_positions: torch.Tensor
     ulysses_plan: Optional[UlyssesPlan]
     canonical: CanonicalChannels
     unpadding: Optional[Unpadding]
@@ -148,11 +151,13 @@ def build_layout(batch: ReplayBatch, *, remove_padding: bool = True, sp_group=No
     # Left padding: the first real token of every row is position 0 (mask [0 1 1 1] ->
     # positions [0 0 1 2]); unpadded, the same values restart at every trajectory.
     positions = position_ids(real)
+    columns = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
     unpadding = None
     if remove_padding:
         unpadding = unpad_indices(real)
         tokens = unpad(tokens, unpadding)[None]
         positions = unpad(positions, unpadding)[None]
+        columns = unpad(columns, unpadding)[None]
         chan = {name: unpad(t, unpadding)[None] for name, t in chan.items()}
 
     # The roll: targets and the loss mask move; row ids and trajectory ids stay.
@@ -179,6 +184,7 @@ def build_layout(batch: ReplayBatch, *, remove_padding: bool = True, sp_group=No
         row_ids=local(chan["row_ids"], -1),
         loss_mask=local(loss_mask, False),
         trajectory_ids=local(chan["trajectory_ids"], -1),
+        token_positions=local(shift_left(columns, -1, dim=1), -1),
         ulysses_plan=plan,
         canonical=channels,
         unpadding=unpadding,

@@ -23,14 +23,15 @@ included; the gather's backward multiplies this rank's gradient by ``sp_grad_sca
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import PolicyLoss
+from nemo_replay.scoring.collectives import agree
+from nemo_replay.scoring.guards import Where
 from nemo_replay.scoring.scorer import SupportScores, check_synthetic_eos, has_support_row, score_aligned_support, score_full_vocabulary
 from nemo_replay.strategies.base import (
     ReplayStrategy,
@@ -117,6 +118,11 @@ class FSDPStrategy(ReplayStrategy):
         remove_padding: pack real tokens into one row (varlen) before the forward.
         sp_grad_scale: multiplies the gradient of this rank's log-prob slice; default the
             SP size, which undoes FSDP's average over the SP ranks of one batch.
+        backward: ``backward(loss)`` back-propagates one micro-batch's scaled loss (a 0-dim
+            tensor with a graph) in the ``policy`` role; default ``loss.backward()``. A trainer
+            whose own backward does more passes it here: ``LightningModule.manual_backward``
+            prepares DDP's reducer (the gradient all-reduce) and applies the precision
+            plugin's scaling (``ReplayCallback`` sets it). Also settable as ``.backward``.
 
     The ``policy`` role runs ``loss_fn`` (default: the clipped token-ratio objective of
     the settings, which reads ``batch.advantages``, ``batch.old_logprobs`` -- None is
@@ -127,7 +133,19 @@ class FSDPStrategy(ReplayStrategy):
 
     name = "fsdp"
 
-    def __init__(self, *, sp_group=None, remove_padding: bool = True, sp_grad_scale: Optional[float] = None):
+    def __init__(
+        self,
+        *,
+        sp_group=None,
+        remove_padding: bool = True,
+        sp_grad_scale: Optional[float] = None,
+        backward: Optional[Callable[[torch.Tensor], None]] = None,
+    ):
+        if backward is not None and not callable(backward):
+            raise ValueError(
+                f"backward must be callable as backward(loss) or None (loss.backward()), got {type(backward).__name__}"
+            )
+        self.backward = backward
         self.sp_group = sp_group
         self.remove_padding = bool(remove_padding)
         self.sp_size, self.sp_rank = sp_size_rank(sp_group)
@@ -182,7 +200,10 @@ class FSDPStrategy(ReplayStrategy):
         view = out.response(batch.response_width)
         mask = batch.loss_mask.to(view.logprobs.device) != 0
         loss, metrics = loss_fn(view.logprobs, batch, mask)
-        (loss * scale).backward()
+        if self.backward is None:
+            (loss * scale).backward()
+        else:
+            self.backward(loss * scale)
         detach = lambda t: None if t is None else t.detach()  # noqa: E731
         return RoleOutput(
             out.logprobs.detach(), out.valid_mask, out.fallback_mask, detach(out.entropy),
@@ -213,7 +234,8 @@ class FSDPStrategy(ReplayStrategy):
                 f"slice; use a model whose attention goes through transformers' AttentionInterface"
             )
         try:
-            scores = self._agree(lambda: self._score(source, weight, batch, layout, settings, replay), source.device)
+            scores = agree(lambda: self._score(source, weight, batch, layout, settings, replay), self.sp_group,
+                           device=source.device, name="SP")
         finally:
             if not grad:
                 release()
@@ -225,7 +247,7 @@ class FSDPStrategy(ReplayStrategy):
                 source, layout.sampled_ids, layout.row_ids, layout.loss_mask, batch.support,
                 lm_head_weight=weight, temperature=settings.temperature, trajectory_ids=layout.trajectory_ids,
                 compute_entropy=settings.compute_entropy, compute_support_mass=settings.compute_support_mass,
-                chunk_size=settings.chunk_size,
+                chunk_size=settings.chunk_size, token_positions=layout.token_positions,
             )
         # Replay off: the ordinary full-vocabulary log-probs of every real position.
         return score_full_vocabulary(
@@ -255,29 +277,6 @@ class FSDPStrategy(ReplayStrategy):
         """
         ch = layout.canonical
         fallback = ch.loss_mask & ~has_support_row(batch.support, ch.row_ids)
-        check_synthetic_eos(fallback.reshape(-1), ch.loss_mask.reshape(-1), ch.trajectory_ids.reshape(-1), ch.loss_mask.shape)
-
-    def _agree(self, fn, device):
-        """Run ``fn`` on every SP rank; if any rank raises ValueError, every rank raises.
-
-        One int32 MAX all-reduce over the SP group (plus one object all-gather when some
-        rank failed), so a rank that rejects its slice never leaves the others waiting in
-        the next collective.
-        """
-        if self.sp_size == 1:
-            return fn()
-        error, result = None, None
-        try:
-            result = fn()
-        except ValueError as exc:
-            error = exc
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.sp_group)
-        if int(flag) == 0:
-            return result
-        messages = [None] * self.sp_size
-        dist.all_gather_object(messages, None if error is None else str(error), group=self.sp_group)
-        if error is not None:
-            raise error
-        rank = next(r for r, m in enumerate(messages) if m is not None)
-        raise ValueError(f"SP rank {rank} rejected its slice of the micro-batch: {messages[rank]}")
+        traj = ch.trajectory_ids.reshape(-1)
+        check_synthetic_eos(fallback.reshape(-1), ch.loss_mask.reshape(-1), traj, ch.loss_mask.shape,
+                            Where(traj, ch.loss_mask.shape, ch.token_positions.reshape(-1)))

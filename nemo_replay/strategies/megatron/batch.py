@@ -17,6 +17,7 @@ import torch
 
 from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
+from nemo_replay.scoring.guards import Where
 from nemo_replay.scoring.scorer import check_synthetic_eos, has_support_row
 from nemo_replay.strategies.base import RoleSettings
 
@@ -51,6 +52,8 @@ class PreparedMicroBatch:
         row_ids: ``local_shape`` int64 global support row, -1 for none.
         loss_mask: ``local_shape`` bool.
         trajectory_ids: ``local_shape`` int64, -1 where no logit is predicted.
+        token_positions: ``local_shape`` int64, the column of ``batch.sequences`` holding the
+            token each logit predicts (-1 where none), for error messages.
         support: the batch's support on the model's device, or None.
         routes: ``(*local_shape, layers, topk)`` int64 recorded MoE routes (-1 on padding), or None.
     """
@@ -67,6 +70,7 @@ class PreparedMicroBatch:
     row_ids: torch.Tensor
     loss_mask: torch.Tensor
     trajectory_ids: torch.Tensor
+    token_positions: Optional[torch.Tensor] = None
     support: Optional[object] = None
     routes: Optional[torch.Tensor] = None
 
@@ -75,11 +79,10 @@ def check_rowless_positions(channels: CanonicalChannels, support) -> None:
     """The synthetic-EOS rule (docs/design.md §3) checked in canonical coordinates, before any
     CP slicing: under context parallelism no single rank sees a whole trajectory."""
     rowless = channels.loss_mask & ~has_support_row(support, channels.row_ids)
+    traj = channels.trajectory_ids.reshape(-1)
     check_synthetic_eos(
-        rowless.reshape(-1),
-        channels.loss_mask.reshape(-1),
-        channels.trajectory_ids.reshape(-1),
-        channels.loss_mask.shape,
+        rowless.reshape(-1), channels.loss_mask.reshape(-1), traj, channels.loss_mask.shape,
+        Where(traj, channels.loss_mask.shape, channels.token_positions.reshape(-1)),
     )
 
 
@@ -141,6 +144,7 @@ def prepare_micro_batch(
         row_ids=to(layout.align_logits(channels.row_ids, -1)),
         loss_mask=to(layout.align_logits(channels.loss_mask, False)),
         trajectory_ids=to(layout.logit_trajectory_ids()),
+        token_positions=to(layout.align_logits(channels.token_positions, -1)) if replay else None,
         support=batch.support.to(device) if replay else None,
     )
     if with_routes:

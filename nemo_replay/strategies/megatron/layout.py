@@ -339,18 +339,19 @@ class TokenMetadataLayout:
 
         Row j of trajectory b's ``R_b`` response rows sits at the logit of position
         ``L_b - R_b - 1 + j`` (= ``P_b - 1 + j``), which predicts response token j. A response
-        needs at least one prompt token before it: ``1 <= R_b <= L_b - 1``.
+        needs at least one prompt token before it: ``0 <= R_b <= L_b - 1`` (0: an empty
+        response, no row).
         """
         R = torch.as_tensor(response_lengths, dtype=torch.int64).cpu()
         if R.shape != self.lengths.shape:
             raise ValueError(
                 f"response_lengths must be ({self.batch_size},), one per trajectory, got shape {tuple(R.shape)}"
             )
-        bad = torch.nonzero((R < 1) | (R > self.lengths - 1)).flatten()
+        bad = torch.nonzero((R < 0) | (R > self.lengths - 1)).flatten()
         if bad.numel():
             b = int(bad[0])
             raise ValueError(
-                f"trajectory {b}: response length {int(R[b])} must be in [1, L - 1] with L={int(self.lengths[b])} "
+                f"trajectory {b}: response length {int(R[b])} must be in [0, L - 1] with L={int(self.lengths[b])} "
                 f"real tokens: the first response token is predicted by the logit of the last prompt token, so a "
                 f"response as long as the whole sequence has no logit for its first row. Count the prompt in L"
             )

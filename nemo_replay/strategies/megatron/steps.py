@@ -41,6 +41,7 @@ import torch
 
 from nemo_replay.layout.canonical import to_caller_columns
 from nemo_replay.objectives import PolicyLoss
+from nemo_replay.scoring.collectives import agree
 from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
 from nemo_replay.strategies.base import RoleSettings, policy_loss
 from nemo_replay.strategies.megatron.batch import PreparedMicroBatch
@@ -211,6 +212,7 @@ class RoleForwardStep:
                 shard=shard, lm_head_weight=weight, temperature=s.temperature,
                 trajectory_ids=mb.trajectory_ids, compute_entropy=s.compute_entropy,
                 compute_support_mass=s.compute_support_mass, chunk_size=s.chunk_size,
+                token_positions=mb.token_positions,
             )
         return score_full_vocabulary(
             source, mb.sampled_ids, loss_mask=mb.layout.logit_valid(source.device), shard=shard,
@@ -219,12 +221,14 @@ class RoleForwardStep:
 
     def _loss(self, mb: PreparedMicroBatch, inner, hidden: bool, output: torch.Tensor):
         source, weight, shard = self._source(output, inner, hidden)
-        scores = self._score(mb, source, weight, shard)
         p, lay = self.parallel, mb.layout
+        # A CP rank that rejects its slice would leave the others in the gather below: all raise together.
+        scores = agree(lambda: self._score(mb, source, weight, shard), p.cp_group, device=source.device, name="CP")
         # The policy role gathers the log-probs differentiably, for its objective; every other
         # output (and the log-probs of the forward-only roles) travels in one detached gather.
+        # They keep the scorer's dtype: float64 models get float64 log-probs (1e-15, not 5e-7).
         policy = self.role == "policy"
-        logprobs = scores.logprobs.float()
+        logprobs = scores.logprobs
         result = _canonical_outputs(scores, None if policy else logprobs, lay, p.cp_group)
         if policy:
             logprobs = gather_logits_to_canonical(logprobs, lay, p.cp_group)
