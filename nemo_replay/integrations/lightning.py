@@ -3,31 +3,53 @@
 Add the callback; the module finds the role callbacks at ``self.replay``
 (:class:`~nemo_replay.roles.ReplayRoles`) and calls them from its training step::
 
+    import lightning
+    import torch
+
+    from nemo_replay.integrations.lightning import ReplayCallback
+    from nemo_replay.strategies.base import RoleSettings
+
     class MyRL(lightning.LightningModule):
         def __init__(self, policy, reference):
             super().__init__()
             self.automatic_optimization = False      # the policy role runs backward itself
-            self.policy, self.reference = policy, reference
+            self.policy, self.reference = policy, reference.requires_grad_(False)
 
         def training_step(self, micro_batches, batch_idx):   # a list of ReplayBatch
             self.replay.recompute(self.policy, micro_batches)
             self.replay.reference(self.reference, micro_batches)
             opt = self.optimizers()
             opt.zero_grad()
-            self.replay.policy(self.policy, micro_batches)
+            self.replay.policy(self.policy, micro_batches)   # backward through self.manual_backward
             opt.step()
 
-    trainer = lightning.Trainer(callbacks=[ReplayCallback("fsdp", settings=RoleSettings(temperature=0.7))])
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.policy.parameters(), lr=1e-5)
+
+    trainer = lightning.Trainer(max_epochs=1, callbacks=[ReplayCallback("fsdp", settings=RoleSettings(temperature=0.7))])
+    trainer.fit(MyRL(policy, reference), loader)   # loader yields lists of ReplayBatch
     # another objective: ReplayCallback("fsdp", loss_fn=SequenceRatioObjective(kl_coef=0.01))
+
+``loader`` yields lists of :class:`~nemo_replay.layout.canonical.ReplayBatch` with their
+support rows; from transformers' ``generate``,
+:func:`nemo_replay.rollout.hf.replay_batches_from_generation` builds them
+(``examples/lightning_replay.py`` runs the whole loop on CPU).
 
 What the callback does:
 
 - ``setup``: builds the strategy and attaches ``pl_module.replay``; refuses automatic
-  optimization (Lightning would run a second backward on the returned loss);
+  optimization (Lightning would run a second backward on the returned loss); hands the
+  strategy ``pl_module.manual_backward`` as the policy role's backward, so Lightning's
+  strategy sees every backward: under DDP it prepares the reducer, which all-reduces the
+  gradients (a plain ``loss.backward()`` would leave each rank with its own gradients and
+  the replicas would drift apart), and the precision plugin scales the loss. A replay
+  strategy whose backward runs inside its own schedule (``megatron``) cannot take it and
+  is refused under a Lightning DDP strategy;
 - ``on_train_batch_start``: with replay on, every :class:`ReplayBatch` of the batch must
   carry its support rows: a ValueError names the micro-batch otherwise;
 - ``on_train_batch_end``: logs the diagnostics of the step (``replay/mismatch_max``,
-  ``replay/ratio_max_dev``, ``replay/kl``, ``replay/clip_fraction``) with ``pl_module.log_dict``.
+  ``replay/ratio_max_dev``, ``replay/kl``, ``replay/clip_fraction``) with ``pl_module.log_dict``;
+- ``teardown``: gives the strategy back the backward it had.
 
 ``ReplayCallback(enabled=False)`` keeps the same calls on the full-vocabulary path, so one
 flag switches a trainer between replay and the previous behaviour.
@@ -86,6 +108,7 @@ class ReplayCallback(Callback):
         self.loss_fn = loss_fn
         self.attribute = attribute
         self.roles: Optional[ReplayRoles] = None
+        self._bound = None  # (strategy, its backward before setup), restored at teardown
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit" and pl_module.automatic_optimization:
@@ -95,6 +118,36 @@ class ReplayCallback(Callback):
             )
         self.roles = ReplayRoles(self.strategy, settings=self.settings, loss_fn=self.loss_fn, **self.strategy_options)
         setattr(pl_module, self.attribute, self.roles)
+        self._use_manual_backward(trainer, pl_module, self.roles.strategy)
+
+    def _use_manual_backward(self, trainer, pl_module, strategy: ReplayStrategy) -> None:
+        """Route the policy role's backward through ``pl_module.manual_backward``.
+
+        Lightning's DDP strategy prepares the reducer only inside ``manual_backward`` in
+        manual optimization (lightning/pytorch/strategies/ddp.py, ``DDPStrategy.pre_backward``,
+        and its ``_DDPForwardRedirection`` turns the sync off around ``training_step``), so a
+        plain ``loss.backward()`` inside the role would skip the gradient all-reduce.
+        """
+        if hasattr(strategy, "backward"):
+            if self._bound is None:
+                self._bound = (strategy, strategy.backward)
+            strategy.backward = pl_module.manual_backward
+            return
+        from lightning.pytorch.strategies import DDPStrategy
+
+        if isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
+            raise ValueError(
+                f"the {strategy.name or type(strategy).__name__} replay strategy runs the policy backward inside its "
+                f"own schedule, where Lightning's {type(trainer.strategy).__name__} cannot prepare the gradient "
+                f"all-reduce, so the {trainer.world_size} replicas would drift apart; use the fsdp replay strategy "
+                f"with Lightning's DDP/FSDP, or let the backend's own data parallelism reduce the gradients"
+            )
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._bound is not None:
+            strategy, previous = self._bound
+            strategy.backward = previous
+            self._bound = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if not self.settings.replay:

@@ -24,7 +24,8 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: 
 
 from nemo_replay.integrations.trl import ReplayGRPOTrainer, ReplaySettings  # noqa: E402
 from nemo_replay.integrations.trl.records import RECORDS_KEY, completion_channels, records_from_vllm  # noqa: E402
-from nemo_replay.rollout.capture import sample  # noqa: E402
+from nemo_replay.rollout.capture import check_capture_settings, sample  # noqa: E402
+from nemo_replay.rollout.hf import check_generation_config  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<bos>"] + [f"w{i}" for i in range(45)]  # V = 48
 EOS = 1
@@ -154,6 +155,13 @@ def test_trl_trainer_unchanged_next_to_it(checkpoint, tmp_path, trained):
     assert _logged(on, "reward")[0] == _logged(plain, "reward")[0]
     assert _logged(on, "completions/mean_length")[0] == _logged(plain, "completions/mean_length")[0]
     assert _logged(on, "loss") != _logged(plain, "loss")  # scored over the supports
+    # Entropy: TRL's `entropy` is now the support entropy; TRL's own full-vocabulary entropy is logged
+    # beside it. First step: same weights, same rollouts, so it is TRL's number (2.04 vs 1.10 nats).
+    full, support = _logged(on, "replay/full_vocab_entropy"), _logged(on, "entropy")
+    assert len(full) == len(support) == 2
+    assert full[0] == pytest.approx(_logged(plain, "entropy")[0], rel=1e-5)
+    assert all(0 < s < f for s, f in zip(support, full))
+    assert not any("replay/full_vocab_entropy" in r for r in trained["hidden"].state.log_history)
 
 
 def test_records_follow_their_rows_through_trl_shuffle_and_split(checkpoint, tmp_path):
@@ -292,3 +300,91 @@ def test_bf16_autocast_gap_is_reported_apart(checkpoint, tmp_path):
     assert all(1e-4 < v < 0.1 for v in numeric)  # bf16 rounding of the trainer's logits; float32 gives ~2e-7
     assert all(v > 0.1 for v in gap)  # what replay removes, on the same tokens
     assert all(m < g for m, g in zip(_logged(trainer, "replay/mismatch_mean"), gap))
+
+
+def _problem_lines(check, *args, **kwargs) -> list[str]:
+    """The problem lines of a check's ValueError, as ReplayGRPOTrainer lists them."""
+    with pytest.raises(ValueError) as info:
+        check(*args, **kwargs)
+    return [line.strip()[2:] for line in str(info.value).splitlines()[1:]]
+
+
+@pytest.mark.parametrize(
+    "over, expected",
+    [
+        (dict(temperature=0.0), lambda: _problem_lines(check_capture_settings, temperature=0.0)),
+        (dict(top_p=1.5), lambda: _problem_lines(check_capture_settings, temperature=0.9, top_p=1.5)),
+        (dict(top_k=-1), lambda: _problem_lines(check_capture_settings, temperature=0.9, top_k=-1)),
+        (dict(repetition_penalty=1.2), lambda: _problem_lines(
+            check_generation_config, transformers.GenerationConfig(do_sample=True, temperature=0.9, repetition_penalty=1.2))),
+    ],
+    ids=["temperature", "top_p", "top_k", "repetition_penalty"],
+)
+def test_each_refusal_is_listed_once(checkpoint, tmp_path, over, expected):
+    """A GRPOConfig setting checked both as GRPOConfig and as the GenerationConfig TRL builds from it was listed twice."""
+    lines = expected()
+    assert len(lines) == 1
+    with pytest.raises(ValueError) as info:
+        _trainer(ReplayGRPOTrainer, checkpoint, tmp_path, **over)
+    assert str(info.value) == "ReplayGRPOTrainer cannot replay this setup:\n  - " + lines[0]
+
+
+def test_truncation_set_in_generation_kwargs_is_read_as_trl_builds_it(checkpoint, tmp_path):
+    """generation_kwargs override GRPOConfig's sampling fields (grpo_trainer.py:1171-1173): read them there."""
+    trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path / "k20", top_k=0, top_p=1.0,
+                       generation_kwargs={"top_k": 20}, max_steps=1)
+    assert trainer.generation_config.top_k == 20  # what TRL's generate samples with
+    trainer.train()
+    assert _logged(trainer, "replay/mismatch_max")[0] <= 1e-5
+    batch = _fresh_batch(trainer)
+    widths = {r.support.values.shape[1] for r in batch[RECORDS_KEY] if hasattr(r.support, "values")}
+    assert widths <= {20}  # fixed-width rows of the effective top-k (ties would make a row ragged)
+    # The override works the other way too: generation_kwargs that lift the truncation are refused.
+    with pytest.raises(ValueError, match="samples from the whole vocabulary"):
+        _trainer(ReplayGRPOTrainer, checkpoint, tmp_path / "k0", generation_kwargs={"top_k": 0, "top_p": 1.0})
+    with pytest.raises(ValueError, match=r"generation_kwargs temperature=0.5 samples at another temperature than "
+                                         r"GRPOConfig.temperature=0.9"):
+        _trainer(ReplayGRPOTrainer, checkpoint, tmp_path / "t", generation_kwargs={"temperature": 0.5})
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_cast_lm_head_to_fp32_scores_float32_logits(checkpoint, tmp_path, cast):
+    """Logits mode under bf16 autocast: with cast_lm_head_to_fp32 the scorer gets float32 head logits.
+
+    TRL casts the head to float32 and projects float32 hidden states outside autocast
+    (trl/trainer/grpo_trainer.py:1011-1047; trl/trainer/utils.py add_fused_lm_head). Before the
+    fix the head ran inside autocast either way: bf16 values, the same mismatch with and without.
+    """
+    trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path, bf16=True, cast_lm_head_to_fp32=cast)
+    model = trainer.model
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    C = 3
+    own_forward = vars(model.lm_head).get("forward")
+    assert (own_forward is not None) == cast  # TRL's cast replaces the head's forward on the instance
+    kept = {}
+    hook = model.model.register_forward_hook(lambda _m, _a, out: kept.__setitem__("hidden", out.last_hidden_state))
+    try:
+        with torch.no_grad(), trainer.accelerator.autocast():
+            source, _, _ = trainer._replay_forward(model, ids, mask, C, False)
+    finally:
+        hook.remove()
+    assert vars(model.lm_head).get("forward") is own_forward  # TRL's cast forward (or none) is back after the pass
+    float32_head = torch.nn.functional.linear(kept["hidden"][:, -C - 1 : -1].float(), model.lm_head.weight.float())
+    gap = float((source.float() - float32_head).abs().max())
+    if cast:
+        assert gap <= 1e-5
+    else:
+        assert gap > 1e-3  # bf16 rounding of the projection (the default, as TRL's fused head without the flag)
+
+
+def test_cast_lm_head_to_fp32_moves_logits_mode_onto_hidden_mode(checkpoint, tmp_path):
+    """One bf16 step: logits mode with the flag scores as hidden mode does (float32 projection), without it not."""
+    runs = {}
+    for name, source, cast in (("logits", "logits", False), ("logits_fp32", "logits", True), ("hidden", "hidden", False)):
+        trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path / name, replay=ReplaySettings(source=source),
+                           bf16=True, cast_lm_head_to_fp32=cast, max_steps=1)
+        trainer.train()
+        runs[name] = _logged(trainer, "replay/mismatch_mean")[0]
+    assert runs["logits_fp32"] == pytest.approx(runs["hidden"], rel=1e-3)
+    assert abs(runs["logits"] - runs["logits_fp32"]) > 0.1 * runs["logits_fp32"]

@@ -26,11 +26,17 @@ the weights that sampled (the engine's numeric gap: kernels, KV cache, precision
 mode also ``replay/support_mass`` (probability the truncation kept),
 ``replay/normalisation_gap_mean`` (``-log`` of it: what scoring over the full vocabulary adds)
 and ``replay/full_vocab_mismatch_mean`` / ``_max`` (``|rollout - trainer|`` had the trainer
-scored over the full vocabulary, as TRL does).
+scored over the full vocabulary, as TRL does), and ``replay/full_vocab_entropy`` (TRL's own
+``entropy`` metric, which ``entropy`` no longer is: see the class doc).
 
-Precision: on CPU ``GRPOConfig`` turns bf16 autocast on for the trainer's forward by default
-while ``generate`` runs the model in its own dtype; that numeric gap shows in
-``replay/mismatch_*``. Pin ``bf16=False`` for an exact comparison.
+Precision: on CPU ``GRPOConfig`` turns bf16 autocast on by default; inside ``train()``
+accelerate wraps the model's forward in it, so ``generate``'s KV-cached steps and the
+trainer's full forward both run under bf16 and round differently. That numeric gap shows in
+``replay/mismatch_*``; pin ``bf16=False`` for an exact comparison. ``cast_lm_head_to_fp32``
+is honoured as TRL's fused head does it: the trainer's LM head projects float32 hidden
+states outside autocast (logits mode: :meth:`ReplayGRPOTrainer._float32_lm_head`; hidden
+mode always projects in float32). ``generate`` still runs TRL's cast head under autocast, so
+with bf16 the flag moves the trainer's scores, not the sampler's.
 """
 
 from __future__ import annotations
@@ -68,10 +74,29 @@ class ReplayGRPOTrainer(GRPOTrainer):
         *args, **kwargs: exactly ``GRPOTrainer``'s.
         replay: :class:`ReplaySettings` (or a dict of its fields); default on, logits mode.
 
+    Sampling settings are read where they take effect: ``GRPOConfig``'s fields with
+    ``generation_kwargs`` over them, as TRL builds its ``GenerationConfig`` (or vLLM's
+    sampling parameters), so truncation set only in ``generation_kwargs`` is replayed.
+
+    Entropy: with replay on, the per-token entropies TRL receives are the entropies of the
+    distribution the policy is scored with, **renormalised over each token's recorded
+    support**, not over the full vocabulary. Everything TRL builds on them changes meaning
+    with it: the logged ``entropy`` metric (support entropy, lower than the full-vocabulary
+    one: 1.10 vs 2.04 nats on the first step of ``tests/integrations/test_trl.py``),
+    ``entropy_coef`` (the entropy bonus rewards spreading mass inside the support; tokens
+    outside it get none) and ``top_entropy_quantile`` (the high-entropy token mask ranks
+    tokens by support entropy; a token whose support has one member has entropy 0). In
+    logits mode TRL's own full-vocabulary entropy is logged beside it as
+    ``replay/full_vocab_entropy``, reduced exactly as TRL reduces ``entropy``; it reuses the
+    logits the policy pass already holds (no extra forward, one row of ``(C, V)``
+    temporaries at a time, no gradient). Hidden mode never builds those logits and does not
+    log it.
+
     Raises:
         ValueError listing every setting replay cannot serve (tools, environments,
         ``rollout_func``, vision inputs, continuous batching, greedy or unbounded sampling,
-        penalties, hidden mode on a model whose logits are not ``hidden @ W.T``).
+        penalties, a ``generation_kwargs`` temperature other than ``GRPOConfig``'s, hidden
+        mode on a model whose logits are not ``hidden @ W.T``), each once.
     """
 
     def __init__(self, *args, replay: Optional[ReplaySettings] = None, **kwargs):
@@ -81,6 +106,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self._replay_active: Optional[list] = None  # records of the batch being scored
         self._replay_generated_at: Optional[int] = None  # global step of the last generation
         self._replay_measure = False
+        self._replay_full_entropy: Optional[list] = None  # policy-pass full-vocabulary entropies (logits mode)
+        self._replay_sampling: Optional[dict] = None  # effective temperature / top_k / top_p / min_p (_effective_sampling)
         self._replay_stats = {"train": torch.zeros(len(_STATS), dtype=torch.float64), "eval": torch.zeros(len(_STATS), dtype=torch.float64)}
         if not settings.enabled:
             return
@@ -88,7 +115,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if problems:
             raise ValueError("ReplayGRPOTrainer cannot replay this setup:\n  - " + "\n  - ".join(problems))
         if self.use_vllm:
-            self.vllm_generation.logprobs = settings.vllm_logprobs or self.top_k + 1
+            self.vllm_generation.logprobs = settings.vllm_logprobs or self._replay_sampling["top_k"] + 1
 
     # ------------------------------------------------------------------ checks
     def _replay_problems(self) -> list[str]:
@@ -102,29 +129,70 @@ class ReplayGRPOTrainer(GRPOTrainer):
             (self.use_transformers_continuous_batching, "use_transformers_continuous_batching: generate_batch builds no logits processors to record from"),
         )
         out.extend(f"{why}; use GRPOTrainer (or ReplaySettings(enabled=False)) for this setup" for flag, why in unsupported if flag)
-        top_k = None if self.top_k in (None, 0) else self.top_k
-        try:
-            check_capture_settings(
-                temperature=self.temperature, top_k=top_k, top_p=self.top_p, min_p=self.min_p or 0.0,
-                repetition_penalty=self.repetition_penalty, where="GRPOConfig",
-            )
-        except ValueError as exc:
-            out.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
-        if top_k is None and self.top_p >= 1.0 and not self.min_p:
+        sampling, problems = self._effective_sampling()
+        out.extend(problems)
+        top_k = sampling["top_k"]
+        if top_k is None and sampling["top_p"] >= 1.0 and not sampling["min_p"]:
             out.append(
-                "GRPOConfig samples from the whole vocabulary (top_k=0, top_p=1.0, no min_p): there is no truncation to "
-                "replay; set top_k, top_p or min_p (e.g. top_k=50, top_p=0.95), or use GRPOTrainer"
+                "GRPOConfig (with its generation_kwargs) samples from the whole vocabulary (top_k=0, top_p=1.0, no "
+                "min_p): there is no truncation to replay; set top_k, top_p or min_p (e.g. top_k=50, top_p=0.95), or "
+                "use GRPOTrainer"
             )
+        self._replay_sampling = sampling
         if self.use_vllm:
             out.extend(self._vllm_problems(top_k))
-        elif not self.use_transformers_continuous_batching:
-            try:
-                check_generation_config(self.generation_config, where="GRPOTrainer.generation_config")
-            except ValueError as exc:
-                out.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
         if self.replay_settings.source == "hidden":
             out.extend(self._hidden_mode_problems())
         return out
+
+    def _effective_sampling(self) -> tuple[dict, list[str]]:
+        """The settings the sampler really uses, and every reason they cannot be captured (one line each).
+
+        TRL builds them from ``GRPOConfig``'s fields with ``generation_kwargs`` over them: the
+        ``GenerationConfig`` of ``generate`` (trl/trainer/grpo_trainer.py:1155-1173,
+        ``generation_kwargs.update(args.generation_kwargs)``) or vLLM's sampling parameters
+        (trl/generation/vllm_generation.py:662-672). So ``top_k=0`` with
+        ``generation_kwargs={"top_k": 20}`` samples top-20. Each setting is checked once, where
+        it takes effect; the scorer divides by ``GRPOConfig.temperature``, so an override of
+        the temperature alone is refused.
+
+        Returns:
+            ``(dict(temperature, top_k, top_p, min_p), problems)``, ``top_k=None`` for no bound.
+        """
+        problems = []
+        if self.use_vllm:
+            params = dict(
+                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p or 0.0,
+                repetition_penalty=self.repetition_penalty,
+            )
+            params.update((k, v) for k, v in (self.args.generation_kwargs or {}).items()
+                          if k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                   "frequency_penalty"))
+            params["top_k"] = None if params["top_k"] in (None, 0) else params["top_k"]
+            params["min_p"] = params["min_p"] or 0.0
+            try:
+                check_capture_settings(**params, where="GRPOConfig with its generation_kwargs")
+            except ValueError as exc:
+                problems.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
+            sampling = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p")}
+        else:
+            gc = self.generation_config
+            try:
+                check_generation_config(gc, where="GRPOTrainer.generation_config")
+            except ValueError as exc:
+                problems.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
+            sampling = dict(
+                temperature=gc.temperature, top_k=None if gc.top_k in (None, 0) else gc.top_k,
+                top_p=1.0 if gc.top_p is None else gc.top_p, min_p=gc.min_p or 0.0,
+            )
+        T = sampling["temperature"]
+        if isinstance(T, (int, float)) and isinstance(self.temperature, (int, float)) and T > 0 and T != self.temperature:
+            problems.append(
+                f"generation_kwargs temperature={T} samples at another temperature than GRPOConfig.temperature="
+                f"{self.temperature}, which TRL's scoring divides by; set GRPOConfig(temperature={T}) and drop it from "
+                f"generation_kwargs"
+            )
+        return sampling, problems
 
     def _vllm_problems(self, top_k: Optional[int]) -> list[str]:
         if top_k is None or top_k < 2:
@@ -170,7 +238,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        width = self.replay_settings.row_width or (None if self.top_k in (None, 0) else self.top_k)
+        width = self.replay_settings.row_width or self._replay_sampling["top_k"]
         vocab = self._hf_model(self.model).config.get_text_config().vocab_size
         captured = recorder.finish(completion_ids, row_width=width, vocab_size=vocab)
         self._replay_active = records_from_capture(completion_ids, captured)
@@ -214,12 +282,14 @@ class ReplayGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ scoring
     @contextlib.contextmanager
-    def _scoring(self, records: list, measure: bool):
-        self._replay_active, self._replay_measure = records, measure
+    def _scoring(self, records: list, measure: bool, full_entropy: Optional[list] = None):
+        """Make ``records`` the supports of the scoring passes inside; ``full_entropy`` collects, in
+        logits mode, each policy pass's full-vocabulary entropy ``(b, C)`` (:meth:`_score_chunk`)."""
+        self._replay_active, self._replay_measure, self._replay_full_entropy = records, measure, full_entropy
         try:
             yield
         finally:
-            self._replay_active, self._replay_measure = None, False
+            self._replay_active, self._replay_measure, self._replay_full_entropy = None, False, None
 
     def _compute_loss(self, model, inputs):
         if not self.replay_settings.enabled:
@@ -232,8 +302,24 @@ class ReplayGRPOTrainer(GRPOTrainer):
             )
         # With the weights that sampled (no optimizer step since generation): measure the mismatch.
         measure = self.state.global_step == self._replay_generated_at
-        with self._scoring(records, measure):
-            return super()._compute_loss(model, inputs)
+        full_entropy = [] if self.replay_settings.source == "logits" else None
+        with self._scoring(records, measure, full_entropy):
+            loss = super()._compute_loss(model, inputs)
+        if full_entropy:
+            self._log_full_vocab_entropy(torch.cat(full_entropy), inputs["completion_mask"])
+        return loss
+
+    def _log_full_vocab_entropy(self, entropy: torch.Tensor, completion_mask: torch.Tensor) -> None:
+        """``replay/full_vocab_entropy``: TRL's own ``entropy`` metric, beside the support entropy it now logs.
+
+        The same reduction as TRL's ``entropy`` (``global_masked_mean`` over the completion
+        mask, summed over processes, in trl/trainer/grpo_trainer.py ``_compute_loss``), so the
+        two read side by side in every log.
+        """
+        mask = completion_mask.to(entropy.device, torch.float32)
+        totals = self.accelerator.reduce(torch.stack([(entropy * mask).sum(), mask.sum()]), reduction="sum")
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["replay/full_vocab_entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
@@ -280,6 +366,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         logps = scores.logprobs.float()
         if self._replay_measure:
             self._record_mismatch(ch, logps.detach(), scores.support_logmass)
+        if compute_entropy and self._replay_full_entropy is not None:  # logits mode: the full logits are here
+            self._replay_full_entropy.append(_full_vocab_entropy(source, float(self.temperature)))
         return logps, (scores.entropy.float() if compute_entropy else None), aux
 
     def _replay_forward(self, model, input_ids, attention_mask, C, compute_aux_loss):
@@ -294,7 +382,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if compute_aux_loss:
             kwargs["output_router_logits"] = True
         if self.replay_settings.source == "logits":
-            out = model(**kwargs, logits_to_keep=C + 1)
+            with self._float32_lm_head(model):
+                out = model(**kwargs, logits_to_keep=C + 1)
             return out.logits[:, :C], None, getattr(out, "aux_loss", None)
         hf = self._hf_model(model)
         kept = {}
@@ -311,6 +400,39 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if hasattr(weight, "full_tensor"):  # FSDP2 shards the head as a DTensor
             weight = weight.full_tensor()
         return kept["hidden"][:, -C - 1 : -1], weight, getattr(out, "aux_loss", None)
+
+    @contextlib.contextmanager
+    def _float32_lm_head(self, model):
+        """Honour ``GRPOConfig.cast_lm_head_to_fp32`` in logits mode: the LM head as TRL's fused head runs it.
+
+        TRL casts the head's weight to float32 (trl/trainer/grpo_trainer.py:1011-1047) and its
+        fused head projects float32 hidden states outside autocast (trl/trainer/utils.py,
+        ``add_fused_lm_head``, ``hidden_states.float()`` under ``torch.autocast(..., enabled=False)``).
+        The model's own forward calls the head inside TRL's autocast, which would project in
+        bf16 whatever the weight's dtype; for the duration of one forward the head's input is
+        cast to float32 and autocast is off around it, so the scorer gets float32 logits. The
+        model's post-head steps (soft-capping, logit scales) run as they are. Hidden mode needs
+        nothing: the scorer projects in float32 whatever the flag.
+        """
+        if not getattr(self.args, "cast_lm_head_to_fp32", False):
+            yield
+            return
+        head = self._hf_model(model).get_output_embeddings()
+        own = "forward" in vars(head)  # TRL's cast replaces the head's forward on the instance
+        inner = head.forward
+
+        def forward(hidden_states, *args, **kwargs):
+            with torch.autocast(hidden_states.device.type, enabled=False):
+                return inner(hidden_states.float(), *args, **kwargs)
+
+        head.forward = forward
+        try:
+            yield
+        finally:
+            if own:
+                head.forward = inner
+            else:
+                del head.forward
 
     # ------------------------------------------------------------------ metrics
     def _record_mismatch(self, ch, logps: torch.Tensor, logmass: Optional[torch.Tensor]) -> None:
@@ -351,3 +473,19 @@ class ReplayGRPOTrainer(GRPOTrainer):
             self._replay_stats[mode].zero_()
         super().log(logs, start_time)
 
+
+@torch.no_grad()
+def _full_vocab_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of ``softmax(logits / T)`` over the whole vocabulary: what TRL logs as ``entropy``.
+
+    Args:
+        logits: (b, C, V), any float dtype, the logits the scorer received (no copy kept).
+
+    Returns:
+        (b, C), float32. One row of ``(C, V)`` float32 temporaries at a time, no gradient.
+    """
+    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for i in range(logits.shape[0]):
+        logp = torch.log_softmax(logits[i].float() / temperature, dim=-1)
+        out[i] = -(logp.exp() * logp).sum(-1)
+    return out
