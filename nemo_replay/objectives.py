@@ -114,8 +114,8 @@ def _kl_term(logprobs, ref_logprobs, mask, kl_coef: float):
     """(kl_coef * mean k3 over ``mask``, its detached 0-d tensor) or (0, None) without a reference."""
     if ref_logprobs is None:
         return 0.0, None
-    kl = kl_k3(logprobs, ref_logprobs.detach())
-    kl_mean = (kl * mask).sum() / mask.sum().clamp(min=1)
+    kl = kl_k3(logprobs, torch.where(mask, ref_logprobs.detach(), logprobs.detach()))
+    kl_mean = torch.where(mask, kl, torch.zeros_like(kl)).sum() / mask.sum().clamp(min=1)
     return (kl_coef * kl_mean if kl_coef > 0 else 0.0), kl_mean.detach()
 
 
@@ -173,13 +173,19 @@ def _clipped_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_
     mask = loss_mask.bool()
     if advantages.dim() == 1:
         advantages = advantages[:, None]
+    # Masked positions are selected out before any arithmetic: a -inf or NaN there (an unscored
+    # position's old or reference log-prob, a filtered trajectory's advantage) never reaches the loss.
+    advantages = torch.where(mask, advantages, torch.zeros((), dtype=advantages.dtype, device=advantages.device))
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(mask, ref_logprobs, logprobs.detach())
     denom = mask.sum().clamp(min=1)
-    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    log_ratio = torch.where(mask, logprobs - torch.where(mask, old_logprobs.detach(), logprobs.detach()),
+                            torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
     surr = _surrogate(ratio, advantages, clip_eps, high)
     if weights is not None:
-        surr = surr * weights.detach()
-    loss = -(surr * mask).sum() / denom
+        surr = surr * torch.where(mask, weights.detach(), torch.zeros_like(weights))
+    loss = -torch.where(mask, surr, torch.zeros_like(surr)).sum() / denom
     metrics = _ratio_metrics(ratio, mask, clip_eps, high)
     kl_loss, kl = _kl_term(logprobs, ref_logprobs, mask, kl_coef)
     if kl is not None:
@@ -192,13 +198,41 @@ def missing_fields(batch, names: tuple[str, ...]) -> list[str]:
     return [n for n in names if getattr(batch, n, None) is None]
 
 
-def _field(batch, name: str, like: torch.Tensor, optional: bool = False) -> Optional[torch.Tensor]:
+#: What a masked-out position of each batch field reads as, so a -inf or NaN there never reaches the loss
+#: or its gradient (a mask that multiplies would give 0 * inf = NaN): ratio 1, KL 0, advantage 0.
+_MASKED_FILL = {"old_logprobs": "logprobs", "ref_logprobs": "logprobs", "rollout_logprobs": 0.0, "advantages": 0.0}
+
+
+def _field(batch, name: str, like: torch.Tensor, optional: bool = False, *, mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """``batch.<name>`` as ``like``'s (B, A) dtype and device, checked, with masked positions filled.
+
+    ``advantages`` may be (B,) (one per trajectory, expanded over A). Values where ``mask`` is
+    False are replaced (:data:`_MASKED_FILL`), whatever they hold.
+
+    Raises:
+        ValueError when the field is missing (unless ``optional``), not array-like or of another shape.
+    """
     value = getattr(batch, name, None)
     if value is None:
         if optional:
             return None
         raise ValueError(f"the policy objective needs batch.{name}; run the role that produces it first (recompute, reference) or set it")
-    return torch.as_tensor(value).to(device=like.device, dtype=like.dtype)
+    try:
+        value = torch.as_tensor(value).to(device=like.device, dtype=like.dtype)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"batch.{name} must be a float tensor shaped like the log-probs {tuple(like.shape)}, got "
+                         f"{type(value).__name__} ({exc})") from None
+    B, A = like.shape
+    if name == "advantages" and tuple(value.shape) == (B,):
+        value = value[:, None].expand(B, A)
+    if tuple(value.shape) != (B, A):
+        want = f"({B},) or ({B}, {A})" if name == "advantages" else f"({B}, {A})"
+        raise ValueError(
+            f"batch.{name} has shape {tuple(value.shape)}, expected {want}: the columns of loss_mask (a field set after "
+            f"the batch was built is checked here; broadcasting it would change the loss)"
+        )
+    fill = like.detach() if _MASKED_FILL[name] == "logprobs" else torch.zeros_like(value)
+    return torch.where(mask.bool(), value, fill)
 
 
 def _check_shapes(logprobs: torch.Tensor, mask: torch.Tensor) -> None:
@@ -235,11 +269,11 @@ class TokenRatioObjective(_ClippedRatio):
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
-        old = _field(batch, "old_logprobs", logprobs, optional=True)
+        old = _field(batch, "old_logprobs", logprobs, optional=True, mask=mask)
         return clipped_policy_loss(
-            logprobs, logprobs.detach() if old is None else old, _field(batch, "advantages", logprobs), mask,
+            logprobs, logprobs.detach() if old is None else old, _field(batch, "advantages", logprobs, mask=mask), mask,
             clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high, kl_coef=self.kl_coef,
-            ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True),
+            ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True, mask=mask),
         )
 
 
@@ -261,13 +295,12 @@ class SequenceRatioObjective(_ClippedRatio):
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
-        ref = _field(batch, "ref_logprobs", logprobs, optional=True)
+        ref = _field(batch, "ref_logprobs", logprobs, optional=True, mask=mask)
         if self.kl_coef > 0 and ref is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs: run the reference role first or set kl_coef=0")
-        old = _field(batch, "old_logprobs", logprobs, optional=True)
+        old = _field(batch, "old_logprobs", logprobs, optional=True, mask=mask)
         old = logprobs.detach() if old is None else old
-        adv = _field(batch, "advantages", logprobs)
-        adv = adv[:, None].expand_as(logprobs) if adv.dim() == 1 else adv
+        adv = _field(batch, "advantages", logprobs, mask=mask)
         mask = mask.bool()
         counts = mask.sum(1)
         log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
@@ -311,15 +344,15 @@ class TruncatedISObjective(_ClippedRatio):
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
-        old = _field(batch, "old_logprobs", logprobs)
-        rollout = _field(batch, "rollout_logprobs", logprobs)
+        old = _field(batch, "old_logprobs", logprobs, mask=mask)
+        rollout = _field(batch, "rollout_logprobs", logprobs, mask=mask)
         mask = mask.bool()
         log_w = torch.where(mask, old - rollout, torch.zeros_like(old))
         weights = torch.exp(log_w).clamp(max=self.cap)
         loss, metrics = _clipped_policy_loss(
-            logprobs, old, _field(batch, "advantages", logprobs), mask, clip_eps=self.clip_eps,
+            logprobs, old, _field(batch, "advantages", logprobs, mask=mask), mask, clip_eps=self.clip_eps,
             clip_eps_high=self.clip_eps_high, kl_coef=self.kl_coef,
-            ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True), weights=weights,
+            ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True, mask=mask), weights=weights,
         )
         metrics["tis_weight_mean"] = _masked_mean(weights, mask, 1.0)
         metrics["tis_truncated_fraction"] = _masked_mean(weights >= self.cap, mask, 0.0)

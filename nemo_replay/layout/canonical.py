@@ -110,6 +110,16 @@ class ReplayBatch:
         return self.loss_mask.shape[1]
 
     def validate(self) -> None:
+        """Check every field against the others (runs at construction; strategies run it again before a
+        policy forward, for fields set after the batch was built)."""
+        for name in ("sequences", "attention_mask", "loss_mask", "rollout_logprobs", "advantages", "old_logprobs",
+                     "ref_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"ReplayBatch.{name} must be a torch.Tensor, got {type(value).__module__}.{type(value).__name__}; "
+                    f"wrap it with torch.as_tensor(...)"
+                )
         seq, am = self.sequences, self.attention_mask
         if seq.dim() != 2 or seq.dtype.is_floating_point:
             raise ValueError(f"sequences must be an integer [B, S] tensor, got {seq.dtype} {tuple(seq.shape)}")

@@ -147,15 +147,21 @@ def policy_loss(settings: RoleSettings, loss_fn: Optional[PolicyLoss] = None) ->
 
 
 def check_policy_batches(batches: Sequence[ReplayBatch], loss_fn: PolicyLoss) -> None:
-    """Refuse, before any forward, a micro-batch that lacks a field the objective reads.
+    """Refuse, before any forward, a micro-batch that lacks a field the objective reads or holds one
+    of the wrong shape.
 
-    Asks ``loss_fn.check(batch)`` (the missing field names) when the objective defines it.
+    Re-runs the batch's own checks (``batch.validate()``) and asks ``loss_fn.check(batch)``
+    (the missing field names) when the objective defines it.
     """
     check = getattr(loss_fn, "check", None)
-    if check is None:
-        return
     for i, batch in enumerate(batches):
-        missing = check(batch)
+        validate = getattr(batch, "validate", None)
+        if validate is not None:  # fields set after the batch was built (old_logprobs, advantages...): shapes
+            try:
+                validate()
+            except ValueError as exc:
+                raise ValueError(f"micro-batch {i}: {exc}") from None
+        missing = [] if check is None else check(batch)
         if missing:
             raise ValueError(
                 f"micro-batch {i}: the policy objective {type(loss_fn).__name__} needs {', '.join(missing)} on the "

@@ -274,3 +274,54 @@ def test_objective_metrics_cost_one_host_read(make):
     assert empty["ratio_mean"] == 1.0 and empty["ratio_max_dev"] == 0.0 and empty["clip_fraction"] == 0.0
     if isinstance(obj, TruncatedISObjective):
         assert empty["tis_weight_mean"] == 1.0 and empty["tis_truncated_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: TokenRatioObjective(clip_eps=0.2, kl_coef=0.1),
+    lambda: SequenceRatioObjective(clip_eps=0.05, clip_eps_high=0.08, kl_coef=0.1),
+    lambda: TruncatedISObjective(cap=2.0, kl_coef=0.1),
+], ids=["token", "sequence", "tis"])
+def test_masked_positions_never_reach_the_loss_whatever_they_hold(make):
+    """-inf reference / old / rollout log-probs and NaN advantages at masked positions (unscored
+    tokens, a filtered trajectory) give the loss and gradient of finite values there, not NaN."""
+    lp, batch, mask = _objective_batch(8, per_token=True)
+    obj = make()
+    clean_loss, _ = obj(lp, batch, mask)
+    clean_grad = torch.autograd.grad(clean_loss, lp)[0]
+    dirty = SimpleNamespace(**{k: v.clone() for k, v in vars(batch).items()})
+    dirty.ref_logprobs[~mask] = -math.inf
+    dirty.old_logprobs[~mask] = math.inf
+    dirty.rollout_logprobs[~mask] = -math.inf
+    dirty.advantages[~mask] = math.nan
+    loss, _ = obj(lp, dirty, mask)
+    grad = torch.autograd.grad(loss, lp)[0]
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert float(loss.detach()) == pytest.approx(float(clean_loss.detach()), abs=1e-12)
+    torch.testing.assert_close(grad, clean_grad, atol=1e-12, rtol=0)
+    # clipped_policy_loss itself, the public function, selects too.
+    direct, _ = clipped_policy_loss(lp, dirty.old_logprobs, dirty.advantages, mask, kl_coef=0.1, ref_logprobs=dirty.ref_logprobs)
+    assert torch.isfinite(direct)
+
+
+def test_fields_set_after_the_batch_was_built_are_checked_for_shape():
+    """With B = 1, advantages of shape (3,) broadcast over A and tripled the loss; a (B, A - 1)
+    old_logprobs gave a raw broadcast error after the forward."""
+    from nemo_replay.layout.canonical import ReplayBatch
+    from nemo_replay.strategies.base import check_policy_batches
+
+    lp, batch, mask = _objective_batch(9, per_token=False)
+    one = SimpleNamespace(**{k: v[:1] for k, v in vars(batch).items()})
+    one.advantages = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"batch.advantages has shape \(3,\), expected \(1,\) or \(1, 11\)"):
+        TokenRatioObjective()(lp[:1], one, mask[:1])
+    wrong = SimpleNamespace(**{**vars(batch), "old_logprobs": batch.old_logprobs[:, :-1]})
+    with pytest.raises(ValueError, match=r"batch.old_logprobs has shape \(5, 10\), expected \(5, 11\)"):
+        TokenRatioObjective()(lp, wrong, mask)
+    seq = torch.arange(1, 13).view(2, 6)
+    real = torch.ones(2, 6, dtype=torch.bool)
+    built = ReplayBatch(seq, real, torch.tensor([3, 3]), torch.ones(2, 3, dtype=torch.bool), advantages=torch.ones(2))
+    built.old_logprobs = torch.zeros(2, 2)  # set after construction, the wrong width
+    with pytest.raises(ValueError, match=r"micro-batch 0: old_logprobs has shape \(2, 2\), expected \(2, 3\)"):
+        check_policy_batches([built], TokenRatioObjective())
+    with pytest.raises(ValueError, match=r"ReplayBatch.sequences must be a torch.Tensor, got numpy.ndarray; wrap it"):
+        ReplayBatch(seq.numpy(), real, torch.tensor([3, 3]), torch.ones(2, 3, dtype=torch.bool))
