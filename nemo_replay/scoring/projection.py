@@ -67,7 +67,10 @@ persistent buffer, the backward accumulates the U rows into it instead
   (``loss.backward()`` with ``.grad`` kept between micro-batches): rows are added to it in
   place and autograd gets nothing (its accumulation has nothing left to add).
 
-Everything else gets the dense gradient: ``torch.autograd.grad`` (the caller wants the
+Everything else gets the dense gradient: a weight with tensor hooks (``register_hook``,
+``register_post_accumulate_grad_hook``: a hook that scales, clips or zeroes the gradient, or
+records it, sees what it would see without replay; rows added behind its back would skip it),
+``torch.autograd.grad`` (the caller wants the
 gradient returned, also under ``create_graph``; the backward is once differentiable), no
 buffer yet (the first micro-batch after ``zero_grad(set_to_none=True)``), a buffer of
 another shape, dtype or device, and FSDP2 in its default mode (it reduce-scatters the unsharded gradient as one
@@ -324,6 +327,8 @@ def persistent_grad_buffer(weight: torch.Tensor):
             return None  # backward(inputs=...) without this weight
     except RuntimeError:
         return None  # torch.autograd.grad: the gradient is returned to the caller, not accumulated
+    if getattr(weight, "_backward_hooks", None) or getattr(weight, "_post_accumulate_grad_hooks", None):
+        return None  # tensor hooks (register_hook, register_post_accumulate_grad_hook) see the dense gradient
     main = getattr(weight, "main_grad", None)
     if hasattr(weight, "grad_added_to_main_grad") and isinstance(main, torch.Tensor):
         fits = main.shape == weight.shape and main.device == weight.device and main.layout == torch.strided

@@ -106,6 +106,31 @@ def test_rows_accumulate_into_an_existing_grad(monkeypatch, dtype, eos):
     torch.testing.assert_close(w.grad.double(), (start + gw + gw).double(), **(tol if dtype == torch.float64 else dict(atol=4e-2, rtol=4e-2)))
 
 
+def test_tensor_hooks_on_the_weight_see_the_gradient_they_would_without_replay(monkeypatch):
+    """Rows added straight into a kept ``.grad`` skipped the weight's hooks: a hook got None (a
+    TypeError in the hook) or never saw the rows, so a hook that zeroes the gradient to freeze the
+    head left max|W.grad| = 1.7. With hooks present the weight gets the dense gradient."""
+    case = make_case(B=3, T=37, V=2000, k=7, H=24, eos=(0,), seed=31)
+    uses = _SparseUses(monkeypatch)
+    _, dense = _dense(case)
+    h, w = _leaf(case.hidden), _leaf(case.weight)
+    seen = []
+    w.register_hook(lambda g: seen.append(g.clone()) or torch.zeros_like(g))  # records, then freezes the head
+    for _ in range(2):  # the second micro-batch finds .grad kept from the first
+        _loss(case, h, w).backward()
+    assert uses.n == 0 and len(seen) == 2
+    for g in seen:
+        torch.testing.assert_close(g, dense, atol=1e-12, rtol=0)
+    assert w.grad.abs().max() == 0
+    after = []
+    w2 = _leaf(case.weight)
+    w2.register_post_accumulate_grad_hook(lambda p: after.append(p.grad.clone()))
+    for _ in range(2):
+        _loss(case, _leaf(case.hidden), w2).backward()
+    assert uses.n == 0 and len(after) == 2
+    torch.testing.assert_close(after[1], 2 * dense, atol=1e-12, rtol=0)
+
+
 def test_the_dense_gradient_where_the_caller_needs_it(monkeypatch):
     case = make_case(B=3, T=37, V=900, k=7, H=24, eos=(1,), seed=31)
     uses = _SparseUses(monkeypatch)
