@@ -6,4 +6,7 @@ package imports none of them:
 - :mod:`~nemo_replay.integrations.lightning`: ``ReplayCallback`` for LightningModule trainers.
 - :mod:`~nemo_replay.integrations.trl`: ``ReplayGRPOTrainer``, TRL 1.16's ``GRPOTrainer`` with
   replay (TRL is imported on first access to the class; docs/design.md §9.2).
+- :mod:`~nemo_replay.integrations.nemo_rl`: NeMo-RL's GRPO with replay -- the post-processors,
+  replay's vLLM and policy workers, the driver's data path, the one source patch and the
+  ``run_grpo`` launcher (NeMo-RL is imported only by the workers and the launcher; docs/design.md §9.1).
 """

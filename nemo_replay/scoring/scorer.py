@@ -10,8 +10,9 @@ over a support row, e positions scored over the full vocabulary (synthetic EOS),
 width.
 
 Tensor parallel (vocabulary sharded over ``shard.group``): each rank scores the members in
-its shard. Forward: one MAX all-reduce (stabilisers, plus this rank's vocab end so every
-rank learns the global vocabulary size) and one SUM all-reduce carrying denominators,
+its shard. Forward: one MAX all-reduce (stabilisers; when the shard does not know the
+global vocabulary size, also this rank's vocab end, so every rank learns it) and one SUM
+all-reduce carrying denominators,
 sampled scores, entropy terms and the support-mass denominators together. Backward: none
 in logits mode; one SUM all-reduce of the hidden-state gradient in hidden mode.
 

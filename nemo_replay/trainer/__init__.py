@@ -18,15 +18,9 @@ _WHERE = {
     "run_compare": "nemo_replay.trainer.compare",
     "SuccessorTask": "nemo_replay.tasks",
 }
-_MOVED = {
-    "ReplayRoles": "nemo_replay.roles",
-    "ReplayCallback": "nemo_replay.integrations.lightning",
-}
 
 
 def __getattr__(name):
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)
-    if name in _MOVED:
-        raise AttributeError(f"nemo_replay.trainer.{name} moved: use `from {_MOVED[name]} import {name}`")
     raise AttributeError(f"module 'nemo_replay.trainer' has no attribute {name!r}")

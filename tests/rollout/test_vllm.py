@@ -255,14 +255,6 @@ def test_engine_prerequisites_name_the_flag():
         check_vllm_engine(None, path="logprobs")
 
 
-def test_old_adapters_module_names_the_new_ones():
-    import sys
-
-    sys.modules.pop("nemo_replay.rollout.adapters", None)
-    with pytest.raises(ImportError, match=r"nemo_replay\.rollout\.vllm.*nemo_replay\.rollout\.sglang"):
-        importlib.import_module("nemo_replay.rollout.adapters")
-
-
 def test_capture_rows_are_what_the_engine_reports(steps):
     """The simulated engine and capture agree: the fixture's supports are the sampler's."""
     logits = torch.randn(N, V, generator=torch.Generator().manual_seed(11)) * 2

@@ -1,8 +1,10 @@
 """The ``megatron`` strategy: megatron-core GPTModels, TP / CP / PP, MoE route replay.
 
-Modules: :mod:`.recipe` (what the strategy asks of a recipe), :mod:`.parallel` (the one read of ``parallel_state``), :mod:`.batch` (layout and
-aligned channels per micro-batch), :mod:`.steps` (forward-step functions and loss
-closures), :mod:`.routing` (MoE router replay), :mod:`.strategy` (``run_role``).
+Modules: :mod:`.recipe` (what the strategy asks of a recipe), :mod:`.parallel` (the one
+read of ``parallel_state``), :mod:`.layout` (``TokenMetadataLayout``: where each canonical
+token sits on this rank under TP, packing and CP), :mod:`.batch` (a micro-batch laid out,
+its channels aligned), :mod:`.steps` (forward-step functions and loss closures),
+:mod:`.routing` (MoE router replay), :mod:`.strategy` (``run_role``).
 Importing this package does not import megatron-core; running a role does.
 """
 
