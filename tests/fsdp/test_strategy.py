@@ -267,3 +267,35 @@ def test_an_empty_response_contributes_nothing_and_trains_on(model, reference_mo
                              packed=True, device="cpu")
     rows = mb.row_ids[mb.trajectory_ids == 1]
     assert rows.numel() and (rows == -1).all() and set(mb.row_ids[mb.row_ids >= 0].tolist()) == set(range(5))
+
+
+def test_one_hidden_mode_rule_for_the_fsdp_strategy_and_trl():
+    """A logit scale, a biased or adapted head: refused by the fsdp strategy as by the TRL trainer (the
+    strategy accepted a model with logit_scale that TRL refused)."""
+    import inspect
+
+    from nemo_replay.integrations.trl import trainer as trl_trainer
+    from nemo_replay.strategies.fsdp.head import hidden_mode_problems
+
+    assert "hidden_mode_problems(" in inspect.getsource(trl_trainer.ReplayGRPOTrainer._hidden_mode_problems)
+    batch = make_batch(**BATCH_B)
+    hidden = RoleSettings(temperature=TEMPERATURE, source="hidden")
+    plain = tiny_llama(seed=5)
+    assert hidden_mode_problems(plain) == []
+    scaled = tiny_llama(seed=5)
+    scaled.config.logit_scale = 0.5
+    with pytest.raises(ValueError, match=r"source='hidden' cannot reproduce LlamaForCausalLM's logits: the model's "
+                                         r"logit_scale=0.5 makes its logits differ from hidden @ W.T. Use source='logits'"):
+        FSDPStrategy().run_role("recompute", scaled, [batch], hidden)
+    biased = tiny_llama(seed=5)
+    biased.lm_head.bias = torch.nn.Parameter(torch.zeros(biased.lm_head.out_features))
+    assert hidden_mode_problems(biased) == ["the LM head has a bias, which hidden mode does not add"]
+
+    class Adapted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    adapted = tiny_llama(seed=5)
+    adapted.lm_head.__class__ = Adapted
+    assert "not a plain nn.Linear" in hidden_mode_problems(adapted)[0]
+    FSDPStrategy().run_role("recompute", plain, [batch], hidden)  # the plain model still runs

@@ -58,6 +58,7 @@ from nemo_replay.integrations.trl.settings import ReplaySettings, as_settings
 from nemo_replay.rollout.capture import check_capture_settings
 from nemo_replay.rollout.hf import SupportRecorder, check_generation_config, record_support
 from nemo_replay.scoring.scorer import score_aligned_support
+from nemo_replay.strategies.fsdp.head import hidden_mode_problems
 
 __all__ = ["ReplayGRPOTrainer"]
 
@@ -210,17 +211,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         return out
 
     def _hidden_mode_problems(self) -> list[str]:
-        model = self._hf_model(self.model)
-        text = model.config.get_text_config()
-        head = model.get_output_embeddings()
-        out = []
-        for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
-            value = getattr(text, name, None)
-            if value not in (None, 1.0):
-                out.append(f"source='hidden': the model's {name}={value} makes its logits differ from hidden @ W.T; use source='logits'")
-        if not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear or head.bias is not None:
-            out.append(f"source='hidden' needs a plain bias-free nn.Linear LM head, got {type(head).__name__}; use source='logits'")
-        return out
+        problems = hidden_mode_problems(self._hf_model(self.model))
+        return [f"source='hidden': {p}; use source='logits'" for p in problems]
 
     def _hf_model(self, model):
         """The transformers model inside accelerate / PEFT wrappers."""

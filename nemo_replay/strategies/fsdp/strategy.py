@@ -42,6 +42,7 @@ from nemo_replay.strategies.base import (
     policy_loss,
 )
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
+from nemo_replay.strategies.fsdp.head import hidden_mode_problems
 from nemo_replay.strategies.fsdp.layout import FSDPLayout, build_layout
 
 __all__ = ["FSDPStrategy", "lm_head_weight", "run_trunk"]
@@ -87,16 +88,11 @@ def lm_head_weight(model):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    problems = hidden_mode_problems(model)
+    if problems:
+        raise ValueError(f"source='hidden' cannot reproduce {type(model).__name__}'s logits: {'; '.join(problems)}. "
+                         f"Use source='logits'")
     head = model.get_output_embeddings()
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise ValueError(
-            f"{type(model).__name__} has no output embedding (LM head) weight; hidden mode needs one, "
-            f"use source='logits'"
-        )
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("hidden mode projects hidden states with the LM-head weight only; this LM head has a bias. Use source='logits'")
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError("this model soft-caps its logits, which hidden mode cannot reproduce; use source='logits'")
     if isinstance(head, FSDPModule):
         head.unshard()
         return head.weight, head.reshard
