@@ -32,7 +32,7 @@ Add the callback; the module finds the role callbacks at ``self.replay``
 
 ``loader`` yields lists of :class:`~nemo_replay.layout.canonical.ReplayBatch` with their
 support rows; from transformers' ``generate``,
-:func:`nemo_replay.rollout.hf.replay_batches_from_generation` builds them
+:func:`nemo_replay.trainer.generation.replay_batches_from_generation` builds them
 (``examples/lightning_replay.py`` runs the whole loop on CPU).
 
 What the callback does:

@@ -22,6 +22,7 @@ import torch
 
 from nemo_replay.support.checked import record_checked
 from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.membership import csr_membership
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import describe_row, validate_support_rows
@@ -49,9 +50,7 @@ def check_ragged_members(support: RaggedSupport, sampled_ids: torch.Tensor, *, w
     lengths = support.row_lengths
     row_of = torch.repeat_interleave(torch.arange(support.num_rows, device=support.device), lengths)
     sampled = sampled_ids.to(device=support.device, dtype=torch.int64)
-    hit = support.member_ids.to(torch.int64) == sampled[row_of]
-    found = torch.zeros(support.num_rows, dtype=torch.bool, device=support.device)
-    found[row_of[hit]] = True
+    found, _ = csr_membership(support.member_ids, row_of, sampled)
     missing = (lengths > 0) & ~found
     if missing.any():
         r = int(torch.nonzero(missing)[0])

@@ -39,6 +39,7 @@ from nemo_replay.scoring.guards import (
 from nemo_replay.scoring.projection import PairChunk
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.checked import checked, record_checked, stale_flag
+from nemo_replay.support.membership import row_membership
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import support_row_flags, validate_support_rows
@@ -353,21 +354,6 @@ def _chunks_from(bounds: list, num_pairs: int, chunk_size: int, n: int) -> tuple
     return tuple(chunks)
 
 
-def _membership(ids_all: torch.Tensor, sampled: torch.Tensor):
-    """(member (N,) bool, col (N,) int64): whether the sampled id is in the row, and its column.
-
-    Compared in the rows' dtype (max over 0/1 bytes: column 0 when absent), then confirmed
-    in int64 so a sampled id that wraps in that dtype cannot pass as a member. A sampled id
-    of -1 would match a row's padding, so it is never a member.
-    """
-    N, w = ids_all.shape
-    if w == 0:
-        return torch.zeros(N, dtype=torch.bool, device=ids_all.device), torch.zeros(N, dtype=torch.int64, device=ids_all.device)
-    found, col = (ids_all == sampled.to(ids_all.dtype)[:, None]).view(torch.uint8).max(1)
-    exact = ids_all.gather(1, col[:, None]).squeeze(1).to(torch.int64) == sampled
-    return found.bool() & exact & (sampled >= 0), col
-
-
 class _Reads:
     """Device scalars and vectors gathered into one int64 tensor, read with one ``tolist()``."""
 
@@ -390,7 +376,7 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     vocab = shard.vocab_size  # None under TP when the shard does not know it
     ids_all, has_row = _rows_of_positions(call, support)
     scored, fallback = call.lmask & has_row, call.lmask & ~has_row
-    member, col_all = _membership(ids_all, call.sampled)
+    member, col_all = row_membership(ids_all, call.sampled)
     local_all = ids_all >= 0 if call.tp == 1 else (ids_all >= shard.start) & (ids_all < shard.end)
 
     reads = _Reads(call.device)

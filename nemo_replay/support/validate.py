@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.membership import row_membership
 
 __all__ = ["check_cu_seqlens", "validate_support_rows", "support_row_flags", "describe_row", "SORT_BLOCK"]
 
@@ -147,10 +148,7 @@ def validate_support_rows(
                 f"{where}: sampled_ids has shape {tuple(sampled_ids.shape)}, expected ({values.shape[0]},)"
             )
         has_row = values[:, 0] >= 0
-        # Compared in int64: a sampled id cast down to a narrow row dtype could wrap onto a member.
-        # Padding entries never match: a sampled id of -1 is not a member of a padded row.
-        wide = _wide(values).to(torch.int64)
-        member = ((wide == sampled_ids.to(device=values.device, dtype=torch.int64)[:, None]) & (wide >= 0)).any(1)
+        member, _ = row_membership(_wide(values), sampled_ids)
         missing = has_row & ~member
         if missing.any():
             row = int(torch.nonzero(missing)[0])

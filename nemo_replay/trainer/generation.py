@@ -31,7 +31,7 @@ step ``t + 1``. The last sampled token is never fed back; it gets experts ``0..t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -41,7 +41,10 @@ from nemo_replay.support.checked import carry_checked
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["SamplingSettings", "Rollout", "left_pad", "generate", "rollout_batch"]
+if TYPE_CHECKING:
+    from nemo_replay.rollout.hf import HFRollout
+
+__all__ = ["SamplingSettings", "Rollout", "left_pad", "generate", "rollout_batch", "replay_batches_from_generation"]
 
 # (sequences, attention_mask) -> logits (B, V), or (logits, routes (B, S, layers, topk) int).
 NextTokenLogits = Callable[[torch.Tensor, torch.Tensor], Union[torch.Tensor, tuple]]
@@ -261,3 +264,69 @@ def rollout_batch(
 
 def _cat(items):
     return PackedTensor.cat(items) if isinstance(items[0], PackedTensor) else RaggedSupport.cat(items)
+
+
+def replay_batches_from_generation(
+    rollout: HFRollout,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    advantages: Optional[torch.Tensor] = None,
+    micro_batch_size: Optional[int] = None,
+    row_width: Optional[int] = None,
+    pad_id: int = 0,
+    device: Union[str, torch.device, None] = None,
+) -> list[ReplayBatch]:
+    """The trainer micro-batches of one :func:`generate_with_support` call.
+
+    The canonical batch is built by :func:`rollout_batch`, as
+    for every other sampler: each prompt's real tokens followed by its completion,
+    re-left-padded, ``R_i`` support rows per trajectory, the loss mask and the rollout
+    log-probs right-aligned ``[B, A]`` with ``A = max R_i``. Example, prompts ``[_ a b]``
+    and ``[c d e]`` (``_`` = left pad), completions ``[x y #]`` and ``[z]``: sequences
+    ``[a b x y #]`` and ``[_ c d e z]``, loss mask ``[[1 1 1], [0 0 1]]`` over the last
+    ``A = 3`` columns.
+
+    Args:
+        rollout: what :func:`generate_with_support` returned for these prompts.
+        input_ids: (B, P), int64, the left-padded prompts given to it.
+        attention_mask: (B, P), bool or int, 0 on the left padding (the same one).
+        advantages: optional (B,) or (B, A) float, stored on the batch (``A`` = the longest
+            completion); set it later on each micro-batch when rewards come after.
+        micro_batch_size: trajectories per micro-batch, in order (the last may be smaller);
+            None: one micro-batch.
+        row_width: fixed-width rows narrower than this are padded with -1 to it.
+        pad_id: the token of the new left padding (masked out, any valid id).
+        device: where the batches live; default ``input_ids.device``.
+
+    Returns:
+        a list of :class:`~nemo_replay.layout.canonical.ReplayBatch` with ``support`` and
+        ``rollout_logprobs``, ready for the roles (``ReplayRoles``, ``ReplayCallback``).
+    """
+    B = len(rollout.completions)
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape or input_ids.shape[0] != B:
+        raise ValueError(
+            f"replay_batches_from_generation: input_ids and attention_mask (B={B}, P) expected, the prompts given to "
+            f"generate_with_support, got {tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+        )
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+        raise ValueError(f"replay_batches_from_generation: micro_batch_size must be an int >= 1 or None, got {micro_batch_size!r}")
+    mask = attention_mask.bool()
+    prompts = [input_ids[i][mask[i]] for i in range(B)]
+    captured = rollout.captured
+    batch = rollout_batch(
+        prompts, rollout.completions, captured.logprobs, captured.support,
+        row_width=row_width, pad_id=pad_id, device=input_ids.device if device is None else device,
+    ).batch
+    if advantages is not None:
+        advantages = torch.as_tensor(advantages, dtype=torch.float32, device=batch.sequences.device)
+        if advantages.shape not in ((B,), (B, batch.response_width)):
+            raise ValueError(
+                f"replay_batches_from_generation: advantages of shape {tuple(advantages.shape)}; expected ({B},) or "
+                f"({B}, {batch.response_width}) (one per trajectory, or per token of the longest completion)"
+            )
+        batch.advantages = advantages
+    size = B if micro_batch_size is None else micro_batch_size
+    if size >= B:
+        return [batch]
+    return [batch.select(torch.arange(start, min(start + size, B))) for start in range(0, B, size)]

@@ -20,6 +20,7 @@ from nemo_replay.integrations.nemo_rl.layout import check_width, gather_slots, l
 from nemo_replay.scoring.collectives import agree
 from nemo_replay.scoring.scorer import check_synthetic_eos, has_support_row, score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.membership import row_membership
 from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["ReplayScores", "next_token_logprobs", "vocab_shard_of", "SUPPORT_KEY"]
@@ -157,7 +158,7 @@ def _check_alignment(ids, lengths, mask, sample, support) -> None:
     active = torch.nonzero(full.loss_mask & has_row).flatten()
     if active.numel():
         rows = support.values[full.row_ids[active]].to(torch.int64)
-        hit = ((rows == full.sampled_ids[active, None]) & (rows >= 0)).any(1)  # -1 pads, never a member
+        hit, _ = row_membership(rows, full.sampled_ids[active])
         if not bool(hit.all()):
             s = int(active[torch.nonzero(~hit)[0]])
             i, c = divmod(s, W)
