@@ -421,12 +421,13 @@ def test_packed_and_parallel_arguments_are_checked():
     with pytest.raises(ValueError, match=r"data row 0 has \d+ tokens but its logits cover \d+ positions"):
         next_token_logprobs(packed_local_logits(raw / TEMPERATURE, [L - 2 for L in lengths], short, 1, 0), data,
                             cu_seqlens_padded=short)
-    from nemo_replay.integrations.nemo_rl.layout import cp_positions
+    from nemo_replay.integrations.nemo_rl.layout import local_slots
 
-    assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
-    assert torch.equal(cp_chunks(torch.arange(8), 2, 1, 0), cp_positions(8, 2, 1))
-    with pytest.raises(ValueError, match=r"a padded sequence of 6 tokens cannot be cut into 2 \* cp = 4 chunks"):
-        cp_positions(6, 2, 0)
+    assert local_slots([8], 2, 0, packed=True).position.tolist() == [0, 1, 6, 7]
+    assert torch.equal(cp_chunks(torch.arange(8), 2, 1, 0), local_slots([8], 2, 1, packed=True).position)
+    with pytest.raises(ValueError, match=r"a padded sequence of 6 tokens \(sequence 1\) cannot be cut into 2 \* cp = 4 "
+                                         r"chunks; NeMo-RL pads each sequence to a multiple of 2 \* cp"):
+        local_slots([8, 6], 2, 0, packed=True)
 
 
 def test_post_processors_refuse_the_paths_that_skip_replay():

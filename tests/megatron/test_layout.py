@@ -263,8 +263,10 @@ def test_rows_that_do_not_fit_their_trajectory_are_refused_naming_it():
     # A response as long as the whole sequence has no logit for its first row.
     with pytest.raises(ValueError, match=r"trajectory 1: response length 3 must be in \[0, L - 1\] with L=3"):
         lay.support_row_ids(torch.tensor([3, 3]), torch.tensor([0, 3, 6]))
-    with pytest.raises(ValueError, match=r"trajectory 0: response length 0"):
-        lay.support_row_ids(torch.tensor([0, 1]), torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match=r"trajectory 0: response length -1"):
+        lay.support_row_ids(torch.tensor([-1, 1]), torch.tensor([0, 0, 1]))
+    empty = lay.support_row_ids(torch.tensor([0, 1]), torch.tensor([0, 0, 1]))  # an empty response: no row
+    assert sorted(empty[empty >= 0].tolist()) == [0]
     with pytest.raises(ValueError, match=r"response_lengths must be \(2,\)"):
         lay.support_row_ids(torch.tensor([1]), torch.tensor([0, 1]))
     # Three route rows from token 1 of a 3-token trajectory would need token 3: refused, not dropped.
@@ -279,3 +281,27 @@ def test_rows_that_do_not_fit_their_trajectory_are_refused_naming_it():
         lay.align_packed(routes, torch.tensor([-1, 0]), shift=False)
     # Rows that fit still land where they belong.
     assert lay.align_packed(routes, torch.tensor([0, 0]), shift=False).shape == (2, 5, 2)
+
+
+def test_one_cp_split_for_megatron_and_nemo_rl_against_a_chunk_loop():
+    """layout/context_parallel.py is the one definition: rank r keeps chunks r and 2cp-1-r of every
+    padded sequence; Megatron's layout and the NeMo-RL hooks both read it."""
+    from nemo_replay.integrations.nemo_rl.layout import local_slots
+    from nemo_replay.layout.context_parallel import cp_local_positions
+
+    for cp in (1, 2, 3, 4):
+        padded = [2 * cp * m for m in (1, 3, 2, 5)]
+        for r in range(cp):
+            want_seq, want_pos = [], []
+            for i, P in enumerate(padded):
+                c = P // (2 * cp) if cp > 1 else P
+                chunks = [r, 2 * cp - 1 - r] if cp > 1 else [0]
+                for k in chunks:
+                    want_pos += list(range(k * c, (k + 1) * c))
+                    want_seq += [i] * c
+            seq, pos = cp_local_positions(padded, cp, r)
+            assert seq.tolist() == want_seq and pos.tolist() == want_pos, (cp, r)
+            slots = local_slots(padded, cp, r, packed=True)
+            assert slots.row.tolist() == want_seq and slots.position.tolist() == want_pos
+    with pytest.raises(ValueError, match=r"a padded sequence of 6 tokens \(sequence 0\) cannot be cut into 2 \* cp = 4 chunks"):
+        cp_local_positions([6], 2, 0)

@@ -37,9 +37,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_replay.layout.context_parallel import cp_local_positions
+
 __all__ = [
     "NEMO_RL_COMMIT",
-    "cp_positions",
     "LocalSlots",
     "local_slots",
     "NextTokenChannels",
@@ -50,27 +51,6 @@ __all__ = [
 
 #: The NeMo-RL commit whose conventions this module and its tests follow.
 NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
-
-
-def cp_positions(padded_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Positions of a padded sequence that CP rank ``cp_rank`` holds, in its local order.
-
-    Example: P = 8, cp = 2: rank 0 -> [0, 1, 6, 7], rank 1 -> [2, 3, 4, 5].
-
-    Returns:
-        (P / cp,), int64.
-    """
-    P = int(padded_length)
-    if cp_size == 1:
-        return torch.arange(P)
-    if P % (2 * cp_size):
-        raise ValueError(
-            f"a padded sequence of {P} tokens cannot be cut into 2 * cp = {2 * cp_size} chunks; NeMo-RL pads each "
-            f"sequence to a multiple of 2 * cp (policy.make_sequence_length_divisible_by)"
-        )
-    c = P // (2 * cp_size)
-    r = cp_rank
-    return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * cp_size - 1 - r) * c, (2 * cp_size - r) * c)])
 
 
 @dataclass(frozen=True)
@@ -96,11 +76,12 @@ def local_slots(padded_lengths: Sequence[int], cp_size: int, cp_rank: int, *, pa
         packed: sequences follow one another in one row (NeMo-RL's THD packing).
     """
     lengths = [int(p) for p in padded_lengths]
-    parts = [cp_positions(p, cp_size, cp_rank) for p in lengths]
-    counts = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
-    row = torch.repeat_interleave(torch.arange(len(lengths)), counts)
-    position = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    shape = (1, int(counts.sum())) if packed else (len(lengths), int(counts[0]) if len(lengths) else 0)
+    row, position = cp_local_positions(
+        lengths, cp_size, cp_rank, fix="NeMo-RL pads each sequence to a multiple of 2 * cp "
+        "(policy.make_sequence_length_divisible_by)",
+    )
+    n = int(row.numel())
+    shape = (1, n) if packed else (len(lengths), n // len(lengths) if lengths else 0)
     return LocalSlots(row, position, shape)
 
 

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.layout.canonical import real_runs
+from nemo_replay.layout.context_parallel import cp_local_positions
 from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["TokenMetadataLayout", "layout_alignment"]
@@ -447,21 +448,8 @@ def _global_slots(padded: torch.Tensor, cup: torch.Tensor, packed: bool, cp: int
     """Index in the whole padded layout of each local slot (see the module example)."""
     if not packed:
         return torch.arange(int(cup[-1]), dtype=torch.int64)
-    local_len = padded // cp  # each sequence contributes Lp_i / cp slots to every rank
-    local_cu = cup // cp
-    n = int(local_cu[-1])
-    k = torch.arange(n, dtype=torch.int64)
-    seq = torch.searchsorted(local_cu[1:], k, right=True)
-    within = k - local_cu[seq]
-    if cp == 1:
-        return cup[seq] + within
-    chunk = padded[seq] // (2 * cp)
-    # First half of the local share: chunk r; second half: chunk 2cp-1-r.
-    first = within < chunk
-    chunk_id = torch.where(first, torch.full_like(within, r), torch.full_like(within, 2 * cp - 1 - r))
-    inner = torch.where(first, within, within - chunk)
-    assert bool((local_len[seq] == 2 * chunk).all())
-    return cup[seq] + chunk_id * chunk + inner
+    seq, position = cp_local_positions(padded, cp, r)
+    return cup[seq] + position
 
 
 def _slot_owner(glob: torch.Tensor, lengths: torch.Tensor, cup: torch.Tensor, packed: bool, width: int):
