@@ -33,6 +33,7 @@ __all__ = [
     "Where",
     "has_support_row",
     "check_synthetic_eos",
+    "check_rowless_positions",
     "synthetic_eos_flag",
     "raise_row_range",
     "raise_id_range",
@@ -173,6 +174,25 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape, where: Optional[Wh
             f"Support rows are misaligned (an off-by-one between token and logit positions?)"
         )
     raise AssertionError("the synthetic-EOS flag was set but no position breaks the rule")  # pragma: no cover
+
+
+def check_rowless_positions(channels, support) -> None:
+    """The synthetic-EOS rule (docs/design.md §3) on whole canonical sequences, before any slicing.
+
+    Under context or sequence parallelism no rank sees a whole trajectory, so a strategy
+    checks the rule here, on the canonical channels every rank holds alike (same verdict on
+    every rank); errors name the trajectory and the token's column.
+
+    Args:
+        channels: canonical channels (``row_ids``, ``loss_mask``, ``trajectory_ids``,
+            ``token_positions``), each (B, S - 1).
+        support: the batch's rows.
+    """
+    rowless = channels.loss_mask & ~has_support_row(support, channels.row_ids)
+    traj = channels.trajectory_ids.reshape(-1)
+    shape = channels.loss_mask.shape
+    check_synthetic_eos(rowless.reshape(-1), channels.loss_mask.reshape(-1), traj, shape,
+                        Where(traj, shape, channels.token_positions.reshape(-1)))
 
 
 def raise_row_range(rows: torch.Tensor, num_rows: int, where: Where) -> None:

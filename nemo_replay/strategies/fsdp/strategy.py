@@ -31,8 +31,8 @@ from nemo_replay.layout.canonical import ReplayBatch
 from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.collectives import agree
-from nemo_replay.scoring.guards import Where
-from nemo_replay.scoring.scorer import SupportScores, check_synthetic_eos, has_support_row, score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.guards import check_rowless_positions
+from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.strategies.base import (
     ReplayStrategy,
     RoleOutput,
@@ -215,8 +215,8 @@ class FSDPStrategy(ReplayStrategy):
                 f"rollout's support rows (batch.support) or set RoleSettings(replay=False)"
             )
         layout = build_layout(batch, remove_padding=self.remove_padding, sp_group=self.sp_group)
-        if replay and self.sp_size > 1:
-            self._check_synthetic_eos(batch, layout)
+        if replay and self.sp_size > 1:  # a slice cannot see its trajectory's other slices
+            check_rowless_positions(layout.canonical, batch.support)
         inputs = layout.model_inputs()
         hidden = settings.source == "hidden"
         if hidden:
@@ -263,16 +263,3 @@ class FSDPStrategy(ReplayStrategy):
         )
 
     # ------------------------------------------------------------------ SP safety
-    def _check_synthetic_eos(self, batch: ReplayBatch, layout: FSDPLayout) -> None:
-        """The one-row-less-position-per-trajectory rule over the whole sequence.
-
-        Each SP rank's scorer sees one slice, and a trajectory can span slices: a second
-        row-less position, or one that is not the trajectory's last loss-active token, may
-        sit in another rank's slice. Every rank holds the whole canonical batch, so the
-        rule is checked here on the canonical channels, identically on every rank.
-        """
-        ch = layout.canonical
-        fallback = ch.loss_mask & ~has_support_row(batch.support, ch.row_ids)
-        traj = ch.trajectory_ids.reshape(-1)
-        check_synthetic_eos(fallback.reshape(-1), ch.loss_mask.reshape(-1), traj, ch.loss_mask.shape,
-                            Where(traj, ch.loss_mask.shape, ch.token_positions.reshape(-1)))

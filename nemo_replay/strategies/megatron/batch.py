@@ -17,15 +17,13 @@ import torch
 
 from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
-from nemo_replay.scoring.guards import Where
-from nemo_replay.scoring.scorer import check_synthetic_eos, has_support_row
+from nemo_replay.scoring.guards import check_rowless_positions
 from nemo_replay.strategies.base import RoleSettings
 
 __all__ = [
     "PreparedMicroBatch",
     "prepare_micro_batch",
     "role_replays",
-    "check_rowless_positions",
 ]
 
 
@@ -73,17 +71,6 @@ class PreparedMicroBatch:
     token_positions: Optional[torch.Tensor] = None
     support: Optional[object] = None
     routes: Optional[torch.Tensor] = None
-
-
-def check_rowless_positions(channels: CanonicalChannels, support) -> None:
-    """The synthetic-EOS rule (docs/design.md §3) checked in canonical coordinates, before any
-    CP slicing: under context parallelism no single rank sees a whole trajectory."""
-    rowless = channels.loss_mask & ~has_support_row(support, channels.row_ids)
-    traj = channels.trajectory_ids.reshape(-1)
-    check_synthetic_eos(
-        rowless.reshape(-1), channels.loss_mask.reshape(-1), traj, channels.loss_mask.shape,
-        Where(traj, channels.loss_mask.shape, channels.token_positions.reshape(-1)),
-    )
 
 
 def prepare_micro_batch(
