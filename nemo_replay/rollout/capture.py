@@ -12,14 +12,16 @@ processor, then top-k and top-p, then sampling):
 1. penalties: none allowed (repetition / presence / frequency change the logits in a
    history-dependent way the trainer does not reproduce; :func:`check_capture_settings`
    refuses them);
-2. temperature: ``x = z / T`` in float32 (float64 when the logits are float64);
+2. temperature: ``x = z / T`` in float32 (float64 when the logits are float64 and
+   ``ties="index_order"``), divided by a tensor on the logits' device as vLLM does;
 3. min-p: keep ``i`` iff ``p_i >= min_p * max_j p_j``, evaluated as
    ``exp(x_i - max_j x_j) >= min_p`` (the ratio does not depend on the normaliser);
 4. top-k: keep the ``k`` largest ``x``;
 5. top-p: renormalise over the survivors of 3 and 4 (vLLM masks top-k before the softmax
-   whose cumulative sum it thresholds) and keep the token at rank ``r`` iff the mass of the
-   survivors ranked above it is ``< top_p`` -- the shortest rank prefix whose mass reaches
-   ``top_p``; the top token always stays;
+   whose cumulative sum it thresholds) and keep the shortest rank prefix whose mass reaches
+   ``top_p``; the top token always stays. The two tie rules accumulate that mass as their
+   engine paths do (below), which decides a token whose cumulative mass lands within a
+   rounding error of the threshold;
 6. sample from the softmax of ``x`` over the survivors ``S``:
    ``log q(i) = x_i - logsumexp_{s in S} x_s``.
 
@@ -29,27 +31,40 @@ PyTorch path thresholds top-p on probabilities not renormalised after top-k and 
 min-p last; supports captured from SGLang come from its own sampling mask, see
 :mod:`nemo_replay.rollout.sglang`.)
 
-Ranking and ties. Every filter keeps a prefix of one ranking of the candidates, so a
-support row is "the first ``m`` ranked candidates". Which tokens survive at a boundary
-where several share one value depends on the engine path, so :func:`sample` takes the rule
-(``ties=``) and names the engine path each one reproduces (vLLM 0.33.0 source,
-``vllm/v1/sample/ops/``):
+Ranking, ties and rounding. Every filter keeps a prefix of one ranking of the candidates,
+so a support row is "the first ``m`` ranked candidates". Which tokens survive at a boundary
+where several share one value, and how the top-p mass is summed, depend on the engine path,
+so :func:`sample` takes the rule (``ties=``) and names the engine path each one follows
+(vLLM 0.33.0 source, ``vllm/v1/sample/ops/``):
 
 - ``ties="index_order"`` (default) -- rank by ``x`` descending, ties by the *smaller* id;
-  top-k keeps exactly ``k``. This is vLLM's Triton top-k/top-p kernel
-  (``topk_topp_triton.py``, ``apply_top_k_top_p_triton``), the path ``apply_top_k_top_p``
-  in ``topk_topp_sampler.py`` takes whenever Triton is importable -- every CUDA install, and
-  always under Model Runner V2, which the sampling mask needs. It keeps exactly k and
-  resolves the boundary's duplicates in index order, smaller ids first; its top-p keeps the
-  boundary's duplicates in index order too, but finds the boundary by a pivot search
-  whose tolerance can differ from the exact nucleus computed here.
-- ``ties="keep_tied"`` -- vLLM's PyTorch path (``apply_top_k_top_p_pytorch`` /
-  ``apply_top_k_only``, taken when Triton is absent): top-k masks ``x < x_(k)``, so every
-  token tied with the k-th value stays (a support may hold more than ``k`` tokens); top-p
-  sorts ascending and masks from the bottom while the cumulative mass is ``<= 1 - top_p``,
-  so among tokens tied at the top-p boundary the *smaller* ids are dropped first. Ranking:
-  ``x`` descending, ties by the *larger* id. (The order among ties is that of a stable
-  ascending sort, which torch's CPU and CUDA sorts give.)
+  top-k keeps exactly ``k``; top-p keeps rank ``r`` iff the mass ranked strictly above it
+  is ``< top_p``, summed top-down in the compute dtype. This is vLLM's Triton
+  top-k/top-p kernel (``topk_topp_triton.py``, ``apply_top_k_top_p_triton``), the path
+  ``apply_top_k_top_p`` in ``topk_topp_sampler.py`` takes whenever Triton is importable --
+  every CUDA install, and always under Model Runner V2, which the sampling mask needs. It
+  keeps exactly k and resolves the boundary's duplicates in index order, smaller ids first;
+  its top-p has the same top-down meaning (the tokens more probable than a pivot hold
+  ``>= top_p``, and ``< top_p`` without the least probable of them) but finds the pivot by
+  a bisection (at most 18 steps, tolerance 1e-9) over float32 sums taken tile by tile, an
+  order no sort reproduces: a token that close to the nucleus boundary may differ.
+- ``ties="keep_tied"`` -- vLLM's PyTorch path (``apply_top_k_top_p_pytorch``, taken when
+  Triton is absent), step for step, in float32 as vLLM's sampler casts the logits
+  (``sampler.py``): sort ``x`` ascending with torch's default sort; top-k masks
+  ``x < x_(k)`` (every token tied with the k-th value stays, so a support may hold more than
+  ``k``); top-p takes the float32 softmax of the sorted, top-k-masked row over the whole
+  vocabulary, its ``torch.cumsum`` bottom-up, masks where that sum is ``<= 1 - top_p``
+  (``top_p`` a float32 tensor, as vLLM stores it) and always keeps the last (largest)
+  entry. Ranking: ``x`` descending, ties in the reverse of the order the sort left them.
+  The support's *size* follows from the logits; *which* of several tokens tied at a cut
+  survive is decided by that unstable sort and cannot be predicted from the logits (torch's
+  default sort keeps ties in no promised order: on CPU it is neither by id nor stable, and
+  CUDA runs another algorithm). The same calls on the same device type and torch build give
+  the engine's bits (checked on CPU against vLLM's function); across devices ``cumsum``
+  itself differs (CPU accumulates float32 in float64; torch's CUDA accumulate type for
+  float32 is float32), so a token within an ulp of the threshold may differ. Only the
+  engine's reported support is exact: capture from the engine's sampling mask or
+  log-probs where it returns them.
 
 On bf16 logits ties at the top-k boundary are the common case (large vocabularies hold
 many equal values in their upper tail), so the two rules give different supports for most
@@ -82,7 +97,8 @@ TIE_RULES = {
     "index_order": "vLLM Triton top-k/top-p kernel (vllm/v1/sample/ops/topk_topp_triton.py): exactly k, "
     "boundary ties kept in index order",
     "keep_tied": "vLLM PyTorch top-k/top-p (apply_top_k_top_p_pytorch in vllm/v1/sample/ops/topk_topp_sampler.py): "
-    "every token tied with the k-th kept; top-p drops the smaller ids among boundary ties",
+    "every token tied with the k-th kept; top-p summed bottom-up in float32; which ties survive a cut is the "
+    "engine's unstable sort's choice",
 }
 
 
@@ -211,11 +227,14 @@ def rank_candidates(
     Returns:
         values (N, C) float non-increasing, ids (N, C) int64, kept (N, C) bool: the top-k
         survivors, a prefix of each row. ``"index_order"``: C = min(top_k, V) (or V), all
-        kept. ``"keep_tied"``: C = V, ties by the larger id, kept where ``x >= x_(k)``.
+        kept, ties by the smaller id. ``"keep_tied"``: C = V, kept where ``x >= x_(k)``; the
+        row is torch's default ascending sort reversed, the sort vLLM's PyTorch path calls,
+        so the order among equal values is the sort's, not the ids'.
 
     Worked example, x = [[1, 3, 3, 3, 0]], top_k = 2. ``"index_order"``: ids [1, 2],
-    values [3, 3], all kept. ``"keep_tied"``: ids [3, 2, 1, 0, 4], values [3, 3, 3, 1, 0];
-    the 2nd largest value is 3, so kept = [T, T, T, F, F] -- three tokens for k = 2.
+    values [3, 3], all kept. ``"keep_tied"``: values [3, 3, 3, 1, 0], ids {1, 2, 3} in the
+    sort's order then [0, 4]; the 2nd largest value is 3, so kept = [T, T, T, F, F] --
+    three tokens for k = 2.
     """
     if ties == "index_order":
         if top_k is not None:
@@ -223,13 +242,82 @@ def rank_candidates(
         else:
             vals, ids = torch.sort(x, dim=1, descending=True, stable=True)
         return vals, ids, torch.ones_like(vals, dtype=torch.bool)
-    # A stable ascending sort puts the smaller id first among equals; flipped, the larger.
-    asc_vals, asc_ids = torch.sort(x, dim=1, stable=True)
+    # vLLM's call, unstable on purpose: flip(1) of this row is exactly the array it thresholds.
+    asc_vals, asc_ids = torch.sort(x, dim=1)
     vals, ids = asc_vals.flip(1), asc_ids.flip(1)
     if top_k is None:
         return vals, ids, torch.ones_like(vals, dtype=torch.bool)
     kth = vals[:, min(top_k, x.shape[1]) - 1 :][:, :1]
     return vals, ids, vals >= kth
+
+
+def _min_p_keep(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """(N, V) bool: ``exp(x_i - max_j x_j) >= min_p`` for x (N, V) float (module doc, step 3)."""
+    return torch.exp(x - x.amax(dim=1, keepdim=True)) >= min_p
+
+
+def _filter_index_order(
+    x: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 3-5 under ``ties="index_order"``: top-p summed top-down in ``x``'s dtype.
+
+    Args:
+        x: (N, V), float32 or float64, tempered logits.
+
+    Returns:
+        values (N, C) float, ids (N, C) int64, keep (N, C) bool, as :func:`rank_candidates`.
+    """
+    cand_x, cand_ids, keep = rank_candidates(x, top_k, "index_order")
+    keep &= torch.isfinite(cand_x)
+    if min_p > 0.0:
+        keep &= _min_p_keep(cand_x, min_p)  # the row's maximum is always a candidate
+    if top_p < 1.0:
+        probs = torch.softmax(cand_x.masked_fill(~keep, -math.inf), dim=1)
+        # Mass ranked strictly above each candidate: the exclusive prefix sum.
+        above = torch.zeros_like(probs)
+        above[:, 1:] = torch.cumsum(probs, 1)[:, :-1]
+        keep &= above < top_p
+    return cand_x, cand_ids, keep
+
+
+def _filter_keep_tied(
+    x: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 3-5 as vLLM 0.33's ``apply_top_k_top_p_pytorch`` computes them (module doc).
+
+    The naive equivalent, one row ``x`` (V,) float32, ``top_p`` a float32 scalar::
+
+        x = where(exp(x - x.max()) >= min_p, x, -inf)      # min-p, before the sort as in vLLM
+        asc, idx = x.sort()                                # ascending, torch's default sort
+        asc[asc < asc[V - k]] = -inf                       # top-k: ties with the k-th stay
+        mass = asc.softmax(-1).cumsum(-1)                  # float32, bottom-up, all V entries
+        drop = mass <= 1 - top_p; drop[-1] = False         # the largest entry always stays
+        support = idx[~drop & isfinite(asc)]
+
+    Worked example, x = [0, 1, 2, 3] (ids 0-3), top_p = 0.5: the softmax is
+    [0.032, 0.087, 0.237, 0.644]; its running sum [0.032, 0.119, 0.356, 1.0] is ``<= 0.5``
+    for the first three, so only id 3 stays (it alone holds 0.644 >= 0.5).
+
+    Args:
+        x: (N, V), float32, tempered logits. Not modified.
+
+    Returns:
+        values (N, V) float32, ids (N, V) int64, keep (N, V) bool: the ascending row
+        reversed, as :func:`rank_candidates` ``"keep_tied"`` ranks it; keep is a prefix.
+    """
+    if min_p > 0.0:
+        x = x.masked_fill(~_min_p_keep(x, min_p), -math.inf)
+    cand_x, cand_ids, keep = rank_candidates(x, top_k, "keep_tied")
+    if top_p < 1.0:
+        # vLLM's array: the sorted row with the top-k losers at -inf, ascending.
+        asc = cand_x.masked_fill(~keep, -math.inf).flip(1)
+        mass = torch.cumsum(torch.softmax(asc, dim=1), dim=1)
+        threshold = 1 - torch.full((x.shape[0], 1), top_p, dtype=torch.float32, device=x.device)
+        drop = mass <= threshold
+        drop[:, -1] = False
+        keep &= ~drop.flip(1)
+    keep &= torch.isfinite(cand_x)
+    return cand_x, cand_ids, keep
 
 
 def sample(
@@ -246,16 +334,18 @@ def sample(
 
     Args:
         logits: (N, V), float (any floating dtype; the math runs in float32, or float64
-            for float64 input). Not modified. ``-inf`` entries (masked vocabulary) are never
-            members; NaN or ``+inf`` is an error.
+            for float64 input under ``ties="index_order"``). Not modified. ``-inf``
+            entries (masked vocabulary) are never members; NaN or ``+inf`` is an error.
         temperature: > 0.
         top_k: the top-k bound; None for none.
         top_p: in (0, 1]; 1.0 disables.
         min_p: in [0, 1); 0.0 disables.
         ties: which tokens survive where several share the boundary value (module doc):
             ``"index_order"`` (vLLM's Triton path: exactly ``top_k``, fixed-width rows) or
-            ``"keep_tied"`` (vLLM's PyTorch path: every token tied with the k-th, ragged
-            rows). See :data:`TIE_RULES`.
+            ``"keep_tied"`` (vLLM's PyTorch path, its float32 bottom-up top-p included:
+            every token tied with the k-th, ragged rows; which of several tokens tied at a
+            cut survive is torch's unstable sort's choice, as in the engine, so only the
+            engine's reported support is exact). See :data:`TIE_RULES`.
         generator: a ``torch.Generator`` on the logits' device for reproducible draws.
 
     Returns:
@@ -275,8 +365,11 @@ def sample(
     N, V = logits.shape
     if V == 0:
         raise ValueError("capture.sample: logits have an empty vocabulary dimension (V = 0)")
-    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    x = logits.to(compute) / temperature  # a new tensor: the caller's logits stay untouched
+    # vLLM casts the logits to float32 and divides by a float32 tensor on their device (a CUDA
+    # division by a Python scalar multiplies by its reciprocal instead, off by an ulp).
+    compute = torch.float64 if logits.dtype == torch.float64 and ties == "index_order" else torch.float32
+    divisor = torch.full((1, 1), temperature, dtype=compute, device=logits.device)
+    x = logits.to(compute) / divisor  # a new tensor: the caller's logits stay untouched
     bad = torch.isnan(x) | (x == math.inf)
     bad_rows = bad.any(1) | ~torch.isfinite(x).any(1)
     if bad_rows.any():
@@ -286,16 +379,8 @@ def sample(
             f"output is broken at that position"
         )
 
-    cand_x, cand_ids, keep = rank_candidates(x, top_k, ties)  # (N, C), ranked
-    keep &= torch.isfinite(cand_x)
-    if min_p > 0.0:
-        keep &= torch.exp(cand_x - cand_x[:, :1]) >= min_p
-    if top_p < 1.0:
-        probs = torch.softmax(cand_x.masked_fill(~keep, -math.inf), dim=1)
-        # Mass ranked strictly above each candidate: the exclusive prefix sum.
-        above = torch.zeros_like(probs)
-        above[:, 1:] = torch.cumsum(probs, 1)[:, :-1]
-        keep &= above < top_p
+    filter_rows = _filter_index_order if ties == "index_order" else _filter_keep_tied
+    cand_x, cand_ids, keep = filter_rows(x, top_k, top_p, min_p)  # (N, C), ranked
     assert bool((keep[:, :1]).all()) and not bool((keep[:, 1:] & ~keep[:, :-1]).any()), "support must be a prefix"
 
     masked = cand_x.masked_fill(~keep, -math.inf)

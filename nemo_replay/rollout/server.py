@@ -15,28 +15,43 @@ next-token logits ``(V,)`` float. ``routes_fn(token_ids)`` returns the routes
 From the command line, serving the policy of a recipe (``model.pretrained=<path>`` for a
 checkpoint; otherwise the recipe's model built from its sizes)::
 
-    nemo-replay serve [CONFIG] [key=value ...] --port 8000 --token SECRET
+    NEMO_REPLAY_GENERATE_TOKEN=SECRET nemo-replay serve [CONFIG] [key=value ...] --port 8000
+    nemo-replay serve [CONFIG] --port 8000 --token-file ~/.nemo_replay_token    # chmod 600
+
+(``--token SECRET`` works too, but the process list shows it to every user of the host.)
 
 Hardening, in the order a request meets it:
 
-1. **Auth** (optional): with a token (``token=``, ``--token`` or the environment variable
-   ``NEMO_REPLAY_GENERATE_TOKEN``) every request needs ``Authorization: Bearer <token>``,
-   compared in constant time (``hmac.compare_digest``); otherwise 401.
+1. **Auth** (optional): with a token (``token=``, ``--token-file``, ``--token`` or the
+   environment variable ``NEMO_REPLAY_GENERATE_TOKEN``) every request needs
+   ``Authorization: Bearer <token>``, its raw header bytes compared in constant time
+   (``hmac.compare_digest``); otherwise 401 -- a header that is not UTF-8 or appears twice
+   included. Nothing of the body is read before this.
 2. **Admission**: at most ``max_concurrent`` requests run; the next one gets 429 with
    ``Retry-After`` (the client retries it).
 3. **Body**: at most ``max_body_bytes`` (413 beyond), read into one buffer sized from its
    Content-Length, and it must arrive within ``body_timeout_s`` (408 and the connection
-   closed). Memory per request is then a small multiple of its body: the body, its decoded
-   arrays (at most 3/4 of it; the client sends ``input_ids`` as an int32 envelope) and the
-   int64 conversation buffer -- about 3.7x the body for a long prompt -- plus the generated
-   rows, at most ``max_new_tokens_cap`` of them.
-4. **Validation**: every field is checked before use -- no unknown keys; ``input_ids`` ints
+   closed).
+4. **Decoding**, in a worker thread for bodies over 64 KiB, so the event loop keeps
+   answering other requests. ``json`` turns every value into a Python object (a JSON-list
+   ``input_ids`` took 8x its bytes of server memory, measured), so a body may hold at most
+   ``max_json_values`` JSON values outside its array envelopes (:data:`MAX_JSON_VALUES`, 65,536: a list-form
+   ``input_ids`` of about 65,000 tokens), counted from its separators before it is parsed;
+   past that a 413 names the limit and the envelope form, whose arrays decode straight
+   into their buffers (``GenerateClient`` sends ``input_ids`` as an int32 envelope) and
+   are bounded only by ``max_body_bytes`` (16 MiB: about 3 million tokens). Memory per
+   request is then a small multiple of its body: the body, its decoded arrays (at most
+   3/4 of it) and the int64 conversation buffer -- about 3.7x the body for a long prompt --
+   plus the generated rows, at most ``max_new_tokens_cap`` of them. (The thread holds the
+   GIL inside ``json`` and base64 calls; the value cap and the wire's 4 MiB base64 chunks
+   keep each such call to milliseconds.)
+5. **Validation**: every field is checked before use -- no unknown keys; ``input_ids`` ints
    in ``[0, vocab_size)`` (a list of ints or an integer array; ``1.5`` or ``true`` is an
    error, never coerced); ``sampling_params`` a mapping with known keys and typed values
    (``top_k`` at most ``vocab_size``: rows are ``top_k`` wide);
    ``max_new_tokens`` an int in ``[1, max_new_tokens_cap]``; ``routes_start`` an int in the
    prompt; ``seed`` an int. A bad field is a 400 naming it, never a 500.
-5. **Generation** runs one step at a time in a worker thread and stops as soon as the client
+6. **Generation** runs one step at a time in a worker thread and stops as soon as the client
    has gone (its connection closed), so an abandoned request holds no thread or memory.
 """
 
@@ -47,6 +62,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -58,13 +74,26 @@ from nemo_replay.rollout.wire import dumps, loads, support_to_wire
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["GenerateServer", "GenerateRequest", "parse_request", "TOKEN_ENV", "serve_until_cancelled"]
+__all__ = [
+    "GenerateServer",
+    "GenerateRequest",
+    "parse_request",
+    "read_token_file",
+    "TOKEN_ENV",
+    "MAX_JSON_VALUES",
+    "serve_until_cancelled",
+]
 
 logger = logging.getLogger(__name__)
 
 #: The environment variable holding the bearer token (server and client).
 TOKEN_ENV = "NEMO_REPLAY_GENERATE_TOKEN"
 
+#: Default ``max_json_values``: the most JSON values a body may hold outside its array
+#: envelopes -- about the longest ``input_ids`` the JSON-list form may carry (module doc, 4).
+MAX_JSON_VALUES = 1 << 16
+
+_INLINE_DECODE_BYTES = 64 << 10  # bodies up to this decode on the event loop (well under 1 ms)
 _FIELDS = {"input_ids", "sampling_params", "routes_start", "seed"}
 _SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "ties", "max_new_tokens"}
 
@@ -164,6 +193,56 @@ def parse_request(body: Any, *, vocab_size: int, max_new_tokens_cap: int) -> Gen
     return GenerateRequest(ids, sampling, max_new, start, seed)
 
 
+class _TooManyValues(ValueError):
+    """A body whose JSON outside array envelopes is too large to parse (a 413, not a 400)."""
+
+
+def _json_values_bound(raw: Union[bytes, bytearray]) -> int:
+    """An upper bound on the values (and keys) ``json`` would build from ``raw``.
+
+    Every JSON value but the outermost follows a ``[``, ``,`` or ``:``, and every key a
+    ``{`` or ``,``; base64 (the envelopes' payload) holds none of these bytes, so an array
+    envelope counts 7 however long it is. Worked example: ``{"input_ids":[5,6,7],"seed":1}``
+    has one ``{``, one ``[``, three ``,`` and two ``:`` -> 1 + 7 = 8, its objects exactly
+    (the dict, two keys, the list, four ints). Bytes inside strings only over-count.
+    """
+    return 1 + raw.count(b"[") + raw.count(b"{") + raw.count(b",") + raw.count(b":")
+
+
+def read_token_file(path: Union[str, os.PathLike]) -> str:
+    """The bearer token stored in ``path`` (``nemo-replay serve --token-file``).
+
+    One trailing newline (``\n`` or ``\r\n``) is stripped, nothing else. The file must be
+    readable by its owner only, as ssh asks of a private key: the token is a password.
+
+    Raises:
+        ValueError naming the path: unreadable, readable by group or others (the fix is
+        ``chmod 600``), empty, or not UTF-8.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise ValueError(f"token file {str(path)!r}: cannot open it ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode  # of the file opened, not of whatever the path names later
+        if mode & (stat.S_IRGRP | stat.S_IROTH):
+            raise ValueError(
+                f"token file {str(path)!r} is readable by group or others (mode {stat.filemode(mode)}); "
+                f"it holds a password: run `chmod 600 {path}`"
+            )
+        data = f.read()
+    for newline in (b"\r\n", b"\n"):
+        if data.endswith(newline):
+            data = data[: -len(newline)]
+            break
+    if not data:
+        raise ValueError(f"token file {str(path)!r} is empty; write the bearer token into it (then `chmod 600 {path}`)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"token file {str(path)!r} is not UTF-8 text; write the bearer token as text") from None
+
+
 def _join_supports(parts: list) -> Union[PackedTensor, RaggedSupport]:
     """Per-step one-row supports -> one segment of n rows."""
     steps = type(parts[0]).cat(parts)  # n segments of one row each
@@ -190,6 +269,8 @@ class GenerateServer:
         token: bearer token; None reads ``NEMO_REPLAY_GENERATE_TOKEN`` (unset: no auth).
         max_new_tokens_cap: the largest ``max_new_tokens`` a request may ask for.
         max_body_bytes: the largest request body.
+        max_json_values: the most JSON values a body may hold outside its array envelopes
+            (module doc, 4): about the longest list-form ``input_ids``; more get 413.
         body_timeout_s: a body must arrive within this many seconds.
         max_concurrent: requests run at once; more get 429.
         middlewares: aiohttp middlewares (tests use them to disturb responses).
@@ -207,6 +288,7 @@ class GenerateServer:
         token: Optional[str] = None,
         max_new_tokens_cap: int = 4096,
         max_body_bytes: int = 16 << 20,
+        max_json_values: int = MAX_JSON_VALUES,
         body_timeout_s: float = 30.0,
         max_concurrent: int = 64,
         middlewares: Sequence = (),
@@ -216,7 +298,8 @@ class GenerateServer:
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"GenerateServer: host={host!r} is not a loopback address; use 127.0.0.1 or ::1")
         for name, value in (("vocab_size", vocab_size), ("max_new_tokens_cap", max_new_tokens_cap),
-                            ("max_body_bytes", max_body_bytes), ("max_concurrent", max_concurrent)):
+                            ("max_body_bytes", max_body_bytes), ("max_json_values", max_json_values),
+                            ("max_concurrent", max_concurrent)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GenerateServer: {name}={value!r}, expected an int >= 1")
         if not body_timeout_s > 0:
@@ -227,7 +310,8 @@ class GenerateServer:
         self.logits_fn, self.routes_fn, self.eos_id, self.vocab_size = logits_fn, routes_fn, eos_id, vocab_size
         self.host, self.port = host, port
         self.max_new_tokens_cap, self.body_timeout_s, self.max_concurrent = max_new_tokens_cap, body_timeout_s, max_concurrent
-        self._token = token.encode() if token else None
+        self.max_body_bytes, self.max_json_values = max_body_bytes, max_json_values
+        self._expected_auth = b"Bearer " + token.encode() if token else None
         self._app = web.Application(middlewares=list(middlewares), client_max_size=max_body_bytes)
         self._app.router.add_post("/generate", self._handle)
         self._runner: Optional[web.AppRunner] = None
@@ -259,10 +343,12 @@ class GenerateServer:
 
     # ------------------------------------------------------------------ phases of one request
     def _authorized(self, request: web.Request) -> bool:
-        if self._token is None:
+        if self._expected_auth is None:
             return True
-        given = request.headers.get("Authorization", "").encode()
-        return hmac.compare_digest(given, b"Bearer " + self._token)
+        # The raw bytes as sent: aiohttp's str of a non-UTF-8 header holds surrogates that
+        # str.encode() refuses (a 500); bytes compare in constant time whatever they hold.
+        given = [value for name, value in request.raw_headers if name.lower() == b"authorization"]
+        return len(given) == 1 and hmac.compare_digest(given[0], self._expected_auth)
 
     async def _read_body(self, request: web.Request) -> Union[bytearray, web.Response]:
         try:
@@ -306,7 +392,12 @@ class GenerateServer:
             if isinstance(raw, web.Response):
                 return raw
             try:
-                req = parse_request(loads(raw), vocab_size=self.vocab_size, max_new_tokens_cap=self.max_new_tokens_cap)
+                if len(raw) <= _INLINE_DECODE_BYTES:
+                    req = self._decode(raw)
+                else:  # off the event loop: other requests, 401s included, are answered meanwhile
+                    req = await asyncio.to_thread(self._decode, raw)
+            except _TooManyValues as exc:
+                return _error(413, str(exc))
             except ValueError as exc:  # WireError included
                 return _error(400, str(exc))
             del raw  # the body is not needed once decoded
@@ -317,6 +408,19 @@ class GenerateServer:
             return web.Response(body=dumps(reply), content_type="application/json")
         finally:
             self.num_active -= 1
+
+    def _decode(self, raw: bytearray) -> GenerateRequest:
+        """Body bytes -> a validated request; refuses, before parsing, JSON too large to parse."""
+        bound = _json_values_bound(raw)
+        if bound > self.max_json_values:
+            raise _TooManyValues(
+                f"request body holds up to {bound} JSON values outside array envelopes, over the server's "
+                f"max_json_values={self.max_json_values} (input_ids as a JSON list is limited to about "
+                f"{self.max_json_values} tokens); send input_ids as an int32 array envelope "
+                f'{{"data": <base64>, "shape": [T], "dtype": "int32"}} (GenerateClient and wire.dumps of a '
+                f"tensor do), which may fill the body limit of {self.max_body_bytes} bytes"
+            )
+        return parse_request(loads(raw), vocab_size=self.vocab_size, max_new_tokens_cap=self.max_new_tokens_cap)
 
     def _gone(self, request: web.Request) -> bool:
         transport = request.transport
@@ -369,7 +473,7 @@ class GenerateServer:
 async def serve_until_cancelled(server: GenerateServer, announce: Callable[[str], None] = print) -> None:
     """Start ``server``, report its URL through ``announce``, and serve until the task is cancelled."""
     url = await server.start()
-    announce(f"serving POST {url}/generate (auth: {'bearer token' if server._token else 'none'})")
+    announce(f"serving POST {url}/generate (auth: {'bearer token' if server._expected_auth else 'none'})")
     try:
         await asyncio.Event().wait()
     finally:

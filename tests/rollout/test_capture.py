@@ -228,26 +228,64 @@ def test_random_settings_match_the_reference(seed, n, v, scale, temperature, top
 # ------------------------------------------------------------------ tie rules of vLLM's two paths
 # Independent numpy statements of each rule (vLLM 0.33.0, vllm/v1/sample/ops/):
 #
-# PyTorch path (topk_topp_sampler.py, apply_top_k_top_p_pytorch): a token survives top-k iff its
-# value is >= the k-th largest value; top-p then orders the survivors ascending by value (a
-# stable sort: smaller ids first among equals), renormalises, and removes tokens from the
-# bottom while the running mass is <= 1 - top_p, never the last (largest) one.
+# PyTorch path (topk_topp_sampler.py, apply_top_k_top_p_pytorch), logits already float32
+# (sampler.py casts them): sort the row ascending (torch's default, unstable sort); top-k masks
+# every value < the k-th largest to -inf; top-p takes the softmax of that whole sorted row, its
+# cumulative sum bottom-up, masks where the sum is <= 1 - top_p (top_p stored as float32, the
+# subtraction in float32) and never the last (largest) entry. Which of several ids tied at a cut
+# survive is the unstable sort's choice; the number that survive, and every id strictly above
+# the cut, follow from the values alone.
 #
 # Triton path (topk_topp_triton.py): exactly k survive top-k, the boundary's duplicates taken in
 # index order; top-p keeps the shortest prefix of (value desc, id asc) whose mass reaches top_p.
 
 
-def pytorch_path_support(x, top_k, top_p):
+def pytorch_path_cut(x, top_k, top_p):
+    """float64 reference of the PyTorch path for one row x (V,) float32 numpy: (size, cut) --
+    the support holds every id with x > cut and ``size`` ids in all, the rest tied at ``cut``."""
     import numpy as np
 
-    kth = np.partition(x, x.size - top_k)[x.size - top_k]
-    cand = np.flatnonzero(x >= kth)
-    order = cand[np.lexsort((cand, x[cand]))]  # ascending value, then ascending id
-    w = np.exp(x[order] - x[order].max())
-    running = np.cumsum(w / w.sum())
-    dropped = running <= 1 - top_p
-    dropped[-1] = False
-    return set(order[~dropped].tolist())
+    asc = np.sort(x.astype(np.float64))  # values only: the order among ties cannot matter here
+    if top_k is not None:
+        asc = np.where(asc < asc[asc.size - top_k], -np.inf, asc)
+    kept = np.isfinite(asc)
+    if top_p < 1.0:
+        w = np.exp(asc - asc[-1])
+        running = np.cumsum(w / w.sum())
+        threshold = float(np.float32(1.0) - np.float32(top_p))
+        dropped = running <= threshold
+        dropped[-1] = False
+        kept &= ~dropped
+    size = int(kept.sum())
+    return size, float(asc[asc.size - size])
+
+
+def pytorch_path_ties_at_cut(x, top_k, top_p):
+    """Whether ids tied at the cut of row x compete for its last places."""
+    size, cut = pytorch_path_cut(x, top_k, top_p)
+    return int((x > cut).sum()) + int((x == cut).sum()) > size
+
+
+def pytorch_path_support(x, top_k, top_p):
+    """The reference support as a set, for a row with no tie at the cut (asserted)."""
+    import numpy as np
+
+    size, cut = pytorch_path_cut(x, top_k, top_p)
+    members = set(np.flatnonzero(x.astype(np.float64) >= cut).tolist())
+    assert len(members) == size, "the row ties at its cut: only the support's size is determined"
+    return members
+
+
+def assert_pytorch_path_row(got, x, top_k, top_p):
+    """got: the support's ids; the reference fixes its size and every id above the cut."""
+    import numpy as np
+
+    size, cut = pytorch_path_cut(x, top_k, top_p)
+    xs = x.astype(np.float64)
+    above = set(np.flatnonzero(xs > cut).tolist())
+    at_cut = set(np.flatnonzero(xs == cut).tolist())
+    assert len(got) == len(set(got)) == size
+    assert above <= set(got) <= above | at_cut
 
 
 def triton_path_support(x, top_k, top_p):
@@ -270,34 +308,63 @@ def bf16_logits(n, vocab, seed):
     return (torch.randn(n, vocab, generator=g) * 2.5).bfloat16().double()  # bf16 values, exact in float64
 
 
-@pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (50, 0.9), (200, 0.95)])
+@pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (50, 0.9), (200, 0.95), (None, 0.9)])
 def test_each_tie_rule_matches_its_engine_path_on_tied_bf16_logits(top_k, top_p):
-    n, vocab = 120, 32000
-    x = bf16_logits(n, vocab, seed=top_k)
+    n, vocab = 240, 32000
+    x = bf16_logits(n, vocab, seed=top_k or 7)
     ranked = torch.sort(x, dim=1, descending=True).values
-    tied_at_k = (ranked[:, top_k - 1] == ranked[:, top_k]).sum().item()
-    assert tied_at_k > n // 2, "bf16 logits should tie at the top-k boundary in most rows"
+    if top_k is not None:
+        tied_at_k = (ranked[:, top_k - 1] == ranked[:, top_k]).sum().item()
+        assert tied_at_k > n // 2, "bf16 logits should tie at the top-k boundary in most rows"
 
     exact = capture.sample(x, temperature=1.0, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(0))
-    tied = capture.sample(x, temperature=1.0, top_k=top_k, top_p=top_p, ties="keep_tied", generator=torch.Generator().manual_seed(0))
-    assert isinstance(exact.support, PackedTensor) and exact.support.values.shape == (n, top_k)
+    # float32, as vLLM's sampler holds the logits (the bf16 values are exact in both dtypes).
+    tied = capture.sample(x.float(), temperature=1.0, top_k=top_k, top_p=top_p, ties="keep_tied",
+                          generator=torch.Generator().manual_seed(0))
     assert isinstance(tied.support, RaggedSupport) and tied.support.cu_seqlens.tolist() == [0, n]
-    differ = 0
+    differ = tied_at_cut = 0
+    exact_rows, tied_rows = rows_of(exact.support, n), rows_of(tied.support, n)
     for r in range(n):
-        xr = x[r].numpy()
-        want_triton, want_pytorch = triton_path_support(xr, top_k, top_p), pytorch_path_support(xr, top_k, top_p)
-        got_exact = [int(t) for t in exact.support.values[r] if t >= 0]
-        got_tied = tied.support.row(r).tolist()
-        assert len(got_exact) == len(set(got_exact)) and set(got_exact) == want_triton, r
-        assert len(got_tied) == len(set(got_tied)) and set(got_tied) == want_pytorch, r
-        differ += want_triton != want_pytorch
+        xr = x[r].float().numpy()
+        got_exact, got_tied = exact_rows[r], tied_rows[r]
+        if top_k is not None:
+            assert len(got_exact) == len(set(got_exact)) and set(got_exact) == triton_path_support(xr, top_k, top_p), r
+        assert_pytorch_path_row(got_tied, xr, top_k, top_p)  # the size vLLM keeps, ties or not
+        tied_at_cut += pytorch_path_ties_at_cut(xr, top_k, top_p)
+        differ += set(got_exact) != set(got_tied)
         for res, members in ((exact, got_exact), (tied, got_tied)):
             assert int(res.ids[r]) in members
             assert float(res.logprobs[r]) == pytest.approx(reference_logprob(x[r], members, int(res.ids[r])), abs=1e-6)
-    assert differ > n // 3
+    if top_p < 1.0:
+        assert tied_at_cut > n // 10, "the test needs rows where the unstable sort picks among tied ids"
+    if top_k is not None:
+        assert differ > n // 3
     if top_p == 1.0:
         assert differ == tied_at_k  # every tie at the k-th value widens the PyTorch path's support
         assert max(tied.support.row_lengths.tolist()) > top_k  # supports wider than k are carried, not cut
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, temperature",
+    [(None, 0.99, 1.0), (None, 0.95, 1.0), (16000, 0.99, 1.0), (16000, 0.95, 0.8)],
+)
+def test_keep_tied_top_p_sums_bottom_up_as_vllm_does(top_k, top_p, temperature):
+    # float32 logits without ties at the cut: the support is fixed by the values, and the
+    # float64 reference of vLLM's bottom-up sum must give it in every row. Summing top-down
+    # (before the fix) moved the cut in 159 of the 239 untied rows at top_p = 0.99 (18 with
+    # top_k = 16000).
+    import numpy as np
+
+    n, vocab = 240, 32000
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(n, vocab, generator=g) * 4
+    x = (logits.numpy() / np.float32(temperature)).astype(np.float32)  # vLLM divides in float32
+    got = capture.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, ties="keep_tied",
+                         generator=torch.Generator().manual_seed(0))
+    untied = [r for r in range(n) if not pytorch_path_ties_at_cut(x[r], top_k, top_p)]
+    assert len(untied) >= 200
+    mismatched = [r for r in untied if set(got.support.row(r).tolist()) != pytorch_path_support(x[r], top_k, top_p)]
+    assert mismatched == []
 
 
 def test_keep_tied_worked_example_and_unknown_rule():
@@ -305,10 +372,11 @@ def test_keep_tied_worked_example_and_unknown_rule():
     exact = capture.sample(logits, temperature=1.0, top_k=2)
     tied = capture.sample(logits, temperature=1.0, top_k=2, ties="keep_tied")
     assert exact.support.values.tolist() == [[1, 2]]
-    assert tied.support.row(0).tolist() == [3, 2, 1]
-    # top-p over three equal tokens with p = 0.5: the PyTorch path drops the smaller ids first.
+    assert sorted(tied.support.row(0).tolist()) == [1, 2, 3]
+    # top-p over three equal tokens with p = 0.5: the running sum [0, 0, 1/3, 2/3, 1] drops one
+    # of them; which one is the engine's unstable sort's choice, only the count is fixed.
     half = capture.sample(logits, temperature=1.0, top_k=2, top_p=0.5, ties="keep_tied")
-    assert half.support.row(0).tolist() == [3, 2]
+    assert len(half.support.row(0)) == 2 and set(half.support.row(0).tolist()) < {1, 2, 3}
     assert capture.sample(logits, temperature=1.0, top_k=2, top_p=0.5).support.values.tolist() == [[1, -1]]
     with pytest.raises(ValueError, match="ties='vllm'.*index_order.*keep_tied"):
         capture.sample(logits, temperature=1.0, top_k=2, ties="vllm")

@@ -2,7 +2,10 @@
 
 import asyncio
 import json
+import os
+import random
 import re
+import threading
 import time
 
 import aiohttp
@@ -11,7 +14,8 @@ import torch
 from aiohttp import web
 
 from nemo_replay.rollout.client import GenerateClient, GenerateRequestError
-from nemo_replay.rollout.server import TOKEN_ENV, GenerateServer
+from nemo_replay.rollout import server as server_module
+from nemo_replay.rollout.server import MAX_JSON_VALUES, TOKEN_ENV, GenerateServer, read_token_file
 from nemo_replay.rollout.wire import dumps
 
 V, EOS = 48, 2
@@ -33,9 +37,9 @@ async def post_raw(url: str, body: bytes, headers=None) -> tuple[int, dict]:
                 return resp.status, {"raw": text[:200]}
 
 
-def with_server(coro_fn, **kwargs):
+def with_server(coro_fn, logits=logits_fn, vocab_size=V, eos_id=EOS, **kwargs):
     async def go():
-        async with GenerateServer(logits_fn, vocab_size=V, eos_id=EOS, **kwargs) as server:
+        async with GenerateServer(logits, vocab_size=vocab_size, eos_id=eos_id, **kwargs) as server:
             return await coro_fn(server)
 
     return asyncio.run(go())
@@ -151,6 +155,211 @@ def test_bearer_token_from_argument_or_environment(monkeypatch):
         GenerateServer(logits_fn, vocab_size=V, token="")
 
 
+async def post_bytes(url: str, head: bytes, body: bytes, timeout_s: float = 10.0) -> tuple[bytes, bytes]:
+    """One request written byte for byte (headers aiohttp would re-encode); (status line, body)."""
+    host, port = url[len("http://"):].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head
+                     + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()
+    status, _, rest = answer.partition(b"\r\n")
+    return status, rest.partition(b"\r\n\r\n")[2]
+
+
+def test_an_authorization_header_that_is_not_utf8_is_a_401_not_a_500():
+    # aiohttp keeps non-UTF-8 header bytes as surrogates; str.encode() of them raised
+    # UnicodeEncodeError, a logged 500 that anyone could trigger without a token.
+    async def run(server):
+        answers = []
+        for head in (b"Authorization: Bearer \xff\xfe\r\n", b"Authorization: \xc3(s3cret\r\n",
+                     b"Authorization: Bearer s3cret\r\nAuthorization: Bearer s3cret\r\n",  # two: which one counts?
+                     b"Authorization: Bearer s3cret\r\n"):
+            answers.append(await post_bytes(server.url, head, edit("seed", 3)))
+        return answers
+
+    answers = with_server(run, token="s3cret")
+    assert [status for status, _ in answers] == [b"HTTP/1.1 401 Unauthorized"] * 3 + [b"HTTP/1.1 200 OK"]
+    assert json.loads(answers[0][1]) == {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"}
+
+
+def test_authentication_comes_before_the_body():
+    # A 10 MB Content-Length whose body never comes: the 401 does not wait for it (a 408 would).
+    async def run(server):
+        host, port = server.url[len("http://"):].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n{")
+        await writer.drain()
+        t0 = time.monotonic()
+        status = await asyncio.wait_for(reader.readline(), 5)
+        waited = time.monotonic() - t0
+        writer.close()
+        await writer.wait_closed()
+        return status, waited
+
+    status, waited = with_server(run, token="s3cret", body_timeout_s=3.0)
+    assert status.startswith(b"HTTP/1.1 401") and waited < 2
+
+
+V_BIG = 32000  # ids of 5 digits: a JSON list of them is a realistic 6-7 bytes per token
+TABLE_BIG = torch.randn(8, V_BIG, generator=torch.Generator().manual_seed(1))
+
+
+def big_vocab_logits(tokens: torch.Tensor) -> torch.Tensor:
+    return TABLE_BIG[int(tokens[-1]) % 8]
+
+
+def test_a_list_input_ids_over_the_value_cap_is_a_413_before_parsing():
+    """Measured with the server in its own process, this body (9.5 MiB, 1.5M ids): before, it
+    was parsed on the event loop -- 200 after 2.54 s, a small request and a 401 each waiting
+    2.5 s, +77 MiB peak server RSS (json builds an int object per id); after, 413 in 0.07 s,
+    neither waits over 0.05 s, +11 MiB (the body buffer). Here client and server share one
+    process and one event loop, so the bounds are looser."""
+    if not _reset_high_water():
+        pytest.skip("cannot reset the RSS high-water mark here")
+    rng = random.Random(0)
+    params = {"temperature": 1.0, "top_k": 4, "max_new_tokens": 2}
+    big = json.dumps({"input_ids": [rng.randrange(V_BIG) for _ in range(1_500_000)], "sampling_params": params}).encode()
+    small = json.dumps({"input_ids": [1, 2, 3], "sampling_params": params}).encode()
+    auth = b"Authorization: Bearer s3cret\r\n"
+
+    async def run(server):
+        await post_bytes(server.url, auth, small)  # warm up the code paths
+        _reset_high_water()
+        base = _rss_high_water_kib()
+        t0 = time.monotonic()
+        big_task = asyncio.create_task(post_bytes(server.url, auth, big, timeout_s=30))
+        waits = []
+        while not big_task.done() or not waits:  # at least one round while the big body is handled
+            t1 = time.monotonic()
+            answers = await asyncio.gather(post_bytes(server.url, auth, small), post_bytes(server.url, b"", small))
+            waits.append((time.monotonic() - t1, [a[0] for a in answers]))
+            await asyncio.sleep(0.01)
+        status, body = await big_task
+        return status, json.loads(body), time.monotonic() - t0, waits, (_rss_high_water_kib() - base) * 1024
+
+    status, reply, answered_in, waits, extra = with_server(
+        run, token="s3cret", max_body_bytes=32 << 20, logits=big_vocab_logits, vocab_size=V_BIG)
+    assert status == b"HTTP/1.1 413 Request Entity Too Large"
+    assert reply["error"] == (
+        f"request body holds up to {1_500_000 + 11} JSON values outside array envelopes, over the server's "
+        f"max_json_values={MAX_JSON_VALUES} (input_ids as a JSON list is limited to about {MAX_JSON_VALUES} "
+        f'tokens); send input_ids as an int32 array envelope {{"data": <base64>, "shape": [T], "dtype": "int32"}} '
+        f"(GenerateClient and wire.dumps of a tensor do), which may fill the body limit of {32 << 20} bytes"
+    )
+    assert all(statuses == [b"HTTP/1.1 200 OK", b"HTTP/1.1 401 Unauthorized"] for _, statuses in waits)
+    print(f"413 after {answered_in:.2f} s; small requests waited at most {max(w for w, _ in waits):.3f} s; "
+          f"peak extra RSS {extra / 2**20:.0f} MiB for a {len(big) / 2**20:.1f} MiB body")
+    assert answered_in < 2 and max(w for w, _ in waits) < 1
+    assert extra < 3 * len(big), f"peak extra memory {extra / 2**20:.0f} MiB for a {len(big) / 2**20:.1f} MiB body"
+
+
+def test_a_list_input_ids_under_the_cap_is_served():
+    ids = [(7 * i) % V for i in range(MAX_JSON_VALUES - 16)]
+    body = json.dumps({"input_ids": ids, "sampling_params": OK["sampling_params"], "seed": 0}).encode()
+
+    async def run(server):
+        return await post_raw(server.url, body)
+
+    status, reply = with_server(run)
+    assert status == 200 and reply["finish_reason"] in ("length", "stop")
+
+
+def test_a_large_body_decodes_off_the_event_loop(monkeypatch):
+    # Decoding the big body is held (in whatever thread runs it) until a small request has been
+    # answered. On the event loop (before the fix) that could never happen: the hold ran its
+    # full 5 s, and the test's own coroutines, on the same loop, stood still with it.
+    released, held_for = threading.Event(), []
+    real_loads = server_module.loads
+
+    def slow_loads(raw):
+        if len(raw) > 1 << 20:
+            t0 = time.monotonic()
+            released.wait(5)
+            held_for.append(time.monotonic() - t0)
+        return real_loads(raw)
+
+    monkeypatch.setattr(server_module, "loads", slow_loads)
+    big = dumps({"input_ids": torch.randint(0, V, (1_000_000,), dtype=torch.int32), "sampling_params": OK["sampling_params"]})
+
+    async def run(server):
+        big_task = asyncio.create_task(post_raw(server.url, big))
+        while server.num_active == 0:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # the big body is read and handed to its decoder
+        t0 = time.monotonic()
+        small = await asyncio.wait_for(post_raw(server.url, edit("seed", 1)), 10)
+        small_in = time.monotonic() - t0
+        released.set()
+        return small[0], small_in, (await big_task)[0]
+
+    small_status, small_in, big_status = with_server(run)
+    assert small_status == 200 and big_status == 200
+    assert small_in < 1 and held_for and held_for[0] < 4, (small_in, held_for)
+
+
+def write_token_file(tmp_path, content: bytes, mode: int = 0o600):
+    path = tmp_path / "token"
+    path.write_bytes(content)
+    os.chmod(path, mode)
+    return path
+
+
+def test_token_file_strips_one_newline_and_refuses_what_would_leak_or_lock_out(tmp_path):
+    assert read_token_file(write_token_file(tmp_path, b"s3cret\n")) == "s3cret"
+    assert read_token_file(write_token_file(tmp_path, b"s3cret\r\n")) == "s3cret"
+    assert read_token_file(write_token_file(tmp_path, b"s3cret\n\n")) == "s3cret\n"  # one newline only
+    assert read_token_file(write_token_file(tmp_path, b"s3cret", 0o400)) == "s3cret"
+    path = tmp_path / "token"
+    for content, mode, message in (
+        (b"s3cret\n", 0o644, f"token file '{path}' is readable by group or others (mode -rw-r--r--); it holds a "
+                             f"password: run `chmod 600 {path}`"),
+        (b"s3cret\n", 0o640, f"token file '{path}' is readable by group or others (mode -rw-r-----); it holds a "
+                             f"password: run `chmod 600 {path}`"),
+        (b"", 0o600, f"token file '{path}' is empty; write the bearer token into it (then `chmod 600 {path}`)"),
+        (b"\n", 0o600, f"token file '{path}' is empty; write the bearer token into it (then `chmod 600 {path}`)"),
+        (b"\xff\xfe", 0o600, f"token file '{path}' is not UTF-8 text; write the bearer token as text"),
+    ):
+        with pytest.raises(ValueError) as info:
+            read_token_file(write_token_file(tmp_path, content, mode))
+        assert str(info.value) == message
+    with pytest.raises(ValueError, match=re.escape(f"token file '{tmp_path / 'absent'}': cannot open it (No such file")):
+        read_token_file(tmp_path / "absent")
+
+
+def test_command_line_token_file_and_help(tmp_path, capsys):
+    from nemo_replay.cli import _parser, build_server, main
+
+    path = write_token_file(tmp_path, b"from-file\n")
+    ns = _parser()[0].parse_args(["serve", "model.vocab_size=32", "model.num_layers=1", "--port", "0",
+                                  "--token-file", str(path), "--max-new-tokens-cap", "8"])
+    server = build_server(ns.args, ns)
+
+    async def go():
+        async with server:
+            denied = await post_raw(server.url, edit("input_ids", [1, 2]), {"Authorization": "Bearer from-fil"})
+            async with GenerateClient(server.url, token="from-file", vocab_size=32) as client:
+                result = await client.generate([1, 2], sampling_params={"temperature": 1.0, "top_k": 4, "max_new_tokens": 3})
+            return denied[0], result
+
+    denied, result = asyncio.run(go())
+    assert denied == 401 and result.output_ids.numel() == 3
+
+    os.chmod(path, 0o644)
+    assert main(["serve", "--token-file", str(path), "--port", "0"]) == 2
+    assert f"is readable by group or others (mode -rw-r--r--); it holds a password: run `chmod 600 {path}`" in capsys.readouterr().err
+    assert main(["serve", "--token", "x", "--token-file", str(path)]) == 2
+    assert "argument --token-file: not allowed with argument --token" in capsys.readouterr().err
+    assert main(["serve", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("Other users of the host see it in the process list (ps): prefer --token-file or "
+            f"${TOKEN_ENV}") in text
+    assert "--token-file PATH read the bearer token clients must send from PATH" in text
+
+
 def test_retries_only_what_can_succeed():
     seen = []
 
@@ -258,7 +467,9 @@ def test_full_server_answers_429_and_the_client_retries():
             result = await waiting
             return status, reply, result, client.num_retries
 
-    status, reply, result, retries = with_server(run, max_concurrent=1, max_new_tokens_cap=10**6)
+    # No EOS: the hog must still be running when the second request comes (it sampled EOS
+    # within 8 steps in 1 of 10 seeds, a race the 429 sometimes lost).
+    status, reply, result, retries = with_server(run, max_concurrent=1, max_new_tokens_cap=10**6, eos_id=None)
     assert status == 429 and "retry" in reply["error"] and retries >= 1 and result.output_ids.numel() >= 1
 
 
