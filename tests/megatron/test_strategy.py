@@ -620,3 +620,31 @@ def test_registry_builds_the_strategy_without_importing_megatron_at_import_time(
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["MegatronReplayStrategy", "True", "False"]
+
+
+def test_the_loss_closure_keeps_float64_log_probs():
+    """A float64 model's log-probs reach the canonical outputs in float64: the closure cast them to
+    float32 (5e-7 off instead of the scorer's 1e-15)."""
+    from types import SimpleNamespace
+
+    from nemo_replay import score_aligned_support
+    from nemo_replay.layout.canonical import canonical_channels
+    from nemo_replay.strategies.megatron import MegatronParallel
+    from nemo_replay.strategies.megatron.batch import prepare_micro_batch
+    from nemo_replay.strategies.megatron.steps import RoleForwardStep
+    from tests.fsdp.fixtures import BATCH_A, VOCAB as V, make_batch as fsdp_batch
+
+    batch = fsdp_batch(**BATCH_A)
+    B, S = batch.sequences.shape
+    settings = RoleSettings(temperature=TEMPERATURE)
+    mb = prepare_micro_batch(0, batch, role="recompute", settings=settings, tp_size=1, cp_size=1, cp_rank=0,
+                             fp8=False, packed=False, device="cpu")
+    logits = torch.randn(B, S, V, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    step = RoleForwardStep("recompute", settings, MegatronParallel(), SimpleNamespace(sequence_parallel=False))
+    step._loss(mb, SimpleNamespace(output_layer=SimpleNamespace(weight=torch.zeros(V, 8))), False, logits)
+    got = step.results[0]["logprobs"]
+    local = score_aligned_support(logits, mb.sampled_ids, mb.row_ids, mb.loss_mask, mb.support,
+                                  trajectory_ids=mb.trajectory_ids, temperature=TEMPERATURE).logprobs
+    want = mb.layout.to_canonical(local, 0.0)
+    assert got.dtype == torch.float64 and want.dtype == torch.float64
+    assert torch.equal(got, want) and (got != 0).sum() == int(canonical_channels(batch).loss_mask.sum())
