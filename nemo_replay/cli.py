@@ -70,9 +70,41 @@ def _load(args: Sequence[str]):
     return load_config(config, overrides)
 
 
+def _launcher_argv() -> Optional[list[str]]:
+    """The command line of the torchrun that started this worker (its parent), or None.
+
+    A checkpoint resumes only with the process count that wrote it, so the resume command
+    of a torchrun worker is its launcher's command line, read from ``/proc``. Where that
+    cannot be read, one is rebuilt from torchrun's environment (``LOCAL_WORLD_SIZE``,
+    ``WORLD_SIZE``).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0") if a]
+    except OSError:
+        argv = []
+    names = ("torchrun", "torch.distributed.run", "nemo_replay.trainer.torchrun")
+    at = next((i for i, a in enumerate(argv) if a.endswith(names)), None)
+    if at is not None and "-m" in argv[at + 1:]:
+        if at > 0 and argv[at - 1] != "-m":
+            return argv[at:]  # `python /usr/bin/torchrun ...` is `torchrun ...`
+        return ["python", *argv[1:]] if at > 0 else argv
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    nodes = int(os.environ.get("WORLD_SIZE", local)) // max(1, int(local))
+    return ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={local}", "-m", "nemo_replay"]
+
+
 def _resume_hint(command: str, args: Sequence[str], output_dir) -> str:
-    """The command that continues a stopped run: this one, naming its folder if it did not."""
-    again = ["nemo-replay", command, *args]
+    """The command that continues a stopped run: this one (its launcher included), naming its folder."""
+    launcher = _launcher_argv()
+    if launcher is None:
+        again = ["nemo-replay", command, *args]
+    elif launcher[-1] == "nemo_replay":  # rebuilt from the environment
+        again = [*launcher, command, *args]
+    else:
+        again = launcher  # the launcher's own line: its arguments, then `-m <module> <command> <args>`
     if not any(a.startswith("trainer.output_dir=") for a in args):
         again.append(f"trainer.output_dir={output_dir}")
     return shlex.join(again)
@@ -83,7 +115,8 @@ def _train(args: Sequence[str], ns: argparse.Namespace) -> int:
     from nemo_replay.trainer.grpo import GRPOTrainer
     from nemo_replay.trainer.preemption import PREEMPTED_EXIT
 
-    trainer = GRPOTrainer(cfg)
+    overrides = [f.strip() for item in (ns.resume_override or []) for f in item.split(",") if f.strip()]
+    trainer = GRPOTrainer(cfg, resume_overrides=overrides)
     zero = trainer.fabric.is_global_zero
     if zero and trainer.resume_line():
         print(f"nemo-replay train: {trainer.resume_line()}", file=sys.stderr)
@@ -162,9 +195,10 @@ def build_server(args: Sequence[str], ns: argparse.Namespace):
     """The (unstarted) generate server of ``nemo-replay serve``: the recipe's policy behind capture."""
     import torch
 
-    from nemo_replay.rollout.server import GenerateServer
+    from nemo_replay.rollout.server import GenerateServer, read_token_file
     from nemo_replay.trainer.hf_backend import build_hf_model
 
+    token = read_token_file(ns.token_file) if ns.token_file is not None else ns.token  # before the model: fail fast
     cfg = _load(args)
     torch.manual_seed(cfg.trainer.seed)
     model = build_hf_model(cfg).eval()
@@ -175,8 +209,8 @@ def build_server(args: Sequence[str], ns: argparse.Namespace):
 
     return GenerateServer(
         logits_fn, vocab_size=cfg.model.vocab_size, eos_id=cfg.generation.stop_token_id, host=ns.host, port=ns.port,
-        token=ns.token, max_new_tokens_cap=ns.max_new_tokens_cap, max_body_bytes=ns.max_body_bytes,
-        body_timeout_s=ns.body_timeout_s, max_concurrent=ns.max_concurrent,
+        token=token, max_new_tokens_cap=ns.max_new_tokens_cap, max_body_bytes=ns.max_body_bytes,
+        max_json_values=ns.max_json_values, body_timeout_s=ns.body_timeout_s, max_concurrent=ns.max_concurrent,
     )
 
 
@@ -193,14 +227,39 @@ def _serve(args: Sequence[str], ns: argparse.Namespace) -> int:
     return 0
 
 
+def _train_options(cmd: argparse.ArgumentParser) -> None:
+    from nemo_replay.trainer.rundir import OVERRIDABLE
+
+    cmd.add_argument(
+        "--resume-override", action="append", metavar="FLAG[,FLAG]",
+        help=f"on resume, accept a changed value of FLAG ({', '.join(sorted(OVERRIDABLE))}), e.g. a smaller "
+        f"trainer.lr after a diverged run; the change is recorded in the run's resume.log",
+    )
+
+
 def _serve_options(cmd: argparse.ArgumentParser) -> None:
-    from nemo_replay.rollout.server import TOKEN_ENV
+    from nemo_replay.rollout.server import MAX_JSON_VALUES, TOKEN_ENV
 
     cmd.add_argument("--host", default="127.0.0.1", help="a loopback address (the server binds loopback only)")
     cmd.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    cmd.add_argument("--token", default=None, help=f"bearer token clients must send (default: ${TOKEN_ENV}; unset: none)")
+    token = cmd.add_mutually_exclusive_group()
+    token.add_argument(
+        "--token-file", default=None, metavar="PATH",
+        help="read the bearer token clients must send from PATH (one trailing newline stripped; the file must "
+        "not be readable by group or others: chmod 600)",
+    )
+    token.add_argument(
+        "--token", default=None,
+        help=f"bearer token clients must send (default: ${TOKEN_ENV}; unset: none). Other users of the host see "
+        f"it in the process list (ps): prefer --token-file or ${TOKEN_ENV}",
+    )
     cmd.add_argument("--max-new-tokens-cap", type=int, default=4096, help="largest max_new_tokens a request may ask")
     cmd.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    cmd.add_argument(
+        "--max-json-values", type=int, default=MAX_JSON_VALUES,
+        help="bodies with more JSON values outside array envelopes get 413, before parsing (input_ids as a JSON "
+        "list: about this many tokens; the int32 envelope form fills --max-body-bytes)",
+    )
     cmd.add_argument("--body-timeout-s", type=float, default=30.0, help="a body slower than this gets 408")
     cmd.add_argument("--max-concurrent", type=int, default=64, help="requests past this get 429")
 
@@ -224,6 +283,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
         )
         if name in _TAKES_RECIPE:
             cmd.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]", help="recipe and overrides")
+        if name == "train":
+            _train_options(cmd)
         if name == "serve":
             _serve_options(cmd)
     return parser, commands
@@ -232,7 +293,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
 def _run(command: str, ns: argparse.Namespace) -> int:
     """One command, with its errors turned into messages and exit statuses (see the module doc)."""
     from nemo_replay.config.errors import ConfigError
-    from nemo_replay.trainer.guards import CollectiveError
+    from nemo_replay.trainer.guards import CollectiveError, NonFiniteError
 
     debug = bool(os.environ.get("NEMO_REPLAY_DEBUG"))
     hint = "" if debug else "\n(set NEMO_REPLAY_DEBUG=1 for the traceback)"
@@ -241,6 +302,11 @@ def _run(command: str, ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"nemo-replay {command}: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteError as exc:  # a failed run (it diverged), not a usage error
+        if debug:
+            raise
+        print(f"nemo-replay {command}: {exc}{hint}", file=sys.stderr)
+        return 1
     except ValueError as exc:  # user-facing: names what was expected and the fix
         if debug:
             raise

@@ -88,8 +88,15 @@ class Job:
         return [self.mode] + ([self.config] if self.config else []) + self.recipe_overrides()
 
 
-def torchrun_command(job: Job, *, node_rank: str = "$SLURM_NODEID", master: str = "$MASTER_ADDR:$MASTER_PORT") -> str:
-    """The command every node runs (shell variables left for the node's shell to expand)."""
+def torchrun_command(
+    job: Job, *, node_rank: str = "$SLURM_NODEID", master: str = "$MASTER_ADDR:$MASTER_PORT", shutdown_timeout: int = 600,
+) -> str:
+    """The command every node runs (shell variables left for the node's shell to expand).
+
+    ``shutdown_timeout``: seconds torchrun gives its workers to finish the step and write the
+    stop checkpoint after passing a SIGTERM on, before SIGKILL (torchrun's default, 30 s, is
+    shorter than one step of a large model).
+    """
     parts = [
         "torchrun",
         f"--nnodes={job.nodes}",
@@ -98,6 +105,7 @@ def torchrun_command(job: Job, *, node_rank: str = "$SLURM_NODEID", master: str 
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={master}",
         "--rdzv-id=${SLURM_JOB_ID:-nemo-replay}",
+        f"--shutdown-timeout={shutdown_timeout}",
         "-m",
         "nemo_replay",
     ]

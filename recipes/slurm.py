@@ -91,7 +91,8 @@ def render_sbatch(job: Job, *, signal_lead: int = 300, requeue: bool = True) -> 
         container.insert(1, f"--container-mounts={','.join(job.container_mounts)}")
     # USR1 is for the trainer ranks: the task's bash and torchrun ignore it (and pass the
     # ignore on; the trainer installs its own handler).
-    task = 'trap "" USR1; ' + torchrun_command(job)
+    # SIGTERM (preemption): torchrun waits up to --signal-lead seconds for the stop checkpoint.
+    task = 'trap "" USR1; ' + torchrun_command(job, shutdown_timeout=max(signal_lead, 30))
     srun = ["srun", f"--nodes={job.nodes}", "--ntasks-per-node=1", *container, "bash -c " + shlex.quote(task)]
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH {d}" for d in directives]

@@ -40,6 +40,7 @@ import random
 import re
 import secrets
 import shutil
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ __all__ = [
     "CHECKPOINTS",
     "MANIFEST",
     "CheckpointInfo",
+    "CheckpointUnreadable",
     "Checkpointer",
     "latest_checkpoint",
     "capture_rank_rng",
@@ -83,6 +85,14 @@ class CheckpointInfo:
     world_size: int
     format: str
     config: str
+
+
+class CheckpointUnreadable(RuntimeError):
+    """A complete checkpoint (its ``complete.json`` intact) whose state does not load on some rank."""
+
+    def __init__(self, path: Path, cause: str):
+        super().__init__(f"checkpoint {path} does not load: {cause}")
+        self.path, self.cause = path, cause
 
 
 def _read_manifest(folder: Path) -> Optional[CheckpointInfo]:
@@ -212,6 +222,7 @@ class _MegatronFormat:
         if dist.get_rank() == 0:
             target.mkdir()
         dist.barrier()
+        start_writer_helpers()
         dist_checkpointing.save(sharded, str(target))
 
     def load(self, fabric, folder: Path, model, optimizer) -> dict:
@@ -234,6 +245,40 @@ class _MegatronFormat:
         return common
 
 
+def start_writer_helpers() -> None:
+    """Start megatron-core's checkpoint-writer helpers deaf to the stop signals; idempotent.
+
+    ``dist_checkpointing.save`` hands its write results through a ``multiprocessing``
+    ``Manager()`` queue (``strategies/filesystem_async.py``, ``_get_write_results_queue``):
+    a helper process it spawns at the first save, in the trainer's process group, beside
+    multiprocessing's resource tracker. torchrun stops a worker by sending SIGTERM to its
+    process group, and Slurm's ``scancel --signal=USR1`` reaches every process of the job:
+    the helper died of the very signal the trainer turns into "checkpoint, then stop", and
+    that checkpoint then failed (``BrokenPipeError``, rc 1, a ``.partial-*`` folder left).
+
+    Started here with :data:`~nemo_replay.trainer.preemption.STOP_SIGNALS` blocked (a
+    signal mask survives ``fork`` and ``exec``), the helpers never see those signals; they
+    still end with the trainer (the Manager's exit finalizer shuts it down) and on SIGKILL.
+    Only this thread's mask changes, for the few milliseconds of the start: a signal sent
+    meanwhile stays pending and reaches the trainer's handler right after.
+    """
+    from multiprocessing import resource_tracker
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from nemo_replay.trainer.preemption import STOP_SIGNALS
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    # One at a time: the tracker's own start unblocks SIGINT and SIGTERM when it is done.
+    for start in (resource_tracker.ensure_running, filesystem_async._get_write_results_queue):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _format_for(model):
     return _MegatronFormat() if callable(getattr(model, "sharded_state_dict", None)) else _FabricFormat()
 
@@ -254,11 +299,15 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_durable(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class Checkpointer:
@@ -329,6 +378,33 @@ class Checkpointer:
         self.last = final
         return final
 
+    def set_aside(self, bad: CheckpointUnreadable) -> Optional[CheckpointInfo]:
+        """Rename an unloadable checkpoint to ``.unloadable-step-<n>-<token>`` (rank 0); collective.
+
+        Returns the newest complete checkpoint left (None when there is none). The folder is
+        kept, not deleted: it may be mended or examined.
+        """
+        aside = None
+        if self.fabric.is_global_zero:
+            aside = bad.path.with_name(f".unloadable-{bad.path.name}-{secrets.token_hex(3)}")
+            os.rename(bad.path, aside)
+            _fsync_dir(self.root)
+        if self.fabric.world_size > 1:
+            aside = self.fabric.broadcast(aside, src=0)
+        self.fabric.barrier()
+        self.set_aside_as = aside
+        return latest_checkpoint(self.root)
+
+    def clean(self) -> list[Path]:
+        """Rank 0, before the first step: delete ``.partial-*`` folders interrupted saves left (a
+        full disk stays full until they go), ``.deleting-*`` and empty ``*.tmp`` files; returns them."""
+        if not self.root.is_dir():
+            return []
+        gone = [p for p in self.root.iterdir() if p.name.startswith((".partial-", ".deleting-"))]
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
+        return gone
+
     def _prune(self) -> None:
         """Rank 0: drop checkpoints beyond ``keep``, partial folders left by interrupted saves, and
         the rest of deletions an earlier crash interrupted (``.deleting-*``)."""
@@ -338,6 +414,9 @@ class Checkpointer:
         )
         doomed = [info.path for info in complete[: -self.keep]] if self.keep > 0 else []
         doomed += [p for p in self.root.iterdir() if p.name.startswith(".partial-")]
+        # Folders moved aside when a checkpoint replaced them: all but the newest.
+        replaced = sorted(self.root.glob(".replaced-*"), key=lambda p: p.stat().st_mtime)
+        doomed += replaced[:-1]
         for leftover in self.root.glob(".deleting-*"):  # already renamed away: never a checkpoint
             shutil.rmtree(leftover, ignore_errors=True)
         for path in doomed:
@@ -357,7 +436,20 @@ class Checkpointer:
                 f"checkpoint {info.path} is in the {info.format!r} format but this model saves as {fmt.name!r} "
                 f"(another strategy wrote it); resume with the recipe that wrote it, or use a new trainer.output_dir"
             )
-        common = fmt.load(self.fabric, info.path, model, optimizer)
+        cause = None
+        try:
+            common = fmt.load(self.fabric, info.path, model, optimizer)
+        except ValueError:
+            raise
+        except Exception as exc:  # a truncated or missing file or shard: whatever the reader raises
+            cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        if self._distributed():  # every rank learns it (a missing shard may fail one rank only)
+            flag = torch.tensor([int(cause is not None)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and cause is None:
+                cause = "it failed to load on another rank"
+        if cause is not None:
+            raise CheckpointUnreadable(info.path, cause)
         rank = dist.get_rank() if self._distributed() else 0
         if common.get("version") != _FORMAT_VERSION or len(common["ranks"]) != self.fabric.world_size:
             raise ValueError(

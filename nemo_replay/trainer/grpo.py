@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -45,8 +46,10 @@ from nemo_replay.strategies.base import RoleSettings, policy_loss
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings, generate
-from nemo_replay.trainer.checkpoint import CHECKPOINTS, Checkpointer, capture_rank_rng, restore_rank_rng
-from nemo_replay.trainer.guards import check_update, collective_failure, diverged_rollout
+from nemo_replay.trainer.checkpoint import (
+    CHECKPOINTS, Checkpointer, CheckpointUnreadable, capture_rank_rng, restore_rank_rng,
+)
+from nemo_replay.trainer.guards import NonFiniteError, check_update, collective_failure, diverged_rollout
 from nemo_replay.trainer.metrics import JsonlLogger, plot_runs, restore_rows, write_summary
 from nemo_replay.trainer.preemption import StopSignals
 from nemo_replay.trainer.rundir import prepare_run_dir
@@ -116,13 +119,16 @@ class GRPOTrainer:
             (:func:`~nemo_replay.trainer.runtime.make_backend`).
         fabric: a launched Fabric; None launches one for ``cfg``.
         output_suffix: appended to the default output folder name.
+        resume_overrides: optimizer and objective flags a resume may change on purpose
+            (:data:`~nemo_replay.trainer.rundir.OVERRIDABLE`); each change is recorded in the
+            run's ``resume.log``.
     """
 
-    def __init__(self, cfg: RecipeConfig, *, backend=None, fabric=None, output_suffix: str = ""):
+    def __init__(self, cfg: RecipeConfig, *, backend=None, fabric=None, output_suffix: str = "", resume_overrides=()):
         self.cfg = cfg
         self.fabric = fabric or launch_fabric(cfg)
         # Before any model is built: a folder that cannot be used fails in seconds.
-        self.run_dir = prepare_run_dir(cfg, self.fabric, output_suffix)
+        self.run_dir = prepare_run_dir(cfg, self.fabric, output_suffix, overrides=resume_overrides)
         self.output_dir = self.run_dir.path
         try:
             self._build(backend)
@@ -166,10 +172,18 @@ class GRPOTrainer:
             keep=cfg.trainer.keep_checkpoints, config=to_yaml(cfg),
         )
         self.start_step, self.history, self.current_step = 0, [], 0
+        if self.fabric.is_global_zero:
+            for gone in self.checkpoints.clean():
+                self.note(f"removed {gone.name}, left by an interrupted checkpoint write")
         if self.run_dir.resume is not None:
             self._resume()
         elif self.fabric.is_global_zero:
+            if self.run_dir.restart:
+                side = restore_rows(self.logger.path, [])
+                self.note(f"no complete checkpoint in {self.output_dir}: starting again at step 0 under the same recipe"
+                          + (f"; the earlier rows are in {side.name}" if side else ""))
             (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
+        self._record_overrides()
 
     # ------------------------------------------------------------------ checkpoints
     def _generators(self) -> dict:
@@ -186,14 +200,59 @@ class GRPOTrainer:
         info = self.run_dir.resume
         return None if info is None else f"resuming {self.output_dir} after step {info.step} ({info.path.name})"
 
+    def note(self, text: str) -> None:
+        """Rank 0: a line on stderr and in the run's log (``<output_dir>/resume.log``)."""
+        if not self.fabric.is_global_zero:
+            return
+        print(f"nemo-replay: {text}", file=sys.stderr, flush=True)
+        with open(self.output_dir / "resume.log", "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+
     def _resume(self) -> None:
-        """Weights, optimizer, RNGs and metrics from the run folder's latest checkpoint."""
+        """Weights, optimizer, RNGs and metrics from the run folder's latest checkpoint that loads.
+
+        A newest checkpoint that does not load (a truncated or missing file or shard under an
+        intact ``complete.json``) is moved aside, named in the run's log, and the one before
+        it is used; with none left the error says what to delete.
+        """
         info = self.run_dir.resume
-        self.history, rank_state = self.checkpoints.load(info, self.policy, self.optimizer)
+        while True:
+            try:
+                self.history, rank_state = self.checkpoints.load(info, self.policy, self.optimizer)
+                break
+            except CheckpointUnreadable as bad:
+                info = self.checkpoints.set_aside(bad)
+                aside = self.checkpoints.set_aside_as
+                self.note(f"{bad}; moved it to {aside} and "
+                          + (f"resuming from {info.path.name}" if info else "no complete checkpoint is left"))
+                if info is None:
+                    raise ValueError(
+                        f"no checkpoint of {self.output_dir} loads (the newest, moved to {aside}, failed with "
+                        f"{bad.cause}); to start this run again from step 0 delete {self.output_dir / CHECKPOINTS} and "
+                        f"run the same command, or choose a new trainer.output_dir"
+                    ) from None
+                if info.world_size != self.fabric.world_size:
+                    raise ValueError(
+                        f"the checkpoint {info.path} was written by {info.world_size} process(es) and this run has "
+                        f"{self.fabric.world_size}; resume with the process count that wrote it"
+                    ) from None
+        self.run_dir.resume = info
         restore_rank_rng(rank_state["rng"], self._generators())
+        # The optimizer's state brought back its old settings; the recipe's are the ones in force
+        # (equal unless changed on purpose with --resume-override).
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = self.cfg.trainer.lr, self.cfg.trainer.weight_decay
         self.start_step = info.step + 1
         if self.fabric.is_global_zero:
             restore_rows(self.logger.path, self.history)
+
+    def _record_overrides(self) -> None:
+        """Log each flag a resume changed on purpose; config.yaml holds the recipe in force."""
+        if self.run_dir.overridden:
+            self.note(f"resumed at step {self.start_step} with changed settings (--resume-override): "
+                      f"{'; '.join(self.run_dir.overridden)}")
+        if self.run_dir.resume is not None and self.fabric.is_global_zero:
+            (self.output_dir / "config.yaml").write_text(to_yaml(self.cfg))
 
     # ------------------------------------------------------------------ one step
     def rollout(self) -> tuple[ReplayBatch, torch.Tensor]:
@@ -289,7 +348,12 @@ class GRPOTrainer:
         signals = StopSignals(announce=self.fabric.is_global_zero)
         try:
             with signals:
-                stopped_by = self._loop(signals)
+                try:
+                    stopped_by = self._loop(signals)
+                except NonFiniteError as exc:
+                    # Diverged: the rows so far and why it stopped, as for any run that ends.
+                    self._finish(None, failed=str(exc))
+                    raise
             return self._finish(stopped_by)
         finally:
             # Also when a step fails (a non-finite update, a lost rank): the folder is free again
@@ -330,14 +394,15 @@ class GRPOTrainer:
             if bar is not None:
                 bar.close()
 
-    def _finish(self, stopped_by: Optional[str]) -> RunResult:
-        """Plot and summary.json (rank 0); the result on every rank."""
+    def _finish(self, stopped_by: Optional[str], failed: Optional[str] = None) -> RunResult:
+        """Plot and summary.json (rank 0; ``failed``: why the run stopped); the result on every rank."""
         summary = summarize(self.history)
         if self.fabric.is_global_zero:
             if self.cfg.trainer.plot and self.history:
                 label = f"replay {'on' if self.cfg.replay.enabled else 'off'}"
                 plot_runs([(label, self.history)], self.output_dir / "metrics.png", title=f"{self.cfg.replay.strategy}, {label}")
-            write_summary(self.output_dir / "summary.json", dict(summary, stopped_by=stopped_by, first_step=self.start_step))
+            extra = {"failed": failed} if failed else {}
+            write_summary(self.output_dir / "summary.json", dict(summary, stopped_by=stopped_by, first_step=self.start_step, **extra))
         self.fabric.barrier()
         return RunResult(self.output_dir, self.history, summary, stopped_by, self.checkpoints.last, self.start_step)
 

@@ -89,8 +89,8 @@ def check_update(
     where = f"a resume starts from {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"
     raise NonFiniteError(
         f"step {step}, minibatch {minibatch}: {' and '.join(what)} before the optimizer step; the update was not "
-        f"applied and the run stops. Likely causes: {_causes(cfg)}. Start a new run with the fix ({where}; a resume "
-        f"needs the same recipe)"
+        f"applied and the run stops. Likely causes: {_causes(cfg)}. Continue with the fix: the same command with the "
+        f"changed flag and --resume-override <flag> (e.g. --resume-override trainer.lr; {where}), or start a new run"
     )
 
 
@@ -112,7 +112,8 @@ def diverged_rollout(cfg, exc: Exception, *, step: int, model, last_checkpoint: 
     first = str(exc).strip().splitlines()[0]
     return NonFiniteError(
         f"step {step}: sampling met non-finite logits ({first}); the policy's weights {weights} after the last "
-        f"update, so the run stops. Likely causes: {_causes(cfg)}. Start a new run with the fix ({where})"
+        f"update, so the run stops. Likely causes: {_causes(cfg)}. Continue with the fix: the same command with the "
+        f"changed flag and --resume-override <flag> ({where}), or start a new run"
     )
 
 

@@ -8,10 +8,12 @@ Rank 0 decides, every rank learns the decision (one broadcast), before any model
   system) the next free ``-2``, ``-3``, ... is used. Two runs never share a folder.
 - a named folder: empty or new, a fresh run starts there. Holding a run
   (``config.yaml``, ``metrics.jsonl``, ``summary.json`` or ``checkpoints/``), ``trainer.resume``
-  decides: ``auto`` continues from its latest complete checkpoint and refuses a folder that
-  has none (starting over would overwrite the run's files); ``never`` refuses it; ``must``
-  refuses to start without a checkpoint. A resumed recipe may differ from the one that wrote
-  the checkpoint only in :data:`RESUMABLE` flags; anything else is refused, listing the flags.
+  decides: ``auto`` continues from its latest complete checkpoint, and starts a folder that
+  has none again at step 0 when its ``config.yaml`` holds the same recipe (the trainer moves
+  the rows aside); ``never`` refuses it; ``must`` refuses to start without a checkpoint. A
+  resumed recipe may differ from the one that wrote the checkpoint only in :data:`RESUMABLE`
+  flags, and in :data:`OVERRIDABLE` ones named on purpose; anything else is refused, listing
+  the flags.
 
 While a run works in a folder, rank 0 holds an exclusive ``flock`` on ``<folder>/.lock``
 (released by the kernel when the process ends, however it ends): a second run started in
@@ -35,7 +37,10 @@ from nemo_replay.config.paths import output_dir_problem
 from nemo_replay.config.schema import RecipeConfig
 from nemo_replay.trainer.checkpoint import CHECKPOINTS, CheckpointInfo, latest_checkpoint
 
-__all__ = ["RunDir", "prepare_run_dir", "new_run_dir", "default_run_name", "holds_run", "RESUMABLE", "RUN_FILES"]
+__all__ = [
+    "RunDir", "prepare_run_dir", "new_run_dir", "default_run_name", "holds_run", "RESUMABLE", "OVERRIDABLE", "RUN_FILES",
+    "check_overrides",
+]
 
 # Flags a resumed run may change: how long it runs, how it checkpoints and reports.
 RESUMABLE = frozenset({
@@ -43,6 +48,9 @@ RESUMABLE = frozenset({
     "trainer.progress_bar", "trainer.plot", "trainer.num_threads", "trainer.collective_timeout_s",
     "trainer.output_dir",
 })
+# Optimizer and objective settings a resume may change, each only when named on purpose
+# (``nemo-replay train --resume-override trainer.lr``): the way a diverged run goes on.
+OVERRIDABLE = frozenset({"trainer.lr", "trainer.weight_decay", "trainer.grad_clip", "trainer.clip_eps", "trainer.kl_coef"})
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", CHECKPOINTS)
 LOCK = ".lock"
 
@@ -90,10 +98,15 @@ class RunDir:
     Attributes:
         path: the run folder.
         resume: the checkpoint to continue from; None for a fresh run.
+        restart: the folder holds a run killed before its first checkpoint, under the same
+            recipe: it starts again at step 0 (its rows are moved aside).
+        overridden: ``flag: old -> new`` for each :data:`OVERRIDABLE` flag a resume changes.
     """
 
     path: Path
     resume: Optional[CheckpointInfo] = None
+    restart: bool = False
+    overridden: list = field(default_factory=list)
     _lock: Optional[int] = field(default=None, repr=False)
 
     def release(self) -> None:
@@ -137,15 +150,36 @@ def _flat(node, prefix: str = "") -> dict:
     return out
 
 
-def recipe_differences(saved_yaml: str, cfg: RecipeConfig) -> list[str]:
-    """``flag: saved -> now`` for every flag outside :data:`RESUMABLE` that changed."""
+def recipe_differences(saved_yaml: str, cfg: RecipeConfig, *, only=None) -> list[str]:
+    """``flag: saved -> now`` for every flag outside :data:`RESUMABLE` that changed (of ``only``, if given)."""
     saved = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
     now = _flat(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
     keys = sorted((set(saved) | set(now)) - RESUMABLE)
+    if only is not None:
+        keys = [k for k in keys if k in only]
     return [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
-def _named(cfg: RecipeConfig, world_size: int) -> RunDir:
+def check_overrides(flags) -> frozenset:
+    """The flags a resume may change on purpose; ValueError naming the ones that cannot be."""
+    flags = frozenset(flags or ())
+    bad = sorted(flags - OVERRIDABLE)
+    if bad:
+        raise ValueError(
+            f"--resume-override {', '.join(bad)}: only the optimizer and objective settings "
+            f"{', '.join(sorted(OVERRIDABLE))} may change on resume; other changes need a new trainer.output_dir"
+        )
+    return flags
+
+
+def _same_recipe(saved_yaml: str, cfg: RecipeConfig, allowed: frozenset) -> tuple[list, list]:
+    """(refused differences, overridden ones) between a saved recipe and ``cfg``."""
+    changed = recipe_differences(saved_yaml, cfg)
+    overridden = [c for c in changed if c.split(":", 1)[0] in allowed]
+    return [c for c in changed if c not in overridden], overridden
+
+
+def _named(cfg: RecipeConfig, world_size: int, allowed: frozenset = frozenset()) -> RunDir:
     """Rank 0's decision for a named ``trainer.output_dir`` (see the module doc)."""
     problem = output_dir_problem(cfg.trainer.output_dir)
     if problem:
@@ -180,11 +214,18 @@ def _named(cfg: RecipeConfig, world_size: int) -> RunDir:
                 f"trainer.resume=auto to start a run there"
             )
         if ckpt is None and found:
-            raise ValueError(
-                f"trainer.output_dir={str(path)!r} holds a run ({', '.join(found)}) without a complete checkpoint, so it "
-                f"cannot be continued, and starting over would overwrite it; choose a new trainer.output_dir (or move "
-                f"that folder away). Runs with trainer.checkpoint_every > 0 can be continued"
-            )
+            # Killed before its first checkpoint (a node failure, an OOM kill, a requeue): under the
+            # same recipe it starts again at step 0, its rows kept aside (as rows past a checkpoint are).
+            saved = path / "config.yaml"
+            refused, overridden = _same_recipe(saved.read_text(encoding="utf-8"), cfg, allowed) if saved.is_file() else (None, [])
+            if refused is None or refused:
+                why = (f"a recipe that differs in {'; '.join(refused)}" if refused else "no config.yaml naming its recipe")
+                raise ValueError(
+                    f"trainer.output_dir={str(path)!r} holds a run ({', '.join(found)}) without a complete checkpoint and "
+                    f"with {why}; the same command restarts such a run from step 0 only under its own recipe. Restore "
+                    f"those flags, or choose a new trainer.output_dir (or move that folder away)"
+                )
+            run.restart, run.overridden = True, overridden
         if ckpt is not None:
             if ckpt.world_size != world_size:
                 raise ValueError(
@@ -192,38 +233,44 @@ def _named(cfg: RecipeConfig, world_size: int) -> RunDir:
                     f"{world_size}; resume with the process count that wrote it (trainer.devices * trainer.num_nodes, "
                     f"or torchrun's), or start a new trainer.output_dir"
                 )
-            changed = recipe_differences(ckpt.config, cfg)
+            changed, overridden = _same_recipe(ckpt.config, cfg, allowed)
             if changed:
+                optimizer = [c.split(":", 1)[0] for c in changed if c.split(":", 1)[0] in OVERRIDABLE]
+                deliberate = (f", or continue with the change on purpose: nemo-replay train ... --resume-override "
+                              f"{','.join(optimizer)} (recorded in the run's resume.log)") if optimizer else ""
                 raise ValueError(
                     f"trainer.output_dir={str(path)!r} holds a run whose recipe differs in {'; '.join(changed)}; {again} "
                     f"only with the same recipe (only {', '.join(sorted(RESUMABLE))} may change). Restore those flags, "
-                    f"or choose a new trainer.output_dir"
+                    f"or choose a new trainer.output_dir{deliberate}"
                 )
-            run.resume = ckpt
+            run.resume, run.overridden = ckpt, overridden
     except ValueError:
         run.release()
         raise
     return run
 
 
-def prepare_run_dir(cfg: RecipeConfig, fabric, suffix: str = "") -> RunDir:
-    """The run folder of ``cfg`` on every rank (see the module doc); raises ValueError on every rank."""
+def prepare_run_dir(cfg: RecipeConfig, fabric, suffix: str = "", *, overrides=()) -> RunDir:
+    """The run folder of ``cfg`` on every rank (see the module doc); raises ValueError on every rank.
+
+    ``overrides``: :data:`OVERRIDABLE` flags a resume may change (:func:`check_overrides`).
+    """
     decision, run = None, None
     if fabric.is_global_zero:
         try:
             if cfg.trainer.output_dir:
-                run = _named(cfg, fabric.world_size)
+                run = _named(cfg, fabric.world_size, check_overrides(overrides))
             else:
                 path = new_run_dir(Path("runs"), default_run_name(cfg, suffix))
                 run = RunDir(path, _lock=_lock(path))
-            decision = (str(run.path), run.resume, None)
+            decision = (str(run.path), (run.resume, run.restart, run.overridden), None)
         except (ValueError, OSError) as exc:
             decision = (None, None, str(exc) if isinstance(exc, ValueError) else f"run folder: {exc}")
     if fabric.world_size > 1:
         decision = fabric.broadcast(decision, src=0)
-    path, resume, error = decision
+    path, state, error = decision
     if error:
         raise ValueError(error)
     if run is None or not fabric.is_global_zero:
-        run = RunDir(Path(path), resume)
+        run = RunDir(Path(path), *state)
     return run

@@ -54,6 +54,7 @@ def test_slurm_dry_run_script(capsys):
     argv = _torchrun_argv(bash_c)
     assert argv[0] == "torchrun"
     assert {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--node-rank=$SLURM_NODEID"} <= set(argv)
+    assert "--shutdown-timeout=300" in argv  # torchrun's 30 s would SIGKILL a long step before its stop checkpoint
     assert "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in argv
     module = argv.index("-m")
     assert argv[module + 1 : module + 4] == ["nemo_replay", "train", MEGATRON]

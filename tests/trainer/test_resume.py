@@ -145,12 +145,13 @@ def test_resume_modes_and_folders_that_hold_runs(tmp_path):
     (tmp_path / "fresh").mkdir()
     with pytest.raises(ValueError, match="has no complete checkpoint to continue from"):
         GRPOTrainer(load_config(overrides=tiny(tmp_path / "fresh", "trainer.resume=must", steps=1)))
-    # A run without checkpoints is never continued nor overwritten.
+    # A run without checkpoints under another recipe is never continued nor overwritten
+    # (under its own recipe it starts again: tests/trainer/test_resume_heals.py).
     bare = tmp_path / "bare"
     GRPOTrainer(load_config(overrides=tiny(bare, "trainer.checkpoint_every=0", steps=1))).fit()
     before = (bare / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match="without a complete checkpoint, so it cannot be continued"):
-        GRPOTrainer(load_config(overrides=tiny(bare, "trainer.checkpoint_every=0", steps=2)))
+    with pytest.raises(ValueError, match="without a complete checkpoint and with a recipe that differs in model.hidden_size"):
+        GRPOTrainer(load_config(overrides=tiny(bare, "trainer.checkpoint_every=0", "model.hidden_size=16", steps=2)))
     assert (bare / "metrics.jsonl").read_text() == before
     # Half-written checkpoints are never resumed from: a folder without complete.json, a partial one.
     (out / "checkpoints" / "step-0000009" / "state").mkdir(parents=True)

@@ -1,0 +1,142 @@
+"""Resume that heals: unloadable checkpoints set aside, runs killed before their first checkpoint
+restarted, deliberate optimizer changes on resume, a diverged run reported as failed.
+
+In-process runs of the reference trainer on the tiny recipe (one process, Fabric's format);
+the diverged run goes through the real command line for its exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_replay.config import load_config
+from nemo_replay.trainer.grpo import GRPOTrainer
+from nemo_replay.trainer.rundir import check_overrides
+from tests.trainer.tiny import tiny
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _trainer(out, *extra, steps, **kwargs) -> GRPOTrainer:
+    return GRPOTrainer(load_config(overrides=tiny(out, *extra, steps=steps)), **kwargs)
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_a_newest_checkpoint_that_does_not_load_is_set_aside_and_the_one_before_resumes(tmp_path):
+    out = tmp_path / "run"
+    keep = ("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3")
+    _trainer(out, *keep, steps=3).fit()
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000000", "step-0000001", "step-0000002"]
+    # complete.json intact; the state truncated in the newest, missing in the next.
+    state = ckpts / "step-0000002" / "state"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    (ckpts / "step-0000001" / "state").unlink()
+    trainer = _trainer(out, *keep, steps=4)
+    assert trainer.start_step == 1 and trainer.run_dir.resume.step == 0
+    aside = sorted(p.name for p in ckpts.glob(".unloadable-*"))
+    assert [a.rsplit("-", 1)[0] for a in aside] == [".unloadable-step-0000001", ".unloadable-step-0000002"]
+    log = (out / "resume.log").read_text()
+    assert "checkpoint" in log and "step-0000002 does not load" in log and "resuming from step-0000000" in log
+    assert [r["step"] for r in trainer.fit().history] == [0, 1, 2, 3]
+    # None left that loads: the error names what to delete.
+    (ckpts / "step-0000003" / "state").write_bytes(b"")
+    for folder in ckpts.glob("step-*"):
+        if folder.name != "step-0000003":
+            (folder / "state").unlink()
+    with pytest.raises(ValueError, match=rf"no checkpoint of {out} loads .*delete {ckpts} and run the same command"):
+        _trainer(out, *keep, steps=5)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_under_the_same_recipe(tmp_path):
+    out = tmp_path / "run"
+    _trainer(out, "trainer.checkpoint_every=50", steps=2).fit()  # as if killed before step 49: rows, no checkpoint
+    for p in (out / "checkpoints").iterdir():
+        import shutil
+
+        shutil.rmtree(p)
+    rows = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="with a recipe that differs in trainer.seed") as info:
+        _trainer(out, "trainer.checkpoint_every=50", "trainer.seed=7", steps=2)
+    assert "checkpoint_every > 0" not in str(info.value)
+    trainer = _trainer(out, "trainer.checkpoint_every=50", steps=3)
+    assert trainer.start_step == 0
+    (aside,) = out.glob("metrics.after-step--1-*.jsonl")
+    assert aside.read_text() == rows  # moved aside, not lost
+    assert _steps(out / "metrics.jsonl") == [] if (out / "metrics.jsonl").exists() else True
+    assert [r["step"] for r in trainer.fit().history] == [0, 1, 2]
+    assert "starting again at step 0" in (out / "resume.log").read_text()
+
+
+def test_a_deliberate_optimizer_change_on_resume_is_allowed_by_name_and_recorded(tmp_path):
+    out = tmp_path / "run"
+    _trainer(out, "trainer.checkpoint_every=1", steps=2).fit()
+    with pytest.raises(ValueError, match=r"differs in trainer.lr: 0.001 -> 0.0001.*--resume-override trainer.lr"):
+        _trainer(out, "trainer.checkpoint_every=1", "trainer.lr=1e-4", steps=3)
+    with pytest.raises(ValueError, match="--resume-override model.hidden_size: only the optimizer and objective"):
+        check_overrides(["model.hidden_size"])
+    trainer = _trainer(out, "trainer.checkpoint_every=1", "trainer.lr=1e-4", steps=3, resume_overrides=["trainer.lr"])
+    assert trainer.start_step == 2
+    assert {g["lr"] for g in trainer.optimizer.param_groups} == {1e-4}  # not the checkpoint's 1e-3
+    assert "trainer.lr: 0.001 -> 0.0001" in (out / "resume.log").read_text()
+    trainer.fit()
+    # The change is the run's recipe from now on: the next resume needs no flag.
+    again = _trainer(out, "trainer.checkpoint_every=1", "trainer.lr=1e-4", steps=4)
+    assert again.start_step == 3
+    again.run_dir.release()
+
+
+def test_a_diverged_run_exits_1_with_its_summary_and_goes_on_with_a_smaller_lr(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+    def train(lr, *extra, steps):
+        cmd = [sys.executable, "-m", "nemo_replay", "train", *tiny(out, "trainer.checkpoint_every=2", steps=steps),
+               f"trainer.lr={lr}", *extra]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    assert train("1e-3", steps=2).returncode == 0  # checkpoint after step 1
+    # Raised on purpose, it diverges: step 2's first update throws the weights far, the next gradient is NaN.
+    bad = train("1e6", "--resume-override", "trainer.lr", steps=4)
+    assert bad.returncode == 1, bad.stderr[-2000:]  # README: 1 a failed run (it was 2, a usage error)
+    assert "step 2, minibatch 1: the gradient norm is nan" in bad.stderr and "--resume-override" in bad.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed"].startswith("step 2, minibatch 1: ") and summary["steps"] == 2
+    # The fix the message names goes on from the last checkpoint (step 1), recorded in the run's log.
+    good = train("1e-3", "--resume-override", "trainer.lr", steps=4)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert _steps(out / "metrics.jsonl") == [0, 1, 2, 3]
+    # The diverged attempt wrote no checkpoint: the step-1 one (lr 0.001) is the recipe resumed.
+    assert "trainer.lr: 0.001 -> 1000000.0" in (out / "resume.log").read_text()
+    assert "lr: 0.001" in (out / "config.yaml").read_text()
+
+
+def test_a_full_disk_leaves_no_temp_file_and_the_next_start_removes_partial_folders(tmp_path, monkeypatch):
+    import errno
+
+    from nemo_replay.trainer import metrics
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        metrics.write_summary(tmp_path / "summary.json", {"steps": 1})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no .summary.json.<pid>.tmp left
+    out = tmp_path / "run"
+    _trainer(out, "trainer.checkpoint_every=1", steps=1).fit()
+    (out / "checkpoints" / ".partial-step-0000001-abcdef" / "state").mkdir(parents=True)  # a save the disk stopped
+    trainer = _trainer(out, "trainer.checkpoint_every=1", steps=2)
+    assert not list((out / "checkpoints").glob(".partial-*"))  # its space is free before the first step
+    assert "removed .partial-step-0000001-abcdef" in (out / "resume.log").read_text()
+    trainer.run_dir.release()
