@@ -14,7 +14,9 @@ for field, tests/rollout/engine_outputs.py), the tokenizer's ``batch_decode`` an
    ``batched_message_log_to_flat_message`` as ``grpo_train`` calls them (grpo.py:3150-3162),
    ``_build_async_grpo_train_data`` (grpo.py:2130-2146) and the ``logprob_data`` dict of
    grpo.py:3218-3235;
-5. ``replay_prepare_fn`` with NeMo-RL's ``LossInputType``: the sampler's log-probs back.
+5. ``replay_prepare_fn`` with NeMo-RL's ``LossInputType``: the sampler's log-probs back;
+6. the launcher's entry points (``run_grpo.NemoRL.load``) resolve in NeMo-RL, and replay's vLLM
+   worker is a Ray actor with the options NeMo-RL gives its own.
 """
 
 from __future__ import annotations
@@ -143,6 +145,17 @@ def main() -> None:
     assert int(mask.sum()) == sum(gen_lengths)
     err = (out["next_token_logprobs"][mask] - train_data["generation_logprobs"][:, 1:][mask]).abs().max()
     assert float(err) < 1e-5, float(err)
+    # The launcher's NeMo-RL entry points resolve, and replay's vLLM worker is a Ray actor with NeMo-RL's options.
+    from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorker
+
+    from nemo_replay.integrations.nemo_rl import workers
+    from nemo_replay.integrations.nemo_rl.run_grpo import NemoRL
+
+    nemo = NemoRL.load()
+    assert nemo.grpo is grpo and nemo.rollouts is rollouts
+    actor = workers.ReplayVllmGenerationWorker
+    assert type(actor).__name__ == "ActorClass(ReplayVllmGenerationWorker)", type(actor)
+    assert actor._default_options == VllmGenerationWorker._default_options
     print(f"ok {float(err):.2e}")
 
 
