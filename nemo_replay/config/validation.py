@@ -310,7 +310,10 @@ def _long_run(cfg: RecipeConfig, out: list[str]) -> None:
     if not 0 <= tr.seed <= SEED_MAX:
         out.append(f"trainer.seed={tr.seed} must be in [0, {SEED_MAX}] (numpy's seed range); pick a seed in that range")
     if tr.resume not in _RESUME:
-        out.append(f"trainer.resume={tr.resume!r} must be one of {', '.join(_RESUME)}")
+        # YAML reads yes / no / on / off / true / false as booleans before the str field sees them.
+        came = (f"{tr.resume} (a YAML boolean: yes, no, on, off, true and false read as one)"
+                if tr.resume in ("True", "False") else repr(tr.resume))
+        out.append(f"trainer.resume={came} must be one of {', '.join(_RESUME)}")
     elif tr.resume == "must" and tr.output_dir is None:
         out.append(
             "trainer.resume=must needs trainer.output_dir: the folder of the run to continue "

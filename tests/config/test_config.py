@@ -111,6 +111,7 @@ RULES = [
     (["trainer.seed=-1"], 1, "trainer.seed=-1 must be in [0, 4294967295]"),
     (["trainer.seed=4294967296"], 1, "trainer.seed=4294967296 must be in [0, 4294967295]"),
     (["trainer.resume=sometimes"], 1, "trainer.resume='sometimes' must be one of auto, never, must"),
+    (["trainer.resume=yes"], 1, "trainer.resume=True (a YAML boolean: yes, no, on, off, true and false read as one) must be one of auto, never, must"),
     (["trainer.resume=must"], 1, "trainer.resume=must needs trainer.output_dir"),
     (["trainer.checkpoint_every=-1"], 1, "trainer.checkpoint_every=-1 must be >= 0"),
     (["trainer.keep_checkpoints=-2"], 1, "trainer.keep_checkpoints=-2 must be >= 0"),
