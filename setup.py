@@ -13,7 +13,7 @@ EXTRAS = {
     "launch": ["lightning>=2.3", "tqdm>=4.60", "matplotlib>=3.7"],
     # TRL integration (nemo_replay.integrations.trl): it overrides GRPOTrainer methods of TRL 1.16.
     "trl": ["trl>=1.16,<1.17; python_version >= '3.11'", "transformers>=4.56.2"],
-    "dev": ["pytest>=7.4", "hypothesis>=6.80"],
+    "dev": ["pytest>=7.4", "hypothesis>=6.80", "pytest-xdist>=3.5"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
