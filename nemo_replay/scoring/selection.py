@@ -31,7 +31,9 @@ def _local_ids(ids: torch.Tensor, vocab_start: int, V: int) -> torch.Tensor:
     last column (one cache line) and are masked by the caller. No host sync. Example: V = 5,
     vocab_start = 10, ids = [[14, 11], [10, -1]] -> [[4, 1], [0, 0]].
     """
-    return ids.to(torch.int64).clamp(vocab_start, vocab_start + V - 1) - vocab_start
+    local = ids.to(torch.int64, copy=True)  # one new tensor, then in place (never the caller's)
+    local.clamp_(vocab_start, vocab_start + V - 1)
+    return local.sub_(vocab_start) if vocab_start else local
 
 
 def _gather_rows(src: torch.Tensor, pos: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
