@@ -34,6 +34,7 @@ before they are deleted, for the same reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -41,6 +42,7 @@ import re
 import secrets
 import shutil
 import signal
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -153,6 +155,17 @@ def restore_rank_rng(state: dict, generators: dict[str, torch.Generator]) -> Non
 
 
 # ---------------------------------------------------------------------------- formats
+@contextlib.contextmanager
+def _temp_folder(folder: Path):
+    """``tempfile``'s default folder is ``folder`` while inside (then what it was)."""
+    before = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+
+
 class _FabricFormat:
     """Lightning Fabric's ``save`` / ``load`` (sharded through torch DCP when the model holds DTensors)."""
 
@@ -162,7 +175,11 @@ class _FabricFormat:
         return {}
 
     def save(self, fabric, folder: Path, model, optimizer, common: dict) -> None:
-        fabric.save(folder / "state", {"model": model, "optimizer": optimizer, "trainer": common})
+        # Fabric's single-file save stages the whole file through fsspec's transaction in the temp
+        # folder ($TMPDIR): a small one failed the save with the output disk free. Staged inside the
+        # checkpoint's own (partial) folder, the file is renamed on the output's file system instead.
+        with _temp_folder(folder):
+            fabric.save(folder / "state", {"model": model, "optimizer": optimizer, "trainer": common})
 
     def load(self, fabric, folder: Path, model, optimizer) -> dict:
         state = {"model": model, "optimizer": optimizer, "trainer": {}}

@@ -140,3 +140,39 @@ def test_a_full_disk_leaves_no_temp_file_and_the_next_start_removes_partial_fold
     assert not list((out / "checkpoints").glob(".partial-*"))  # its space is free before the first step
     assert "removed .partial-step-0000001-abcdef" in (out / "resume.log").read_text()
     trainer.run_dir.release()
+
+
+def test_a_single_process_checkpoint_is_staged_next_to_the_output_not_in_tmpdir(tmp_path, monkeypatch):
+    """Fabric's single-file save staged the whole checkpoint in $TMPDIR (fsspec's transaction): a
+    small $TMPDIR failed the save with the output disk free. Every temporary file of the save now
+    lies in the checkpoint's own folder, and the state loads back."""
+    import tempfile
+
+    import torch
+    from lightning.fabric import Fabric
+
+    from nemo_replay.trainer.checkpoint import _FabricFormat
+
+    staged = []
+    real = tempfile.mkstemp
+
+    def recording(*args, **kwargs):
+        fd, name = real(*args, **kwargs)
+        staged.append(name)
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", recording)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    folder = tmp_path / "out" / ".partial-step-0000001"
+    folder.mkdir(parents=True)
+    _FabricFormat().save(fabric, folder, model, optimizer, {"step": 1})
+    assert staged and all(Path(name).parent == folder for name in staged), staged
+    assert tempfile.tempdir != str(folder)  # restored after the save
+    fresh = torch.nn.Linear(4, 3)
+    again = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    assert _FabricFormat().load(fabric, folder, fresh, again) == {"step": 1}
+    assert torch.equal(fresh.weight, model.weight)
