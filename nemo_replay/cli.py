@@ -20,6 +20,7 @@ a run that failed (a collective timed out, ...).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
 import sys
@@ -316,6 +317,12 @@ def _run(command: str, ns: argparse.Namespace) -> int:
         if debug:
             raise
         print(f"nemo-replay {command}: {exc}{hint}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a full disk: one line naming the path (the checkpoint's own check, or the OS's)
+        if debug or exc.errno != errno.ENOSPC:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"nemo-replay {command}: no space left: {exc.strerror}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before the loop installed its handlers (model building, ...)
         print(f"nemo-replay {command}: interrupted before the first step; nothing to resume", file=sys.stderr)

@@ -35,6 +35,7 @@ before they are deleted, for the same reason.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -371,6 +372,11 @@ class Checkpointer:
             # JSON text: NaN metrics compare equal across ranks and load under weights_only.
             "history": json.dumps(history), "ranks": ranks,
         }
+        # Rank 0 checks the space and every rank gets its verdict, so all refuse together.
+        short = self._space_short() if self.fabric.is_global_zero else None
+        short = self.fabric.broadcast(short, src=0) if world > 1 else short
+        if short is not None:
+            raise OSError(errno.ENOSPC, short)
         token = secrets.token_hex(3) if self.fabric.is_global_zero else None
         token = self.fabric.broadcast(token, src=0) if world > 1 else token
         partial = self.root / f".partial-step-{step:07d}-{token}"
@@ -394,6 +400,21 @@ class Checkpointer:
         self.fabric.barrier()
         self.last = final
         return final
+
+    def _space_short(self) -> Optional[str]:
+        """A one-line reason when the output's free space is below the last checkpoint's size (plus 10%).
+
+        None when it fits or no checkpoint of this run was written yet (nothing to size it by).
+        """
+        if self.last is None or not self.last.is_dir():
+            return None
+        need = sum(f.stat().st_size for f in self.last.rglob("*") if f.is_file())
+        need += need // 10
+        free = shutil.disk_usage(self.root).free
+        if free >= need:
+            return None
+        return (f"{self.root}: {free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB (the last, "
+                f"{self.last.name}, plus 10%); free space there or set trainer.keep_checkpoints lower, then resume")
 
     def set_aside(self, bad: CheckpointUnreadable) -> Optional[CheckpointInfo]:
         """Rename an unloadable checkpoint to ``.unloadable-step-<n>-<token>`` (rank 0); collective.

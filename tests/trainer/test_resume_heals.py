@@ -176,3 +176,34 @@ def test_a_single_process_checkpoint_is_staged_next_to_the_output_not_in_tmpdir(
     again = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     assert _FabricFormat().load(fabric, folder, fresh, again) == {"step": 1}
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_checkpoint_that_would_not_fit_is_refused_before_writing_naming_path_and_space(tmp_path, monkeypatch):
+    """A full disk gave a raw OSError mid-save and a .partial folder that kept the space; the save
+    now checks the free space against the last checkpoint's size first and writes nothing."""
+    import errno
+    import shutil
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.fabric import Fabric
+
+    from nemo_replay.trainer import checkpoint as ck
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    root = tmp_path / "checkpoints"
+    store = ck.Checkpointer(root, fabric, every=1, keep=0, config="x: 1\n")
+    rank_state = {}
+    store.save(0, model, optimizer, history=[], rank_state=rank_state)
+    size = sum(f.stat().st_size for f in (root / "step-0000000").rglob("*") if f.is_file())
+    real = shutil.disk_usage
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: SimpleNamespace(free=size // 2, total=real(p).total))
+    with pytest.raises(OSError) as err:
+        store.save(1, model, optimizer, history=[], rank_state=rank_state)
+    assert err.value.errno == errno.ENOSPC
+    assert str(root) in str(err.value) and "a checkpoint needs about" in str(err.value) and "step-0000000" in str(err.value)
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000000"]  # no .partial folder left
+    monkeypatch.setattr(ck.shutil, "disk_usage", real)
+    assert store.save(1, model, optimizer, history=[], rank_state=rank_state).name == "step-0000001"
