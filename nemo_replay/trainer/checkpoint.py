@@ -54,6 +54,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_replay.trainer.metrics import write_atomic
+
 __all__ = [
     "CHECKPOINTS",
     "MANIFEST",
@@ -315,19 +317,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durable(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class Checkpointer:
     """Writes and reads the checkpoints of one run (see the module doc).
 
@@ -388,7 +377,7 @@ class Checkpointer:
         final = self.root / f"step-{step:07d}"
         if self.fabric.is_global_zero:
             manifest = {"step": step, "world_size": world, "format": fmt.name, "config": self.config, "written": time.time()}
-            _write_durable(partial / MANIFEST, json.dumps(manifest, indent=1))
+            write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
             if final.exists():
                 # Not ours to delete (a folder left by hand or by an interrupted prune): moved aside.
                 aside = final.with_name(f".replaced-{final.name}-{token}")
@@ -434,8 +423,8 @@ class Checkpointer:
         return latest_checkpoint(self.root)
 
     def clean(self) -> list[Path]:
-        """Rank 0, before the first step: delete ``.partial-*`` folders interrupted saves left (a
-        full disk stays full until they go), ``.deleting-*`` and empty ``*.tmp`` files; returns them."""
+        """Rank 0, before the first step: delete the ``.partial-*`` folders interrupted saves left (a
+        full disk stays full until they go) and ``.deleting-*`` ones; returns them."""
         if not self.root.is_dir():
             return []
         gone = [p for p in self.root.iterdir() if p.name.startswith((".partial-", ".deleting-"))]
@@ -482,7 +471,7 @@ class Checkpointer:
         except Exception as exc:  # a truncated or missing file or shard: whatever the reader raises
             cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         if self._distributed():  # every rank learns it (a missing shard may fail one rank only)
-            flag = torch.tensor([int(cause is not None)])
+            flag = torch.tensor([int(cause is not None)], device=self.fabric.device)  # CUDA under NCCL
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() and cause is None:
                 cause = "it failed to load on another rank"

@@ -50,7 +50,7 @@ from nemo_replay.trainer.checkpoint import (
     CHECKPOINTS, Checkpointer, CheckpointUnreadable, capture_rank_rng, restore_rank_rng,
 )
 from nemo_replay.trainer.guards import NonFiniteError, check_update, collective_failure, diverged_rollout
-from nemo_replay.trainer.metrics import JsonlLogger, plot_runs, restore_rows, write_summary
+from nemo_replay.trainer.metrics import JsonlLogger, plot_runs, restore_rows, write_atomic, write_summary
 from nemo_replay.trainer.preemption import StopSignals
 from nemo_replay.trainer.rundir import prepare_run_dir
 from nemo_replay.trainer.runtime import launch_fabric, make_backend, seed_all
@@ -182,7 +182,7 @@ class GRPOTrainer:
                 side = restore_rows(self.logger.path, [])
                 self.note(f"no complete checkpoint in {self.output_dir}: starting again at step 0 under the same recipe"
                           + (f"; the earlier rows are in {side.name}" if side else ""))
-            (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
+            write_atomic(self.output_dir / "config.yaml", to_yaml(cfg))  # read back by a restart: never torn
         self._record_overrides()
 
     # ------------------------------------------------------------------ checkpoints
@@ -252,7 +252,7 @@ class GRPOTrainer:
             self.note(f"resumed at step {self.start_step} with changed settings (--resume-override): "
                       f"{'; '.join(self.run_dir.overridden)}")
         if self.run_dir.resume is not None and self.fabric.is_global_zero:
-            (self.output_dir / "config.yaml").write_text(to_yaml(self.cfg))
+            write_atomic(self.output_dir / "config.yaml", to_yaml(self.cfg))
 
     # ------------------------------------------------------------------ one step
     def rollout(self) -> tuple[ReplayBatch, torch.Tensor]:

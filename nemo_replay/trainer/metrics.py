@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence, Union
 from lightning.fabric.loggers import Logger
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-__all__ = ["JsonlLogger", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "PLOTTED"]
+__all__ = ["JsonlLogger", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
 
 # (metric, title, log scale) in plot order.
 PLOTTED = (
@@ -105,7 +105,11 @@ def _row_text(row: dict) -> str:
     return json.dumps({k: _clean(v) for k, v in row.items()})
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` durably and atomically: a hidden temp file beside it, fsynced, renamed over it.
+
+    A failed write (a full disk) removes its temp file and raises.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -143,15 +147,15 @@ def restore_rows(path: Union[str, os.PathLike], rows: Sequence[dict]) -> Optiona
     side = None
     if extra:
         side = path.with_name(f"{path.stem}.after-step-{last}-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
-        _write_atomic(side, "".join(extra))
-    _write_atomic(path, "".join(_row_text(r) + "\n" for r in rows))
+        write_atomic(side, "".join(extra))
+    write_atomic(path, "".join(_row_text(r) + "\n" for r in rows))
     return side
 
 
 def write_summary(path: Union[str, os.PathLike], summary: dict) -> Path:
     """``summary.json`` (non-finite values as null, nested ones too), written atomically."""
     path = Path(path)
-    _write_atomic(path, json.dumps(_clean(summary), indent=2, allow_nan=False) + "\n")
+    write_atomic(path, json.dumps(_clean(summary), indent=2, allow_nan=False) + "\n")
     return path
 
 

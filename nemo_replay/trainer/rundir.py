@@ -150,13 +150,11 @@ def _flat(node, prefix: str = "") -> dict:
     return out
 
 
-def recipe_differences(saved_yaml: str, cfg: RecipeConfig, *, only=None) -> list[str]:
-    """``flag: saved -> now`` for every flag outside :data:`RESUMABLE` that changed (of ``only``, if given)."""
+def recipe_differences(saved_yaml: str, cfg: RecipeConfig) -> list[str]:
+    """``flag: saved -> now`` for every flag outside :data:`RESUMABLE` that changed."""
     saved = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
     now = _flat(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
     keys = sorted((set(saved) | set(now)) - RESUMABLE)
-    if only is not None:
-        keys = [k for k in keys if k in only]
     return [f"{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
