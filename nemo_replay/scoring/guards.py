@@ -56,20 +56,17 @@ class Where:
 
     ``token_positions`` (N,) int64: the caller's column of the token each position predicts
     (strategies pass it: the same token is then named the same whatever the packing, context
-    or sequence parallel slicing); without it, the position along the input's last axis.
-    ``rank``: appended when given (the rank of the group that saw it).
+    or sequence parallel slicing); without it, the position along the input's last axis. The
+    rank that saw it is added by :func:`~nemo_replay.scoring.collectives.agree`.
     """
 
-    def __init__(self, traj: torch.Tensor, pos_shape, token_positions: Optional[torch.Tensor] = None,
-                 rank: Optional[str] = None):
-        self.traj, self.pos_shape, self.token_positions, self.rank = traj, pos_shape, token_positions, rank
+    def __init__(self, traj: torch.Tensor, pos_shape, token_positions: Optional[torch.Tensor] = None):
+        self.traj, self.pos_shape, self.token_positions = traj, pos_shape, token_positions
 
     def __call__(self, p: int) -> str:
         if self.token_positions is not None:
-            at = f"trajectory {int(self.traj[p])}, token position {int(self.token_positions[p])}"
-        else:
-            at = f"trajectory {int(self.traj[p])}, logit position {position(p, self.pos_shape)}"
-        return at if self.rank is None else f"{at} ({self.rank})"
+            return f"trajectory {int(self.traj[p])}, token position {int(self.token_positions[p])}"
+        return f"trajectory {int(self.traj[p])}, logit position {position(p, self.pos_shape)}"
 
 
 def has_support_row(support: Union[PackedTensor, RaggedSupport], row_ids: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,7 @@ def compute_dtype(source: torch.Tensor, weight: Optional[torch.Tensor]) -> torch
 
 
 def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, lm_head_weight, temperature,
-            chunk_size, needs_rows: bool, token_positions=None, rank: Optional[str] = None) -> Call:
+            chunk_size, needs_rows: bool, token_positions=None) -> Call:
     """Check every argument (host only, no device read) and flatten the channels."""
     _check_source(source, lm_head_weight, temperature)
     pos_shape = source.shape[:-1]
@@ -225,7 +225,7 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
         cd=compute_dtype(source, lm_head_weight),
         temperature=float(temperature),
         chunk_size=chunk_size,
-        where=Where(traj, pos_shape, None if token_positions is None else token_positions.reshape(-1), rank),
+        where=Where(traj, pos_shape, None if token_positions is None else token_positions.reshape(-1)),
     )
 
 
@@ -310,7 +310,7 @@ def _support_flag(support, vocab_size: Optional[int], validate: bool):
         flag = stale_flag(support)
         if not rec.covers(vocab_size):  # and the vocabulary bound is new
             flag = flag | (ids.amax() >= vocab_size) if ids.numel() else flag
-        return flag, False
+        return flag, not rec.covers(vocab_size)  # a tighter bound is recorded once it passed
     if isinstance(support, PackedTensor):
         return support_row_flags(ids, vocab_size=vocab_size), True
     return support.invalid_flag(vocab_size=vocab_size), True

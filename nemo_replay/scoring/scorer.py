@@ -295,7 +295,6 @@ def score_aligned_support(
     chunk_size: Optional[int] = None,
     validate: bool = True,
     token_positions: Optional[torch.Tensor] = None,
-    rank: Optional[str] = None,
 ) -> SupportScores:
     """Score each sampled token over its recorded support.
 
@@ -327,7 +326,6 @@ def score_aligned_support(
             predicts, for error messages (a strategy passes it, so errors name the same token
             the same way under any packing or slicing); default the position along the last
             axis of the input.
-        rank: appended to error messages (e.g. ``"CP rank 1 of 2"``).
 
     Scored positions: loss-active with a row (``valid_mask``), plus at most one loss-active
     position per trajectory without a row, which must be its last loss-active position
@@ -345,8 +343,7 @@ def score_aligned_support(
         and the logit position.
     """
     call = prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, shard=shard, lm_head_weight=lm_head_weight,
-                   temperature=temperature, chunk_size=chunk_size, needs_rows=True, token_positions=token_positions,
-                   rank=rank)
+                   temperature=temperature, chunk_size=chunk_size, needs_rows=True, token_positions=token_positions)
     hidden = lm_head_weight is not None
     if hidden and compute_support_mass:
         raise ValueError(

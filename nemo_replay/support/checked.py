@@ -69,8 +69,9 @@ class _Record:
 
 
 # Odd 64-bit constants (as signed values): entry i is weighted by 2 * _STEP * i + _ODD, an odd number, so changing
-# one entry by d != 0 changes the sum by d times an odd weight (never 0 mod 2**64), and swapping two distinct entries
-# changes it by their difference times 2 * _STEP * (i - j) (0 only for index gaps of 2**63 or more).
+# one entry by d changes the sum by d times an odd weight: never 0 mod 2**b for 0 < |d| < 2**b, b = 64 for int64 ids
+# and 32 for int32 ids (summed in their own width). Swapping entries a, b at i, j changes it by
+# (a - b) * 2 * _STEP * (i - j), 0 only when (a - b) * (i - j) is a multiple of 2**(b - 1).
 _STEP, _ODD = 0x5851F42D4C957F2D, 0x14057B7EF767814F
 _WEIGHTS: dict = {}  # (device, dtype) -> the weights of the longest tensor fingerprinted there
 
