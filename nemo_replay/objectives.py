@@ -175,7 +175,7 @@ def _clipped_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_
         advantages = advantages[:, None]
     # Masked positions are selected out before any arithmetic: a -inf or NaN there (an unscored
     # position's old or reference log-prob, a filtered trajectory's advantage) never reaches the loss.
-    advantages = torch.where(mask, advantages, torch.zeros((), dtype=advantages.dtype, device=advantages.device))
+    advantages = torch.where(mask, advantages, 0.0)
     if ref_logprobs is not None:
         ref_logprobs = torch.where(mask, ref_logprobs, logprobs.detach())
     denom = mask.sum().clamp(min=1)
@@ -198,16 +198,11 @@ def missing_fields(batch, names: tuple[str, ...]) -> list[str]:
     return [n for n in names if getattr(batch, n, None) is None]
 
 
-#: What a masked-out position of each batch field reads as, so a -inf or NaN there never reaches the loss
-#: or its gradient (a mask that multiplies would give 0 * inf = NaN): ratio 1, KL 0, advantage 0.
-_MASKED_FILL = {"old_logprobs": "logprobs", "ref_logprobs": "logprobs", "rollout_logprobs": 0.0, "advantages": 0.0}
+def _field(batch, name: str, like: torch.Tensor, optional: bool = False) -> Optional[torch.Tensor]:
+    """``batch.<name>`` as ``like``'s (B, A) dtype and device, checked.
 
-
-def _field(batch, name: str, like: torch.Tensor, optional: bool = False, *, mask: torch.Tensor) -> Optional[torch.Tensor]:
-    """``batch.<name>`` as ``like``'s (B, A) dtype and device, checked, with masked positions filled.
-
-    ``advantages`` may be (B,) (one per trajectory, expanded over A). Values where ``mask`` is
-    False are replaced (:data:`_MASKED_FILL`), whatever they hold.
+    ``advantages`` may be (B,) (one per trajectory, expanded over A). Masked positions are
+    taken as they are: the losses select them out before any arithmetic.
 
     Raises:
         ValueError when the field is missing (unless ``optional``), not array-like or of another shape.
@@ -231,8 +226,7 @@ def _field(batch, name: str, like: torch.Tensor, optional: bool = False, *, mask
             f"batch.{name} has shape {tuple(value.shape)}, expected {want}: the columns of loss_mask (a field set after "
             f"the batch was built is checked here; broadcasting it would change the loss)"
         )
-    fill = like.detach() if _MASKED_FILL[name] == "logprobs" else torch.zeros_like(value)
-    return torch.where(mask.bool(), value, fill)
+    return value
 
 
 def _check_shapes(logprobs: torch.Tensor, mask: torch.Tensor) -> None:
@@ -269,11 +263,11 @@ class TokenRatioObjective(_ClippedRatio):
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
-        old = _field(batch, "old_logprobs", logprobs, optional=True, mask=mask)
+        old = _field(batch, "old_logprobs", logprobs, optional=True)
         return clipped_policy_loss(
-            logprobs, logprobs.detach() if old is None else old, _field(batch, "advantages", logprobs, mask=mask), mask,
+            logprobs, logprobs.detach() if old is None else old, _field(batch, "advantages", logprobs), mask,
             clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high, kl_coef=self.kl_coef,
-            ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True, mask=mask),
+            ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True),
         )
 
 
@@ -295,13 +289,13 @@ class SequenceRatioObjective(_ClippedRatio):
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
-        ref = _field(batch, "ref_logprobs", logprobs, optional=True, mask=mask)
+        ref = _field(batch, "ref_logprobs", logprobs, optional=True)
         if self.kl_coef > 0 and ref is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs: run the reference role first or set kl_coef=0")
-        old = _field(batch, "old_logprobs", logprobs, optional=True, mask=mask)
+        old = _field(batch, "old_logprobs", logprobs, optional=True)
         old = logprobs.detach() if old is None else old
-        adv = _field(batch, "advantages", logprobs, mask=mask)
         mask = mask.bool()
+        adv = torch.where(mask, _field(batch, "advantages", logprobs), 0.0)  # selected before any product (NaN there)
         counts = mask.sum(1)
         log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
         seq_log_ratio = log_ratio.sum(1) / counts.clamp(min=1)
@@ -309,7 +303,7 @@ class SequenceRatioObjective(_ClippedRatio):
         ratio = torch.exp(seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach())
         high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
         surr = _surrogate(ratio, adv, self.clip_eps, high)
-        per_seq = (surr * mask).sum(1) / counts.clamp(min=1)
+        per_seq = torch.where(mask, surr, torch.zeros_like(surr)).sum(1) / counts.clamp(min=1)
         active = counts > 0
         loss = -(per_seq * active).sum() / active.sum().clamp(min=1)
         seq_ratio = torch.exp(seq_log_ratio.detach())
@@ -344,15 +338,15 @@ class TruncatedISObjective(_ClippedRatio):
 
     def __call__(self, logprobs: torch.Tensor, batch, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _check_shapes(logprobs, mask)
-        old = _field(batch, "old_logprobs", logprobs, mask=mask)
-        rollout = _field(batch, "rollout_logprobs", logprobs, mask=mask)
+        old = _field(batch, "old_logprobs", logprobs)
+        rollout = _field(batch, "rollout_logprobs", logprobs)
         mask = mask.bool()
         log_w = torch.where(mask, old - rollout, torch.zeros_like(old))
         weights = torch.exp(log_w).clamp(max=self.cap)
         loss, metrics = _clipped_policy_loss(
-            logprobs, old, _field(batch, "advantages", logprobs, mask=mask), mask, clip_eps=self.clip_eps,
+            logprobs, old, _field(batch, "advantages", logprobs), mask, clip_eps=self.clip_eps,
             clip_eps_high=self.clip_eps_high, kl_coef=self.kl_coef,
-            ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True, mask=mask), weights=weights,
+            ref_logprobs=_field(batch, "ref_logprobs", logprobs, optional=True), weights=weights,
         )
         metrics["tis_weight_mean"] = _masked_mean(weights, mask, 1.0)
         metrics["tis_truncated_fraction"] = _masked_mean(weights >= self.cap, mask, 0.0)
