@@ -121,8 +121,18 @@ def test_swapped_support_trips_the_alignment_guard(model):
     strategy = FSDPStrategy()
     settings = RoleSettings(temperature=TEMPERATURE)
     strategy.run_role("recompute", model, [batch], settings)
-    with pytest.raises(ValueError, match="not a member of its support row"):
-        strategy.run_role("recompute", model, [swapped], settings)
+    # The error names the first bad token by trajectory and its column in sequences (a loop over the
+    # canonical channels: column c of the logits predicts the token at column c + 1).
+    from nemo_replay.layout.canonical import canonical_channels
+
+    ch = canonical_channels(swapped)
+    bad = next((b, c) for b in range(ch.row_ids.shape[0]) for c in range(ch.row_ids.shape[1])
+               if ch.loss_mask[b, c] and int(ch.row_ids[b, c]) >= 0
+               and int(ch.sampled_ids[b, c]) not in swapped.support.values[int(ch.row_ids[b, c])].tolist())
+    for remove_padding in (True, False):
+        with pytest.raises(ValueError, match=rf"trajectory {bad[0]}, token position {bad[1] + 1}: sampled token "
+                                             rf"{int(ch.sampled_ids[bad])} is not a member of its support row"):
+            FSDPStrategy(remove_padding=remove_padding).run_role("recompute", model, [swapped], settings)
 
 
 def test_replay_needs_support_and_policy_needs_advantages(model):

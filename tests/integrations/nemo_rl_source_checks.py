@@ -77,6 +77,8 @@ def main() -> None:
     class LLM:
         def __init__(self, rows):
             self.rows = rows
+            # llm.llm_engine.model_config: max_model_len (vllm_worker.py:1023) and get_vocab_size()
+            # (vllm/config/model.py:1629), the two fields the worker and replay read.
             self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: vocab))
 
         def generate(self, prompts_in, params, use_tqdm=True):

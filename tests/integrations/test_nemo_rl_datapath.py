@@ -267,7 +267,8 @@ class _NemoRLVllmWorker:
 
 
 class _LLM:
-    """vllm.LLM.generate(prompts, sampling_params, use_tqdm=...) returning prepared RequestOutputs."""
+    """``vllm.LLM.generate(prompts, sampling_params, *, use_tqdm=...) -> list[RequestOutput]``
+    (vllm/entrypoints/llm.py:417-427, vLLM 0.33.0), returning prepared RequestOutputs."""
 
     def __init__(self, outputs):
         self.outputs, self.params = outputs, []

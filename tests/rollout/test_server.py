@@ -186,19 +186,25 @@ def test_an_authorization_header_that_is_not_utf8_is_a_401_not_a_500():
     assert json.loads(answers[0][1]) == {"error": "missing or wrong bearer token (Authorization: Bearer <token>)"}
 
 
+async def _timed_exchange(server, request: bytes, read):
+    """Send ``request`` as raw bytes on a new connection; (``await read(reader)``, seconds it took)."""
+    host, port = server.url[len("http://"):].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    t0 = time.monotonic()
+    got = await asyncio.wait_for(read(reader), 5)
+    waited = time.monotonic() - t0
+    writer.close()
+    await writer.wait_closed()
+    return got, waited
+
+
 def test_authentication_comes_before_the_body():
     # A 10 MB Content-Length whose body never comes: the 401 does not wait for it (a 408 would).
     async def run(server):
-        host, port = server.url[len("http://"):].split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n{")
-        await writer.drain()
-        t0 = time.monotonic()
-        status = await asyncio.wait_for(reader.readline(), 5)
-        waited = time.monotonic() - t0
-        writer.close()
-        await writer.wait_closed()
-        return status, waited
+        return await _timed_exchange(server, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n{",
+                                     lambda reader: reader.readline())
 
     status, waited = with_server(run, token="s3cret", body_timeout_s=3.0)
     assert status.startswith(b"HTTP/1.1 401") and waited < 2
@@ -391,16 +397,16 @@ def test_retries_only_what_can_succeed():
 
 
 def test_a_body_that_does_not_arrive_is_dropped():
-    async def run(server):
-        host, port = server.url[len("http://"):].split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n{\"in")
-        await writer.drain()
-        t0 = time.monotonic()
+    async def read_all(reader):
         head = await asyncio.wait_for(reader.read(200), 5)
-        rest = await asyncio.wait_for(reader.read(), 5)  # then the server closes the connection
-        writer.close()
-        return head + rest, time.monotonic() - t0, server.num_active
+        return head + await asyncio.wait_for(reader.read(), 5)  # then the server closes the connection
+
+    async def run(server):
+        answer, waited = await _timed_exchange(
+            server, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n{\"in",
+            read_all,
+        )
+        return answer, waited, server.num_active
 
     answer, waited, active = with_server(run, body_timeout_s=0.3)
     assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.3 s" in answer

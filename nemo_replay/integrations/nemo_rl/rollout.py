@@ -19,9 +19,10 @@ For replay the worker must see each token's whole support:
 :func:`generation_support_from_vllm` turns the worker's outputs into ``generation_support``
 rows laid out exactly like its ``logprobs`` tensor (int32 ``[B, total_length, k]``, the row
 of token t at column t, ``-1`` on prompt and padding), through the engine adapters of
-:mod:`nemo_replay.rollout.vllm`. Slice it like ``logprobs`` into each message, give
-non-generated messages all ``-1`` rows (:func:`padding_rows`) and pad batches with -1
-(``batched_message_log_to_flat_message(..., pad_value_dict={"generation_support": -1})``).
+:mod:`nemo_replay.rollout.vllm`. Replay's vLLM worker (:mod:`.workers`) returns them; the
+patched rollout code slices them into each message like ``logprobs`` (:mod:`.patch`), and
+:mod:`.datapath` gives the other messages all ``-1`` rows (:func:`padding_rows`) and pads
+every batch with -1.
 """
 
 from __future__ import annotations
