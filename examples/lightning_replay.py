@@ -25,7 +25,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from nemo_replay.integrations.lightning import ReplayCallback
 from nemo_replay.objectives import group_advantages
-from nemo_replay.rollout.hf import generate_with_support
+from nemo_replay.rollout.capture.hf import generate_with_support
 from nemo_replay.trainer.generation import replay_batches_from_generation
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.tasks import SuccessorTask

@@ -3,14 +3,14 @@
 Importing the package is cheap: it never imports megatron-core or transformers. Strategies
 load on first lookup (:func:`get_strategy`).
 
-``nemo_replay.capture`` is the rollout sampler, :mod:`nemo_replay.rollout.capture` (one module
+``nemo_replay.capture`` is the rollout sampler, :mod:`nemo_replay.rollout.capture.sampler` (one module
 under two names, so ``nemo_replay.capture.sample`` and ``from nemo_replay.capture import sample``
 both work).
 """
 
 import sys
 
-from nemo_replay.rollout import capture
+from nemo_replay.rollout.capture import sampler as capture
 from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.strategies.registry import (

@@ -196,7 +196,7 @@ def build_server(args: Sequence[str], ns: argparse.Namespace):
     """The (unstarted) generate server of ``nemo-replay serve``: the recipe's policy behind capture."""
     import torch
 
-    from nemo_replay.rollout.server import GenerateServer, read_token_file
+    from nemo_replay.rollout.transport.server import GenerateServer, read_token_file
     from nemo_replay.trainer.hf_backend import build_hf_model
 
     token = read_token_file(ns.token_file) if ns.token_file is not None else ns.token  # before the model: fail fast
@@ -218,7 +218,7 @@ def build_server(args: Sequence[str], ns: argparse.Namespace):
 def _serve(args: Sequence[str], ns: argparse.Namespace) -> int:
     import asyncio
 
-    from nemo_replay.rollout.server import serve_until_cancelled
+    from nemo_replay.rollout.transport.server import serve_until_cancelled
 
     server = build_server(args, ns)
     try:
@@ -239,7 +239,7 @@ def _train_options(cmd: argparse.ArgumentParser) -> None:
 
 
 def _serve_options(cmd: argparse.ArgumentParser) -> None:
-    from nemo_replay.rollout.server import MAX_JSON_VALUES, TOKEN_ENV
+    from nemo_replay.rollout.transport.server import MAX_JSON_VALUES, TOKEN_ENV
 
     cmd.add_argument("--host", default="127.0.0.1", help="a loopback address (the server binds loopback only)")
     cmd.add_argument("--port", type=int, default=8000, help="0 picks a free port")

@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from nemo_replay.rollout.boundary import validate_support
-from nemo_replay.rollout.trace import SupportTrace
+from nemo_replay.rollout.capture.trace import SupportTrace
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 

@@ -42,7 +42,7 @@ from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
 if TYPE_CHECKING:
-    from nemo_replay.rollout.hf import HFRollout
+    from nemo_replay.rollout.capture.hf import HFRollout
 
 __all__ = ["SamplingSettings", "Rollout", "left_pad", "generate", "rollout_batch", "replay_batches_from_generation"]
 

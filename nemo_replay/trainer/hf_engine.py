@@ -3,7 +3,7 @@
 ``generation.engine: hf`` (docs/design.md §7). The engine stands where vLLM or SGLang stand
 in a real RL system: its own weights (cast to ``generation.dtype``), synced from the policy
 before every rollout, its own code path (a KV cache, one new token per forward after the
-prompt), and :func:`nemo_replay.rollout.hf.generate_with_support` recording each token's
+prompt), and :func:`nemo_replay.rollout.capture.hf.generate_with_support` recording each token's
 support after transformers' warpers. The trainer then scores with its own forward; what
 remains between the two with replay on is the engine's numeric gap (KV cache, kernels,
 precision), and with replay off the normalisation gap comes on top.
@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_replay.rollout.hf import generate_with_support
+from nemo_replay.rollout.capture.hf import generate_with_support
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, left_pad, rollout_batch
 
 __all__ = ["HFEngine"]

@@ -8,7 +8,7 @@ import nemo_replay
 
 def test_capture_is_one_module_under_both_names():
     from nemo_replay.capture import sample
-    from nemo_replay.rollout import capture
+    from nemo_replay.rollout.capture import sampler as capture
 
     assert nemo_replay.capture is capture
     assert importlib.import_module("nemo_replay.capture") is capture

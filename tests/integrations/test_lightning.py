@@ -205,7 +205,7 @@ def test_replay_batches_from_generation_feed_the_roles():
     from transformers import GenerationConfig
 
     from nemo_replay.roles import ReplayRoles
-    from nemo_replay.rollout.hf import generate_with_support
+    from nemo_replay.rollout.capture.hf import generate_with_support
     from nemo_replay.trainer.generation import replay_batches_from_generation
     from nemo_replay.trainer.generation import left_pad
 

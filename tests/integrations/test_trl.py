@@ -24,8 +24,8 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: 
 
 from nemo_replay.integrations.trl import ReplayGRPOTrainer, ReplaySettings  # noqa: E402
 from nemo_replay.integrations.trl.records import RECORDS_KEY, completion_channels, records_from_vllm  # noqa: E402
-from nemo_replay.rollout.capture import check_capture_settings, sample  # noqa: E402
-from nemo_replay.rollout.hf import check_generation_config  # noqa: E402
+from nemo_replay.rollout.capture.sampler import check_capture_settings, sample  # noqa: E402
+from nemo_replay.rollout.capture.hf import check_generation_config  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<bos>"] + [f"w{i}" for i in range(45)]  # V = 48
 EOS = 1

@@ -138,7 +138,7 @@ def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def generate(model, prompts, response_lengths, *, top_k: int, temperature: float, seed: int):
     """Sample responses with the sampler's capture; returns per trajectory (tokens, logprobs, rows)."""
-    from nemo_replay.rollout.capture import sample
+    from nemo_replay.rollout.capture.sampler import sample
 
     g = torch.Generator().manual_seed(seed)
     out = []

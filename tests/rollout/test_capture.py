@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import nemo_replay
 from nemo_replay import capture
-from nemo_replay.rollout.capture import check_capture_settings
+from nemo_replay.rollout.capture.sampler import check_capture_settings
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -180,7 +180,7 @@ def test_errors_are_collected():
 
 def test_the_fix_names_the_callers_own_field():
     # The settings come from a vLLM request, a GRPOConfig, a JSON body: no recipe's generation.* flag.
-    from nemo_replay.rollout.engine import capture_settings_from_engine
+    from nemo_replay.rollout.engines.base import capture_settings_from_engine
 
     with pytest.raises(ValueError) as info:
         capture_settings_from_engine({"temperature": 0.0, "top_k": 1, "repetition_penalty": 1.2}, engine="vllm")

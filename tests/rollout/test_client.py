@@ -8,10 +8,10 @@ import torch
 from aiohttp import web
 
 from nemo_replay import capture
-from nemo_replay.rollout.client import GenerateClient, GenerateRequestError
-from nemo_replay.rollout.server import GenerateServer
-from nemo_replay.rollout.trace import RouteTrace, SupportTrace
-from nemo_replay.rollout.wire import WireError
+from nemo_replay.rollout.transport.client import GenerateClient, GenerateRequestError
+from nemo_replay.rollout.transport.server import GenerateServer
+from nemo_replay.rollout.capture.trace import RouteTrace, SupportTrace
+from nemo_replay.rollout.transport.wire import WireError
 
 V, EOS, LAYERS, TOPK = 48, 2, 3, 2
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 2

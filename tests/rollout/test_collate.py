@@ -7,7 +7,7 @@ import nemo_replay
 from nemo_replay import capture
 from nemo_replay.layout.canonical import ReplayBatch, canonical_channels
 from nemo_replay.rollout.collate import collate_routes, collate_support
-from nemo_replay.rollout.trace import SupportTrace
+from nemo_replay.rollout.capture.trace import SupportTrace
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 

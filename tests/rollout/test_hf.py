@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TopKLogitsWarper
 
 from nemo_replay import score_aligned_support
-from nemo_replay.rollout.hf import (
+from nemo_replay.rollout.capture.hf import (
     SupportRecorder,
     check_generation_config,
     cut_at_stop,

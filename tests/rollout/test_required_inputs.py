@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from nemo_replay.rollout.boundary import validate_support
-from nemo_replay.rollout.client import GenerateClient
+from nemo_replay.rollout.transport.client import GenerateClient
 from nemo_replay.rollout.collate import collate_routes, collate_support
-from nemo_replay.rollout.server import GenerateServer
-from nemo_replay.rollout.sglang import support_from_sglang_meta_info
-from nemo_replay.rollout.trace import RouteTrace, SupportTrace, TokenAlignedAccumulator
-from nemo_replay.rollout.vllm import support_from_vllm_sampling_mask
-from nemo_replay.rollout.wire import WireError, decode_envelope, encode_array, support_to_wire
+from nemo_replay.rollout.transport.server import GenerateServer
+from nemo_replay.rollout.engines.sglang import support_from_sglang_meta_info
+from nemo_replay.rollout.capture.trace import RouteTrace, SupportTrace, TokenAlignedAccumulator
+from nemo_replay.rollout.engines.vllm import support_from_vllm_sampling_mask
+from nemo_replay.rollout.transport.wire import WireError, decode_envelope, encode_array, support_to_wire
 from nemo_replay.support.packed import PackedTensor
 
 ROWS = torch.tensor([[5, 1], [9, -1]], dtype=torch.int32)

@@ -13,10 +13,10 @@ import pytest
 import torch
 from aiohttp import web
 
-from nemo_replay.rollout.client import GenerateClient, GenerateRequestError
-from nemo_replay.rollout import server as server_module
-from nemo_replay.rollout.server import MAX_JSON_VALUES, TOKEN_ENV, GenerateServer, read_token_file
-from nemo_replay.rollout.wire import dumps
+from nemo_replay.rollout.transport.client import GenerateClient, GenerateRequestError
+from nemo_replay.rollout.transport import server as server_module
+from nemo_replay.rollout.transport.server import MAX_JSON_VALUES, TOKEN_ENV, GenerateServer, read_token_file
+from nemo_replay.rollout.transport.wire import dumps
 
 V, EOS = 48, 2
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 2

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from nemo_replay.rollout.sglang import (
+from nemo_replay.rollout.engines.sglang import (
     SGLangAbortError,
     check_sglang_request,
     support_from_sglang_meta_info,

@@ -8,7 +8,7 @@ import torch
 import nemo_replay
 from nemo_replay import capture
 from nemo_replay.layout.canonical import ReplayBatch, canonical_channels
-from nemo_replay.rollout.trace import RouteTrace, SupportTrace, TokenAlignedAccumulator
+from nemo_replay.rollout.capture.trace import RouteTrace, SupportTrace, TokenAlignedAccumulator
 
 EOS, V, K, TEMP = 2, 64, 5, 0.9
 
@@ -245,7 +245,7 @@ def test_support_rows_are_range_checked_before_the_int32_cast():
 
 
 def test_flagged_engine_positions_stay_in_the_response_but_leave_the_loss():
-    from nemo_replay.rollout.engine import EngineSupport
+    from nemo_replay.rollout.engines.base import EngineSupport
     from nemo_replay.support.packed import PackedTensor
 
     rows = torch.tensor([[5, 1], [-1, -1], [9, 4], [-1, -1]], dtype=torch.int32)

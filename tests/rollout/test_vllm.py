@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nemo_replay import capture
-from nemo_replay.rollout.engine import EngineSupport
-from nemo_replay.rollout.vllm import (
+from nemo_replay.rollout.engines.base import EngineSupport
+from nemo_replay.rollout.engines.vllm import (
     check_vllm_engine,
     check_vllm_request,
     support_from_vllm_generate,
@@ -164,7 +164,7 @@ def test_chat_cut_and_short_lists_flag_instead_of_losing_members(tied):
 def test_supports_wider_than_a_fixed_row_are_flagged_never_cut(tied, caplog):
     k, vocab, logits, sizes = tied
     steps = vllm_steps(logits, 1.0, top_k=k, num_logprobs=max(sizes) + 1, ties="keep_tied", seed=5)
-    with caplog.at_level(logging.WARNING, logger="nemo_replay.rollout.engine"):
+    with caplog.at_level(logging.WARNING, logger="nemo_replay.rollout.engines.base"):
         got = support_from_vllm_output(vllm_offline_output(steps, max(sizes) + 1), width=k, vocab_size=vocab)
     wider = [z > k for z in sizes]
     assert got.flagged.tolist() == wider and got.reasons == {"wider_than_row": sum(wider)}
@@ -200,7 +200,7 @@ def test_logprob_errors_name_the_cause(steps, caplog):
         support_from_vllm_logprobs(positions[:1], [True])
     # Raw log-probs are never -inf: every list holds members only, all positions flagged, and the hint says why.
     raw = [{t: Logprob(-1.0 - 0.1 * i, i + 1) for i, t in enumerate(p)} for p in positions]
-    with caplog.at_level(logging.WARNING, logger="nemo_replay.rollout.engine"):
+    with caplog.at_level(logging.WARNING, logger="nemo_replay.rollout.engines.base"):
         got = support_from_vllm_logprobs(raw, ids)
     assert got.num_flagged == N and "--logprobs-mode processed_logprobs" in caplog.text
 

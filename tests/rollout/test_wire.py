@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_replay import capture
-from nemo_replay.rollout.wire import (
+from nemo_replay.rollout.transport.wire import (
     WIRE_DTYPES,
     WireError,
     dumps,

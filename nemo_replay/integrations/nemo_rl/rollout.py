@@ -19,7 +19,7 @@ For replay the worker must see each token's whole support:
 :func:`generation_support_from_vllm` turns the worker's outputs into ``generation_support``
 rows laid out exactly like its ``logprobs`` tensor (int32 ``[B, total_length, k]``, the row
 of token t at column t, ``-1`` on prompt and padding), through the engine adapters of
-:mod:`nemo_replay.rollout.vllm`. Replay's vLLM worker (:mod:`.workers`) returns them; the
+:mod:`nemo_replay.rollout.engines.vllm`. Replay's vLLM worker (:mod:`.workers`) returns them; the
 patched rollout code slices them into each message like ``logprobs`` (:mod:`.patch`), and
 :mod:`.datapath` gives the other messages all ``-1`` rows (:func:`padding_rows`) and pads
 every batch with -1.
@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from nemo_replay.rollout.vllm import support_from_vllm_output
+from nemo_replay.rollout.engines.vllm import support_from_vllm_output
 
 __all__ = ["vllm_support_request", "generation_support_from_vllm", "padding_rows", "GenerationSupport"]
 

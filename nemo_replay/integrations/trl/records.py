@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from nemo_replay.rollout.hf import CapturedSupport
+from nemo_replay.rollout.capture.hf import CapturedSupport
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -104,10 +104,10 @@ def records_from_vllm(
             need ``logprobs >= top_k + 1`` and no penalties).
 
     Each completion goes through the vLLM processed-logprobs adapter
-    (:func:`nemo_replay.rollout.vllm.support_from_vllm_logprobs`). A position whose support
+    (:func:`nemo_replay.rollout.engines.vllm.support_from_vllm_logprobs`). A position whose support
     is not fully visible is an error here: TRL's loss has no way to leave one token out.
     """
-    from nemo_replay.rollout.vllm import support_from_vllm_logprobs
+    from nemo_replay.rollout.engines.vllm import support_from_vllm_logprobs
 
     if not isinstance(sampling_params, dict):
         raise ValueError(

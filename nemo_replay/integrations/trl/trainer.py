@@ -7,7 +7,7 @@ policy (in ``_compute_loss``) through a fused full-vocabulary LM head
 nothing else:
 
 - ``_generate_single_turn``: records each token's support while TRL's own code samples --
-  around ``model.generate`` with the capture hooks of :mod:`nemo_replay.rollout.hf` (after
+  around ``model.generate`` with the capture hooks of :mod:`nemo_replay.rollout.capture.hf` (after
   the temperature / top-k / top-p / min-p warpers), or from vLLM's processed log-probs
   (``logprobs = top_k + 1``) through the vLLM adapter. It returns the processed log-prob of
   every sampled token, which TRL keeps as ``sampling_per_token_logps``.
@@ -55,8 +55,8 @@ from nemo_replay.integrations.trl.records import (
     records_from_vllm,
 )
 from nemo_replay.integrations.trl.settings import ReplaySettings, as_settings
-from nemo_replay.rollout.capture import check_capture_settings
-from nemo_replay.rollout.hf import SupportRecorder, check_generation_config, record_support
+from nemo_replay.rollout.capture.sampler import check_capture_settings
+from nemo_replay.rollout.capture.hf import SupportRecorder, check_generation_config, record_support
 from nemo_replay.scoring.scorer import score_aligned_support
 from nemo_replay.strategies.fsdp.head import hidden_mode_problems
 

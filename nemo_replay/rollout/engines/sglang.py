@@ -42,7 +42,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from nemo_replay.rollout.engine import (
+from nemo_replay.rollout.engines.base import (
     EngineSupport,
     assemble,
     capture_settings_from_engine,
@@ -159,7 +159,7 @@ def support_from_sglang_meta_info(
         sampling_params: the request's ``sampling_params``, checked when given.
 
     Returns:
-        :class:`~nemo_replay.rollout.engine.EngineSupport` with the sampled tokens'
+        :class:`~nemo_replay.rollout.engines.base.EngineSupport` with the sampled tokens'
         log-probs over their supports when the response carries them.
 
     Raises:

@@ -55,7 +55,7 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Union
 import torch
 
 from nemo_replay.rollout.boundary import validate_support
-from nemo_replay.rollout.capture import check_capture_settings
+from nemo_replay.rollout.capture.sampler import check_capture_settings
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.membership import csr_membership
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens

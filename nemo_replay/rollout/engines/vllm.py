@@ -45,8 +45,8 @@ log-probs, members (finite) first. So a position whose list shows at least one f
 entry shows every member: its row is those members. A position whose entries are all
 members may have more members past the end of its list -- with ``logprobs = top_k`` under
 vLLM's PyTorch path, which keeps every token tied with the k-th (see
-:mod:`nemo_replay.rollout.capture`), or under the chat cut -- so it is flagged
-``not_fully_visible`` and its row left empty (:mod:`nemo_replay.rollout.engine`). Rows are
+:mod:`nemo_replay.rollout.capture.sampler`), or under the chat cut -- so it is flagged
+``not_fully_visible`` and its row left empty (:mod:`nemo_replay.rollout.engines.base`). Rows are
 never cut: a support wider than a fixed ``width`` is flagged ``wider_than_row``.
 
 A sampled token whose own log-prob is filtered, or a first entry that is not the sampled
@@ -61,7 +61,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from nemo_replay.rollout.engine import (
+from nemo_replay.rollout.engines.base import (
     FLAG_REASONS,
     EngineSupport,
     as_mapping,
@@ -316,7 +316,7 @@ def support_from_vllm_logprobs(
             :func:`check_vllm_request` when given (recommended).
 
     Returns:
-        :class:`~nemo_replay.rollout.engine.EngineSupport`: one row per token, members
+        :class:`~nemo_replay.rollout.engines.base.EngineSupport`: one row per token, members
         ordered by log-prob (then id), the sampled tokens' processed log-probs, and the
         positions flagged ``not_fully_visible`` / ``wider_than_row`` with empty rows.
     """

@@ -263,7 +263,7 @@ class SupportTrace:
             sampled_ids: (n,) int, every token the engine sampled this turn.
             rows: their n support rows: int ``[n, top_k]`` (or a one-segment PackedTensor),
                 or for ragged traces a RaggedSupport of n rows / a list of n id lists; or an
-                engine adapter's :class:`~nemo_replay.rollout.engine.EngineSupport`, whose
+                engine adapter's :class:`~nemo_replay.rollout.engines.base.EngineSupport`, whose
                 flagged positions are taken with it.
             response_ids: the tokens the generator keeps for the conversation, when it
                 differs from ``sampled_ids``: equal to ``sampled_ids`` with a final sampled

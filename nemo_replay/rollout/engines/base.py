@@ -1,7 +1,7 @@
 """What every engine adapter returns, and the checks they share (docs/design.md §2, §7).
 
-Adapters live one module per engine -- :mod:`nemo_replay.rollout.vllm` and
-:mod:`nemo_replay.rollout.sglang`; ``docs/engines.md`` shows one worked example per engine
+Adapters live one module per engine -- :mod:`nemo_replay.rollout.engines.vllm` and
+:mod:`nemo_replay.rollout.engines.sglang`; ``docs/engines.md`` shows one worked example per engine
 output path. Each turns what the engine returns for one response (``n`` generated tokens)
 into an :class:`EngineSupport`: one support row per token, checked at the boundary by
 :func:`~nemo_replay.rollout.boundary.validate_support` (every non-empty row holds its
@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from nemo_replay.rollout.boundary import validate_support
-from nemo_replay.rollout.capture import check_capture_settings
+from nemo_replay.rollout.capture.sampler import check_capture_settings
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 

@@ -29,7 +29,7 @@ Min-p and top-k both keep a prefix of the ranked list defined by ``x`` alone, so
 relative order does not change the result; top-p must come after both. (SGLang's
 PyTorch path thresholds top-p on probabilities not renormalised after top-k and applies
 min-p last; supports captured from SGLang come from its own sampling mask, see
-:mod:`nemo_replay.rollout.sglang`.)
+:mod:`nemo_replay.rollout.engines.sglang`.)
 
 Ranking, ties and rounding. Every filter keeps a prefix of one ranking of the candidates,
 so a support row is "the first ``m`` ranked candidates". Which tokens survive at a boundary

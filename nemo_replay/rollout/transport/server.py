@@ -1,7 +1,7 @@
 """A small generate endpoint on loopback that serves captured support and routes.
 
 It runs a torch next-token model through :func:`nemo_replay.capture.sample` and answers
-the request/response schema of :mod:`nemo_replay.rollout.client`. It is the reference
+the request/response schema of :mod:`nemo_replay.rollout.transport.client`. It is the reference
 endpoint for tests and single-host generation: it binds loopback addresses only.
 
     async with GenerateServer(logits_fn, vocab_size=V, routes_fn=routes_fn, eos_id=2) as server:
@@ -69,8 +69,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from aiohttp import web
 
-from nemo_replay.rollout.capture import TIE_RULES, check_capture_settings, sample
-from nemo_replay.rollout.wire import dumps, loads, support_to_wire
+from nemo_replay.rollout.capture.sampler import TIE_RULES, check_capture_settings, sample
+from nemo_replay.rollout.transport.wire import dumps, loads, support_to_wire
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -106,7 +106,7 @@ def _strict_int(value: Any, field: str) -> int:
 
 @dataclass
 class GenerateRequest:
-    """A validated request (schema: :mod:`nemo_replay.rollout.client`)."""
+    """A validated request (schema: :mod:`nemo_replay.rollout.transport.client`)."""
 
     input_ids: Optional[torch.Tensor]  # (T,) integer, every id in [0, vocab_size); released once copied
     sampling: dict  # keyword arguments of capture.sample

@@ -1,6 +1,6 @@
 """Async client for a generate endpoint that returns captured support and routes (docs/design.md §7).
 
-Request body (wire format, :mod:`nemo_replay.rollout.wire`)::
+Request body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
 
     {"input_ids": <int32 [T]> | [int, ...],         # the whole conversation so far
      "sampling_params": {"temperature": 1.0, "top_k": 64, "top_p": 1.0, "min_p": 0.0,
@@ -8,7 +8,7 @@ Request body (wire format, :mod:`nemo_replay.rollout.wire`)::
      "routes_start": 37 | null,                     # return routes from this token on
      "seed": 0 | null}
 
-Response body (wire format, :mod:`nemo_replay.rollout.wire`)::
+Response body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
 
     {"output_ids":  <int64 [n]>,
      "logprobs":    <float32 [n]>,                  # processed log-probs of output_ids
@@ -43,7 +43,7 @@ from typing import Any, Mapping, Optional, Union
 import aiohttp
 import torch
 
-from nemo_replay.rollout.wire import WireError, dumps, loads, routes_from_wire, support_from_wire
+from nemo_replay.rollout.transport.wire import WireError, dumps, loads, routes_from_wire, support_from_wire
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
