@@ -42,7 +42,7 @@ from typing import Optional, Union
 
 import torch
 
-from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.packed import PackedTensor, Segmented
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = [
@@ -205,7 +205,7 @@ class ReplayBatch:
             v = getattr(self, f.name)
             if v is None:
                 out[f.name] = None
-            elif isinstance(v, (PackedTensor, RaggedSupport)):
+            elif isinstance(v, Segmented):
                 out[f.name] = v.gather(index)
             else:
                 out[f.name] = v[index.to(v.device)]

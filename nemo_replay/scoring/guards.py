@@ -78,12 +78,7 @@ def has_support_row(support: Union[PackedTensor, RaggedSupport], row_ids: torch.
     Returns:
         bool, shaped like ``row_ids``.
     """
-    if isinstance(support, PackedTensor):
-        values = support.values
-        nonempty = values[:, 0] >= 0 if values.shape[1] else torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
-    else:
-        nonempty = support.row_lengths > 0
-    nonempty = nonempty.to(row_ids.device)
+    nonempty = support.nonempty_rows().to(row_ids.device)
     if nonempty.numel() == 0:
         return torch.zeros(row_ids.shape, dtype=torch.bool, device=row_ids.device)
     ok = (row_ids >= 0) & (row_ids < nonempty.numel())

@@ -42,7 +42,6 @@ from nemo_replay.support.checked import checked, record_checked, stale_flag
 from nemo_replay.support.membership import row_membership
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
-from nemo_replay.support.validate import support_row_flags, validate_support_rows
 
 __all__ = ["Call", "Plan", "prepare", "plan_support", "plan_full", "nonzero", "check_guards"]
 
@@ -235,20 +234,18 @@ def normalise_support(support: SupportArg, device) -> Union[PackedTensor, Ragged
         if support.dim() != 2:
             raise ValueError(f"support rows must be [rows, k], got shape {tuple(support.shape)}")
         support = PackedTensor(support, [0, support.shape[0]])
-    elif isinstance(support, PackedTensor):
-        if support.values.dim() != 2:
-            raise ValueError(f"fixed-width support values must be [rows, k], got {tuple(support.values.shape)}")
-    elif not isinstance(support, RaggedSupport):
+    if not isinstance(support, (PackedTensor, RaggedSupport)):
         raise ValueError(
             f"support must be a PackedTensor of [rows, k] int rows, a RaggedSupport or a [rows, k] tensor, got "
             f"{type(support).__name__}"
         )
-    if isinstance(support, PackedTensor):
-        dtype = support.values.dtype
-        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            raise ValueError(f"support rows must be integer (int32), got {dtype}")
-        if dtype not in (torch.int32, torch.int64):
-            support = support.to(torch.int64)  # narrow ids would wrap in comparisons (uint8: -1 is 255)
+    ids = support.all_ids  # RaggedSupport checked its members' dtype when it was built
+    if ids.dim() != 2 and isinstance(support, PackedTensor):
+        raise ValueError(f"fixed-width support values must be [rows, k], got {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"support rows must be integer (int32), got {ids.dtype}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        support = support.to(torch.int64)  # narrow ids would wrap in comparisons (uint8: -1 is 255)
     return support if support.device == device else support.to(device)
 
 
@@ -278,21 +275,15 @@ def _rows_of_positions(call: Call, support) -> tuple[torch.Tensor, torch.Tensor]
     """(ids_all (N, w), has_row (N,) bool): every position's row (clamped row ids), no host sync.
 
     A row id outside ``[0, rows)`` reads row 0 and counts as no row (the row_range guard
-    names it). Ragged rows are padded to the support's width bound with -1.
+    names it). Rows are padded to the support's width bound with -1.
     """
     rows, R = call.rows, support.num_rows
+    width = support.width_bound
+    if R == 0:
+        return support.all_ids.new_full((call.N, width), -1), torch.zeros(call.N, dtype=torch.bool, device=call.device)
     valid = (rows >= 0) & (rows < R)
-    r = rows.clamp(0, max(R - 1, 0))
-    if isinstance(support, PackedTensor):
-        values = support.values
-        w = values.shape[1]
-        ids = values[r] if R else values.new_full((call.N, w), -1)
-        nonempty = ids[:, 0] >= 0 if w else torch.zeros(call.N, dtype=torch.bool, device=call.device)
-        return ids, valid & nonempty
-    if R == 0 or support.member_ids.numel() == 0:
-        return torch.full((call.N, 1), -1, dtype=torch.int32, device=call.device), torch.zeros_like(valid)
-    ids = support.gather_padded(r, support.width_bound)
-    return ids, valid & (support.row_offsets[r + 1] > support.row_offsets[r])
+    r = rows.clamp(0, R - 1)
+    return support.gather_padded(r, width), valid & support.nonempty_rows()[r]
 
 
 def _support_flag(support, vocab_size: Optional[int], validate: bool):
@@ -305,24 +296,19 @@ def _support_flag(support, vocab_size: Optional[int], validate: bool):
     if not validate:
         return None, False
     rec = checked(support)
-    ids = support.values if isinstance(support, PackedTensor) else support.member_ids
-    if rec is not None:  # invariants held at the check; the rows may have changed behind the version counter
-        flag = stale_flag(support)
-        if not rec.covers(vocab_size):  # and the vocabulary bound is new
-            flag = flag | (ids.amax() >= vocab_size) if ids.numel() else flag
-        return flag, not rec.covers(vocab_size)  # a tighter bound is recorded once it passed
-    if isinstance(support, PackedTensor):
-        return support_row_flags(ids, vocab_size=vocab_size), True
-    return support.invalid_flag(vocab_size=vocab_size), True
+    if rec is None:
+        return support.invalid_flag(vocab_size=vocab_size), True
+    # Invariants held at the check; the rows may have changed behind the version counter.
+    flag, ids = stale_flag(support), support.all_ids
+    if not rec.covers(vocab_size) and ids.numel():  # and the vocabulary bound is new
+        flag = flag | (ids.amax() >= vocab_size)
+    return flag, not rec.covers(vocab_size)  # a tighter bound is recorded once it passed
 
 
 def raise_support(support, vocab_size: Optional[int]) -> None:
     """Name the first row that breaks the §2 invariants; rows that pass (a record whose rows changed
     behind the version counter but are still valid) are recorded again and the call goes on."""
-    if isinstance(support, PackedTensor):
-        validate_support_rows(support.values, vocab_size=vocab_size, cu_seqlens=support.cu_seqlens, where="scorer support")
-    else:
-        support.validate(vocab_size=vocab_size, where="scorer support")
+    support.validate(vocab_size=vocab_size, where="scorer support")
 
 
 def _chunk_rows(local_all: torch.Tensor, scored: torch.Tensor, chunk_size: int):

@@ -218,7 +218,7 @@ def _deferred_checks(plan: Plan, vocab_max: torch.Tensor) -> None:
     bad = plan.fallback & ((call.sampled < 0) | (call.sampled >= vocab_max))
     flags = [vocab_max.to(torch.int64), bad.any().to(torch.int64)]
     if plan.deferred_support_check and plan.support is not None:
-        ids = plan.support.values if isinstance(plan.support, PackedTensor) else plan.support.member_ids
+        ids = plan.support.all_ids
         flags.append((ids.amax() >= vocab_max).to(torch.int64) if ids.numel() else bad.new_zeros(()).long())
     got = torch.stack(flags).tolist()
     vocab = got[0]

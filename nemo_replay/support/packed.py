@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from nemo_replay.support.checked import Checked, carry_checked, checked
-from nemo_replay.support.validate import check_cu_seqlens
+from nemo_replay.support.validate import check_cu_seqlens, support_row_flags, validate_support_rows
 
 __all__ = ["PackedTensor", "Segmented", "lengths_to_cu_seqlens", "segment_row_index"]
 
@@ -66,7 +66,25 @@ def segment_row_index(cu_seqlens: torch.Tensor, segments: torch.Tensor) -> tuple
 
 
 class Segmented:
-    """Views shared by batches whose trajectories are addressed by ``cu_seqlens`` (B + 1,)."""
+    """Views shared by batches whose trajectories are addressed by ``cu_seqlens`` (B + 1,).
+
+    Support rows come in two forms, fixed-width (:class:`PackedTensor` of ``[rows, k]`` ids with
+    trailing -1) and CSR (:class:`~nemo_replay.support.ragged.RaggedSupport`). Both answer the
+    same support methods, so no caller branches on the form (docs/design.md §2):
+
+    ============================  ====================================================
+    ``all_ids``                   every id the rows hold (padding included), for bounds
+    ``width_bound``               columns that hold any row padded with -1
+    ``nonempty_rows()``           (rows,) bool: a support was recorded
+    ``gather_padded(rows, w)``    (n, w) chosen rows, trailing -1, no host read
+    ``invalid_flag(vocab_size)``  0-d bool: :meth:`validate` would raise; no host read
+    ``validate(...)``             the §2 invariants and membership, naming the row
+    ``resegment(cu_seqlens)``     the same rows under new trajectory boundaries
+    ``widen(width)``              rows padded to at least ``width`` columns
+    ``to_ragged()``               the CSR form
+    ``gather``, ``cat``, ``to``   batch operations; a passed check carries over
+    ============================  ====================================================
+    """
 
     __slots__ = ()
 
@@ -238,6 +256,60 @@ class PackedTensor(Segmented):
     def to(self, *args, **kwargs) -> "PackedTensor":
         """Move/cast ``values`` like ``Tensor.to``; ``cu_seqlens`` follows the device, stays int32."""
         return carry_checked([self], PackedTensor(self.values.to(*args, **kwargs), self.cu_seqlens))
+
+    # ------------------------------------------------------------------ support rows ([rows, k] int)
+    @property
+    def all_ids(self) -> torch.Tensor:
+        return self.values
+
+    @property
+    def width_bound(self) -> int:
+        return self.values.shape[1]
+
+    def nonempty_rows(self) -> torch.Tensor:
+        """(num_rows,) bool: rows whose first entry is an id (a row is all -1 or starts with a member)."""
+        values = self.values
+        if values.shape[1] == 0:
+            return torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+        return values[:, 0] >= 0
+
+    def gather_padded(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """(n, max(width, k)) rows ``rows`` (int64 indices in ``[0, num_rows)``) with trailing -1 columns
+        beyond ``k``; no host read. Example: rows ``[[4, 9], [2, -1]]``, ``rows = [1, 0]``, width 3 ->
+        ``[[2, -1, -1], [4, 9, -1]]``."""
+        values = self.values
+        k = values.shape[1]
+        out = values[rows] if values.shape[0] else values.new_full((rows.numel(), k), -1)
+        if width > k:
+            out = torch.cat([out, out.new_full((out.shape[0], width - k), -1)], 1)
+        return out
+
+    def invalid_flag(self, *, vocab_size: int | torch.Tensor | None = None) -> torch.Tensor:
+        """0-d bool, True when :meth:`validate` would raise (membership aside); no host sync."""
+        return support_row_flags(self.values, vocab_size=vocab_size)
+
+    def validate(self, *, vocab_size: int | None = None, sampled_ids: torch.Tensor | None = None, where: str = "support") -> None:
+        """The docs/design.md §2 invariants; each non-empty row holds its ``sampled_ids`` entry when given."""
+        if sampled_ids is not None:
+            sampled_ids = torch.as_tensor(sampled_ids).to(self.device)
+        validate_support_rows(self.values, vocab_size=vocab_size, cu_seqlens=self.cu_seqlens, sampled_ids=sampled_ids, where=where)
+
+    def resegment(self, cu_seqlens: torch.Tensor | Sequence[int]) -> "PackedTensor":
+        """The same rows, split into trajectories by ``cu_seqlens``; a passed check carries over."""
+        return carry_checked([self], PackedTensor(self.values, cu_seqlens))
+
+    def widen(self, width: int) -> "PackedTensor":
+        """Rows padded with trailing -1 columns to at least ``width``: every row stays valid, the
+        check record carries over."""
+        if width <= self.values.shape[1]:
+            return self
+        wide = self.gather_padded(torch.arange(self.num_rows, device=self.device), width)
+        return carry_checked([self], PackedTensor(wide, self.cu_seqlens))
+
+    def to_ragged(self):
+        from nemo_replay.support.ragged import RaggedSupport  # ragged builds on this module
+
+        return RaggedSupport.from_padded(self)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, PackedTensor):

@@ -26,6 +26,8 @@ from typing import Sequence
 import torch
 
 from nemo_replay.support.checked import Checked, carry_checked, checked, tensor_version
+from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.membership import csr_membership
 from nemo_replay.support.packed import PackedTensor, Segmented, lengths_to_cu_seqlens, segment_row_index
 from nemo_replay.support.validate import check_cu_seqlens, describe_row
 
@@ -134,6 +136,26 @@ class RaggedSupport(Segmented):
         if all(w is not None for w in widths):
             out._set_width(max(widths))
         return carry_checked(sources, out)
+
+    @property
+    def all_ids(self) -> torch.Tensor:
+        return self.member_ids
+
+    def nonempty_rows(self) -> torch.Tensor:
+        """(num_rows,) bool: rows holding at least one member."""
+        return self.row_lengths > 0
+
+    def resegment(self, cu_seqlens: torch.Tensor | Sequence[int]) -> "RaggedSupport":
+        """The same rows, split into trajectories by ``cu_seqlens``; a passed check carries over."""
+        cu_seqlens = torch.as_tensor(cu_seqlens).to(device=self.device, dtype=torch.int32)
+        return self._derived(RaggedSupport(self.member_ids, self.row_offsets, cu_seqlens), [self])
+
+    def widen(self, width: int) -> "RaggedSupport":
+        """CSR rows have no columns to pad: the rows as they are."""
+        return self
+
+    def to_ragged(self) -> "RaggedSupport":
+        return self
 
     def row(self, r: int) -> torch.Tensor:
         return self.member_ids[int(self.row_offsets[r]) : int(self.row_offsets[r + 1])]
@@ -271,13 +293,43 @@ class RaggedSupport(Segmented):
         same = (ids[order][1:] == ids[order][:-1]) & (row_of[order][1:] == row_of[order][:-1])
         return bad | same.any()
 
-    def validate(self, *, vocab_size: int | None = None, where: str = "support") -> None:
-        """Members in ``[0, vocab_size)`` and no duplicate id in a row (vectorised).
+    def validate(self, *, vocab_size: int | None = None, sampled_ids: torch.Tensor | None = None, where: str = "support") -> None:
+        """Members in ``[0, vocab_size)``, no duplicate id in a row, and each non-empty row holding its
+        ``sampled_ids`` entry when given (vectorised).
 
-        Valid rows cost one host read (:meth:`invalid_flag`); only a failure pays for naming the row.
+        Valid rows cost one host read (:meth:`invalid_flag`), two with ``sampled_ids``; only a failure
+        pays for naming the row.
         """
-        if not bool(self.invalid_flag(vocab_size=vocab_size)):
-            return
+        if bool(self.invalid_flag(vocab_size=vocab_size)):
+            self._name_invalid_row(vocab_size, where)
+        if sampled_ids is not None:
+            self._check_members(torch.as_tensor(sampled_ids), where)
+
+    def _check_members(self, sampled_ids: torch.Tensor, where: str) -> None:
+        """Each non-empty row must contain its sampled token.
+
+        Worked example: member_ids [4, 9, 2, 3, 7], row_offsets [0, 2, 2, 5], sampled [9, 5, 1]
+        -> row_of_member [0, 0, 2, 2, 2]; hits at member 1 (row 0); row 1 is empty (exempt);
+        row 2 has no hit -> error naming row 2.
+        """
+        if sampled_ids.shape != (self.num_rows,):
+            raise ValueError(
+                f"{where}: sampled_ids has shape {tuple(sampled_ids.shape)}, expected ({self.num_rows},) "
+                f"-- one sampled token per support row"
+            )
+        lengths = self.row_lengths
+        row_of = torch.repeat_interleave(torch.arange(self.num_rows, device=self.device), lengths)
+        sampled = sampled_ids.to(device=self.device, dtype=torch.int64)
+        found, _ = csr_membership(self.member_ids, row_of, sampled)
+        missing = (lengths > 0) & ~found
+        if missing.any():
+            r = int(torch.nonzero(missing)[0])
+            raise SupportAlignmentError(
+                f"{where}: {describe_row(self.cu_seqlens, r)}: sampled token {int(sampled[r])} is not a member "
+                f"of its support row {self.row(r).tolist()[:16]}; rows and tokens are misaligned"
+            )
+
+    def _name_invalid_row(self, vocab_size: int | None, where: str) -> None:
         ids, row_of, order = self._sorted_members()
 
         def fail(bad: torch.Tensor, what: str) -> None:

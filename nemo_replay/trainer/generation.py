@@ -37,7 +37,6 @@ import torch
 
 from nemo_replay.capture import sample
 from nemo_replay.layout.canonical import ReplayBatch
-from nemo_replay.support.checked import carry_checked
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -98,23 +97,6 @@ def left_pad(rows: Sequence[torch.Tensor], pad_id: int = 0, device=None) -> tupl
     return seq, mask
 
 
-def _rows_as_segments(support: Union[PackedTensor, RaggedSupport]):
-    """One segment per row (so ``gather`` can reorder single rows)."""
-    n = support.num_rows
-    cu = torch.arange(n + 1, dtype=torch.int32, device=support.device)
-    if isinstance(support, PackedTensor):
-        return PackedTensor(support.values, cu)
-    return RaggedSupport(support.member_ids, support.row_offsets, cu)
-
-
-def _regroup(rows, lengths: torch.Tensor):
-    """Per-row segments -> one segment of ``lengths[i]`` rows per trajectory."""
-    cu = lengths_to_cu_seqlens(lengths.cpu()).to(rows.device)
-    if isinstance(rows, PackedTensor):
-        return PackedTensor(rows.values, cu)
-    return RaggedSupport(rows.member_ids, rows.row_offsets, cu)
-
-
 @torch.no_grad()
 def generate(
     next_token_logits: NextTokenLogits,
@@ -163,7 +145,7 @@ def generate(
             )
             ids[rows] = drawn
             logprobs[rows, t] = lp
-            step_rows.append(_rows_as_segments(support))
+            step_rows.append(support)
             step_owner.append(torch.stack([rows, torch.full_like(rows, t)], 1))
             resp_len[rows] += 1
         seq = torch.cat([seq, ids[:, None]], 1)
@@ -203,7 +185,9 @@ def _assemble(prompts, seq, mask, resp_len, logprobs, step_rows, step_owner, set
     # trajectory-major (i, then t). Sort the (trajectory, step) owner pairs to get the order.
     owner = torch.cat(step_owner)
     order = torch.argsort(owner[:, 0] * T + owner[:, 1])
-    rows = _regroup(_cat(step_rows).gather(order.cpu()), resp_len)
+    step_major = type(step_rows[0]).cat(step_rows)
+    one_per_row = step_major.resegment(torch.arange(step_major.num_rows + 1))  # so gather reorders single rows
+    rows = one_per_row.gather(order.cpu()).resegment(lengths_to_cu_seqlens(resp_len.cpu()))
     # Step t of trajectory i is its token t: the step-major matrix already reads in token order.
     flat = logprobs[torch.arange(T, device=logprobs.device)[None, :] < resp_len[:, None]]
     # Real tokens in buffer order: the prompt (a suffix of the prompt block) then R_i responses;
@@ -243,11 +227,8 @@ def rollout_batch(
     loss_mask = torch.arange(A, device=device)[None, :] >= (A - resp_len)[:, None]
     rollout_lp = torch.zeros(len(responses), A, dtype=torch.float32, device=device)
     rollout_lp[loss_mask] = logprobs.to(device=device, dtype=torch.float32)  # row-major = response-major
-    if isinstance(support, PackedTensor) and row_width and row_width > support.values.shape[1]:
-        extra = row_width - support.values.shape[1]
-        pad = torch.full((support.values.shape[0], extra), -1, dtype=support.values.dtype, device=support.values.device)
-        # Trailing -1 columns keep every row valid: the check record carries over.
-        support = carry_checked([support], PackedTensor(torch.cat([support.values, pad], 1), support.cu_seqlens))
+    if row_width:
+        support = support.widen(row_width)
     full = [torch.cat([p.to(device=device, dtype=torch.int64), r.to(device=device, dtype=torch.int64)]) for p, r in zip(prompts, responses)]
     sequences, attention_mask = left_pad(full, pad_id, device)
     batch = ReplayBatch(
@@ -260,10 +241,6 @@ def rollout_batch(
         rollout_logprobs=rollout_lp,
     )
     return Rollout(batch, [p.cpu() for p in prompts], [r.cpu().to(torch.int64) for r in responses])
-
-
-def _cat(items):
-    return PackedTensor.cat(items) if isinstance(items[0], PackedTensor) else RaggedSupport.cat(items)
 
 
 def replay_batches_from_generation(

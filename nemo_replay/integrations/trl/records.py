@@ -138,9 +138,9 @@ def records_from_vllm(
 
 def join_supports(supports: Sequence[Union[PackedTensor, RaggedSupport]]) -> Union[PackedTensor, RaggedSupport]:
     """One batch from per-completion supports: fixed width when all share one, else CSR."""
-    if all(isinstance(s, PackedTensor) for s in supports) and len({s.values.shape[1:] for s in supports}) == 1:
-        return PackedTensor.cat(supports)
-    return RaggedSupport.cat([s if isinstance(s, RaggedSupport) else RaggedSupport.from_padded(s) for s in supports])
+    if all(isinstance(s, PackedTensor) for s in supports) and len({s.width_bound for s in supports}) == 1:
+        return PackedTensor.cat(supports)  # one width: stays fixed-width
+    return RaggedSupport.cat([s.to_ragged() for s in supports])
 
 
 class Channels(NamedTuple):

@@ -247,9 +247,7 @@ def _join_supports(parts: list) -> Union[PackedTensor, RaggedSupport]:
     """Per-step one-row supports -> one segment of n rows."""
     steps = type(parts[0]).cat(parts)  # n segments of one row each
     one_segment = torch.tensor([0, steps.num_rows], dtype=torch.int32)
-    if isinstance(steps, PackedTensor):
-        return PackedTensor(steps.values, one_segment)
-    return RaggedSupport(steps.member_ids, steps.row_offsets, one_segment)
+    return steps.resegment(one_segment)
 
 
 def _error(status: int, message: str, **headers) -> web.Response:
