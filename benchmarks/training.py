@@ -53,7 +53,7 @@ PROFILES = {
 
 def _batches(spec: dict):
     """Micro-batches of left-padded trajectories with support rows recorded at collation."""
-    from nemo_replay.layout.canonical import ReplayBatch
+    from nemo_replay.batch import ReplayBatch
     from nemo_replay.rollout.boundary import validate_support
     from nemo_replay.support.packed import PackedTensor
 

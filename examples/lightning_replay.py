@@ -28,7 +28,7 @@ from nemo_replay.objectives import group_advantages
 from nemo_replay.rollout.capture.hf import generate_with_support
 from nemo_replay.trainer.generation import replay_batches_from_generation
 from nemo_replay.strategies.base import RoleSettings
-from nemo_replay.tasks import SuccessorTask
+from nemo_replay.trainer.tasks import SuccessorTask
 from nemo_replay.trainer.generation import left_pad
 
 V, NUM_PROMPTS, GROUP, NEW_TOKENS = 16, 4, 4, 6

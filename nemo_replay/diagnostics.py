@@ -1,7 +1,7 @@
 """Per-step diagnostics of the train/inference mismatch (docs/design.md §1).
 
 All inputs are ``(B, A)`` tensors in the batch's columns (the last A token columns, see
-:class:`~nemo_replay.layout.canonical.ReplayBatch`: a right-aligned response window, or the
+:class:`~nemo_replay.batch.ReplayBatch`: a right-aligned response window, or the
 whole row token-aligned) with a ``(B, A)`` bool mask of the positions that count
 (loss-active response tokens).
 
@@ -62,7 +62,7 @@ def record_policy(stats: "StepStats", batch, out, *, first_forward: bool = True)
     """The diagnostics of one policy-role output (no host read: values stay tensors until reduce).
 
     Args:
-        batch: the :class:`~nemo_replay.layout.canonical.ReplayBatch` it scored.
+        batch: the :class:`~nemo_replay.batch.ReplayBatch` it scored.
         out: its :class:`~nemo_replay.strategies.base.RoleOutput` (canonical coordinates).
         first_forward: the forward ran before any update of this step; only then is its
             ratio against ``batch.rollout_logprobs`` the first-step ratio (``ratio_mean``,

@@ -10,7 +10,7 @@ what it returns::
 - ``logprobs``: (B, A) float32 (float64 for float64 models), differentiable; column a is
   token column ``S - A + a`` of ``batch.sequences`` (the coordinates of ``batch.loss_mask``),
   0 where nothing was scored.
-- ``batch``: the :class:`~nemo_replay.layout.canonical.ReplayBatch` (advantages, old,
+- ``batch``: the :class:`~nemo_replay.batch.ReplayBatch` (advantages, old,
   reference and rollout log-probs, all in the same (B, A) coordinates).
 - ``mask``: (B, A) bool, the loss-active tokens (``batch.loss_mask != 0``).
 - returns a scalar loss (this micro-batch's objective, a mean over its own tokens or

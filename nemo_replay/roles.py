@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.strategies.base import ReplayStrategy, RoleOutput, RoleSettings
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy

@@ -168,7 +168,7 @@ class TaskConfig:
     """The built-in task with a verifiable reward."""
 
     name: str = "successor"
-    """Task name (see :mod:`nemo_replay.tasks`)."""
+    """Task name (see :mod:`nemo_replay.trainer.tasks`)."""
     num_symbols: Optional[int] = None
     """Token ids the task uses, [0, num_symbols); null: the whole ``model.vocab_size``."""
     min_prompt_len: int = 2

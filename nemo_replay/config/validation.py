@@ -289,7 +289,7 @@ def _loop(cfg: RecipeConfig, out: list[str]) -> None:
         out.append(f"trainer.accelerator={tr.accelerator!r} must be one of {', '.join(_ACCELERATORS)}")
     if tr.num_threads is not None and tr.num_threads < 1:
         out.append(f"trainer.num_threads={tr.num_threads} must be >= 1 or null")
-    from nemo_replay.tasks import TASKS
+    from nemo_replay.trainer.tasks import TASKS
 
     if task.name not in TASKS:
         out.append(f"task.name={task.name!r} is not a built-in task; choose one of {', '.join(sorted(TASKS))}")

@@ -30,7 +30,7 @@ Add the callback; the module finds the role callbacks at ``self.replay``
     trainer.fit(MyRL(policy, reference), loader)   # loader yields lists of ReplayBatch
     # another objective: ReplayCallback("fsdp", loss_fn=SequenceRatioObjective(kl_coef=0.01))
 
-``loader`` yields lists of :class:`~nemo_replay.layout.canonical.ReplayBatch` with their
+``loader`` yields lists of :class:`~nemo_replay.batch.ReplayBatch` with their
 support rows; from transformers' ``generate``,
 :func:`nemo_replay.trainer.generation.replay_batches_from_generation` builds them
 (``examples/lightning_replay.py`` runs the whole loop on CPU).
@@ -62,7 +62,7 @@ from typing import Optional, Union
 
 from lightning.pytorch.callbacks import Callback
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.strategies.base import ReplayStrategy, RoleSettings
 from nemo_replay.roles import ReplayRoles

@@ -1,6 +1,6 @@
 """What every strategy provides to a trainer (docs/design.md §5, §6).
 
-A strategy turns micro-batches (:class:`~nemo_replay.layout.canonical.ReplayBatch`, any
+A strategy turns micro-batches (:class:`~nemo_replay.batch.ReplayBatch`, any
 padding) into backend-aligned channels, calls the one shared scorer, and returns results in
 the batch's ``[B, S - 1]`` logit coordinates. Trainers call :meth:`ReplayStrategy.run_role`
 for each of the three roles:
@@ -29,7 +29,8 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from nemo_replay.layout.canonical import ReplayBatch, to_caller_columns
+from nemo_replay.batch import ReplayBatch
+from nemo_replay.layout.canonical import to_caller_columns
 from nemo_replay.objectives import PolicyLoss, TokenRatioObjective
 
 __all__ = [

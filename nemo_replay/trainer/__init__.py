@@ -16,7 +16,7 @@ _WHERE = {
     "GRPOTrainer": "nemo_replay.trainer.grpo",
     "RunResult": "nemo_replay.trainer.grpo",
     "run_compare": "nemo_replay.trainer.compare",
-    "SuccessorTask": "nemo_replay.tasks",
+    "SuccessorTask": "nemo_replay.trainer.tasks",
 }
 
 

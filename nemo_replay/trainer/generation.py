@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 import torch
 
 from nemo_replay.capture import sample
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -277,7 +277,7 @@ def replay_batches_from_generation(
         device: where the batches live; default ``input_ids.device``.
 
     Returns:
-        a list of :class:`~nemo_replay.layout.canonical.ReplayBatch` with ``support`` and
+        a list of :class:`~nemo_replay.batch.ReplayBatch` with ``support`` and
         ``rollout_logprobs``, ready for the roles (``ReplayRoles``, ``ReplayCallback``).
     """
     B = len(rollout.completions)

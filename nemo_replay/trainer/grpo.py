@@ -40,7 +40,7 @@ import torch
 
 from nemo_replay.config.loading import to_yaml
 from nemo_replay.config.schema import RecipeConfig
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.objectives import group_advantages
 from nemo_replay.strategies.base import RoleSettings, policy_loss
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
@@ -54,7 +54,7 @@ from nemo_replay.trainer.metrics import JsonlLogger, plot_runs, restore_rows, wr
 from nemo_replay.trainer.preemption import StopSignals
 from nemo_replay.trainer.rundir import prepare_run_dir
 from nemo_replay.trainer.runtime import launch_fabric, make_backend, seed_all
-from nemo_replay.tasks import build_task
+from nemo_replay.trainer.tasks import build_task
 
 __all__ = ["GRPOTrainer", "RunResult", "role_settings", "sampling_settings", "split_batch"]
 

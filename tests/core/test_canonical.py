@@ -6,16 +6,8 @@ import pytest
 import torch
 
 from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support
-from nemo_replay.layout.canonical import (
-    ReplayBatch,
-    canonical_channels,
-    from_caller_columns,
-    position_ids,
-    real_runs,
-    response_columns,
-    to_caller_columns,
-    token_aligned_channels,
-)
+from nemo_replay.batch import ReplayBatch
+from nemo_replay.layout.canonical import canonical_channels, from_caller_columns, position_ids, real_runs, response_columns, to_caller_columns, token_aligned_channels
 from nemo_replay.strategies.base import RoleOutput
 
 PAD = 0

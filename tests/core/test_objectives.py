@@ -306,7 +306,7 @@ def test_masked_positions_never_reach_the_loss_whatever_they_hold(make):
 def test_fields_set_after_the_batch_was_built_are_checked_for_shape():
     """With B = 1, advantages of shape (3,) broadcast over A and tripled the loss; a (B, A - 1)
     old_logprobs gave a raw broadcast error after the forward."""
-    from nemo_replay.layout.canonical import ReplayBatch
+    from nemo_replay.batch import ReplayBatch
     from nemo_replay.strategies.base import check_policy_batches
 
     lp, batch, mask = _objective_batch(9, per_token=False)

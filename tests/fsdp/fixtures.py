@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.objectives import clipped_policy_loss
 from nemo_replay.support.packed import PackedTensor
 

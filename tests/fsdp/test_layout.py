@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.ulysses import gather_sequence, pad_and_slice, padded_length
 from nemo_replay.layout.unpad import pad, packed_position_ids, shift_left, unpad, unpad_indices
 from nemo_replay.scoring.scorer import score_aligned_support

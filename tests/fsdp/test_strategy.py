@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_replay import get_strategy
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.strategies.fsdp import FSDPStrategy
 from tests.fsdp.fixtures import (

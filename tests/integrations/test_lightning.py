@@ -13,7 +13,7 @@ from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.layout.canonical import position_ids
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.integrations.lightning import ReplayCallback
-from nemo_replay.tasks import SuccessorTask
+from nemo_replay.trainer.tasks import SuccessorTask
 
 V, G = 24, 4
 

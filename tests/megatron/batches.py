@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.support.packed import PackedTensor
 
 TEMPERATURE = 0.9

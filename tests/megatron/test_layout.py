@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_replay.layout.canonical import ReplayBatch, canonical_channels
+from nemo_replay.batch import ReplayBatch
+from nemo_replay.layout.canonical import canonical_channels
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout, layout_alignment
 from nemo_replay.support.packed import PackedTensor
 

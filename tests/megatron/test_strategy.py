@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.objectives import SequenceRatioObjective, clipped_policy_loss
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.support.packed import PackedTensor

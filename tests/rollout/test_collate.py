@@ -5,7 +5,8 @@ import torch
 
 import nemo_replay
 from nemo_replay import capture
-from nemo_replay.layout.canonical import ReplayBatch, canonical_channels
+from nemo_replay.batch import ReplayBatch
+from nemo_replay.layout.canonical import canonical_channels
 from nemo_replay.rollout.collate import collate_routes, collate_support
 from nemo_replay.rollout.capture.trace import SupportTrace
 from nemo_replay.support.packed import PackedTensor

@@ -7,7 +7,8 @@ import torch
 
 import nemo_replay
 from nemo_replay import capture
-from nemo_replay.layout.canonical import ReplayBatch, canonical_channels
+from nemo_replay.batch import ReplayBatch
+from nemo_replay.layout.canonical import canonical_channels
 from nemo_replay.rollout.capture.trace import RouteTrace, SupportTrace, TokenAlignedAccumulator
 
 EOS, V, K, TEMP = 2, 64, 5, 0.9

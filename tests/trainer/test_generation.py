@@ -12,7 +12,7 @@ from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.layout.canonical import position_ids
 from nemo_replay.trainer.generation import SamplingSettings, generate, left_pad
-from nemo_replay.tasks import SuccessorTask
+from nemo_replay.trainer.tasks import SuccessorTask
 
 V = 40
 

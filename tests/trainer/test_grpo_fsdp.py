@@ -9,7 +9,7 @@ import torch
 
 from nemo_replay.config import load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
-from nemo_replay.tasks import SuccessorTask
+from nemo_replay.trainer.tasks import SuccessorTask
 from tests.spawn import run_workers
 from tests.trainer.tiny import tiny
 

@@ -47,7 +47,8 @@ from typing import Optional
 
 import torch
 
-from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels, position_ids
+from nemo_replay.batch import ReplayBatch
+from nemo_replay.layout.canonical import CanonicalChannels, canonical_channels, position_ids
 from nemo_replay.layout.ulysses import gather_sequence, pad_and_slice, padded_length, sp_size_rank
 from nemo_replay.layout.unpad import Unpadding, pad, shift_left, unpad, unpad_indices
 from nemo_replay.strategies.fsdp.attention import UlyssesPlan

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.collectives import agree

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from nemo_replay.layout.canonical import CanonicalChannels, ReplayBatch, canonical_channels
+from nemo_replay.batch import ReplayBatch
+from nemo_replay.layout.canonical import CanonicalChannels, canonical_channels
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.scoring.guards import check_rowless_positions
 from nemo_replay.strategies.base import RoleSettings

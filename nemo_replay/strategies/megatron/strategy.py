@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_replay.layout.canonical import ReplayBatch
+from nemo_replay.batch import ReplayBatch
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.strategies.base import (
