@@ -25,17 +25,9 @@ from typing import Optional, Union
 
 import torch
 
+from nemo_replay.layout.checks import Where, check_synthetic_eos, synthetic_eos_flag
 from nemo_replay.scoring.collectives import group_size
-from nemo_replay.scoring.guards import (
-    GUARDS,
-    Where,
-    check_synthetic_eos,
-    raise_id_range,
-    raise_membership,
-    raise_row_range,
-    raise_sampled_vocab,
-    synthetic_eos_flag,
-)
+from nemo_replay.scoring.guards import GUARDS, raise_id_range, raise_membership, raise_row_range, raise_sampled_vocab
 from nemo_replay.scoring.projection import PairChunk
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.checked import checked, record_checked, stale_flag

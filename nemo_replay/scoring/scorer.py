@@ -39,7 +39,8 @@ from typing import Optional, Union
 import torch
 
 from nemo_replay.scoring.collectives import all_reduce_max, copy_to_shards, reduce_sum_from_shards
-from nemo_replay.scoring.guards import check_synthetic_eos, has_support_row, raise_sampled_vocab
+from nemo_replay.layout.checks import check_synthetic_eos, has_support_row
+from nemo_replay.scoring.guards import raise_sampled_vocab
 from nemo_replay.scoring.plan import Plan, normalise_support, plan_full, plan_support, prepare, raise_support
 from nemo_replay.scoring.projection import project_support
 from nemo_replay.scoring.selection import select_scores

@@ -346,7 +346,7 @@ def test_whole_sequence_synthetic_eos_check_costs_one_host_read(case):
     """Strategies run the synthetic-EOS rule on every micro-batch before slicing it (SP, CP, NeMo-RL):
     a batch that keeps the rule costs one host read, a batch that breaks it is still named."""
     from benchmarks.syncs import HostReads
-    from nemo_replay.scoring.guards import check_synthetic_eos, has_support_row
+    from nemo_replay.layout.checks import check_synthetic_eos, has_support_row
 
     lmask, traj = case.loss_mask.reshape(-1), case.trajectory_ids.reshape(-1)
 

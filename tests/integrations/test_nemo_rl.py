@@ -364,15 +364,15 @@ def test_misaligned_and_malformed_batches_are_refused_naming_the_fix():
     assert same is data and lp["next_token_logprobs"].shape == (4, data["input_ids"].shape[1] - 1)
     # Rows one column late (aligned like next_token_logprobs instead of like the tokens).
     late = dict(data, generation_support=torch.roll(data["generation_support"], 1, dims=1))
-    with pytest.raises(SupportAlignmentError, match=r"data row 0, next_token_logprobs column \d+: token \d+ \(input_ids "
-                                                    r"column \d+\) is not in its support row .*token-aligned"):
+    with pytest.raises(SupportAlignmentError, match=r"trajectory 0, token position \d+: token \d+ is not a member of "
+                                                    r"its support row .*generation_support must be token-aligned"):
         _prepare(late, logits)
     # A sampled id of -1 is not a member of a row padded with -1.
     pad = dict(data, input_ids=data["input_ids"].clone(), generation_support=data["generation_support"].clone())
     col = int(torch.nonzero((data["generation_support"][0, :, 0] >= 0) & (data["token_mask"][0] > 0))[1])
     pad["generation_support"][0, col, -1] = -1
     pad["input_ids"][0, col] = -1
-    with pytest.raises(SupportAlignmentError, match=rf"data row 0, next_token_logprobs column {col - 1}: token -1 "):
+    with pytest.raises(SupportAlignmentError, match=rf"trajectory 0, token position {col}: token -1 "):
         _prepare(pad, logits)
     # A second loss-active token without a row in trajectory 1 breaks the synthetic-EOS rule.
     two = dict(data, generation_support=data["generation_support"].clone())

@@ -190,6 +190,7 @@ def _phase_tp2(out, rank, batches, policy_batches):
         aligned=lay.align_logits(g, 0.0), y_dot_g=float((y.detach() * g).sum()), x_dot_grad=float(inner),
     )
     out["cp_one_rank_fails"] = _cp_one_rank_fails(rank, world, b)
+    out["cp_precheck"] = _cp_misaligned_row(rank, b)
     cp = MegatronParallel(cp_group=world, cp_size=2, cp_rank=rank, pp_last_rank=rank)
     try:
         get_strategy("megatron").factory(parallel=cp).run_role("recompute", model, batches, RoleSettings())
@@ -199,9 +200,11 @@ def _phase_tp2(out, rank, batches, policy_batches):
 
 
 def _cp_one_rank_fails(rank, world, b):
-    """A sampled token outside its row, in the slice of one CP rank only, through the role step's loss
-    closure (the scorer, then the CP gather): every rank raises the same error, or the others wait in
-    the gather (gloo: a raw RuntimeError after the timeout)."""
+    """A guard that only the scorer sees, failing in the slice of one CP rank only, through the role
+    step's loss closure (the scorer, then the CP gather): every rank raises the same error, or the others
+    wait in the gather (gloo: a raw RuntimeError after the timeout). Membership and the synthetic-EOS rule
+    are checked on whole sequences before the split (every rank alike); a sampled id outside the
+    vocabulary at a synthetic EOS is known only where the logits are."""
     from types import SimpleNamespace
 
     from nemo_replay.layout.canonical import canonical_channels
@@ -210,12 +213,13 @@ def _cp_one_rank_fails(rank, world, b):
     from nemo_replay.strategies.megatron.steps import RoleForwardStep
 
     ch = canonical_channels(b)
-    i, c = (int(v) for v in torch.nonzero(ch.row_ids == 0)[0])  # trajectory 0's first response row
-    token = int(ch.sampled_ids[i, c])
+    i, c = 0, int(torch.nonzero(ch.loss_mask[0]).flatten()[-1])  # trajectory 0's last loss-active logit
+    token = 70  # outside the vocabulary of 64
     values = b.support.values.clone()
-    values[0] = -1
-    values[0, 0] = (token + 1) % 64
-    bad = ReplayBatch(b.sequences, b.attention_mask, b.response_lengths, b.loss_mask,
+    values[int(ch.row_ids[i, c])] = -1  # no row: a synthetic EOS, scored over the vocabulary
+    sequences = b.sequences.clone()
+    sequences[i, c + 1] = token
+    bad = ReplayBatch(sequences, b.attention_mask, b.response_lengths, b.loss_mask,
                       support=PackedTensor(values, b.support.cu_seqlens))
     parallel = MegatronParallel(cp_group=world, cp_size=2, cp_rank=rank, pp_last_rank=rank)
     mb = prepare_micro_batch(0, bad, role="recompute", settings=RoleSettings(), tp_size=1, cp_size=2, cp_rank=rank,
@@ -231,6 +235,28 @@ def _cp_one_rank_fails(rank, world, b):
         return dict(error=None, held=held, token=token, column=c + 1)
     except ValueError as exc:
         return dict(error=str(exc), kind=type(exc).__name__, held=held, token=token, column=c + 1)
+
+
+def _cp_misaligned_row(rank, b):
+    """A sampled token outside its row, in one CP rank's slice: the whole-sequence check before the split
+    names it on every rank alike, in the caller's coordinates."""
+    from nemo_replay.layout.canonical import canonical_channels
+    from nemo_replay.strategies.megatron.batch import prepare_micro_batch
+
+    ch = canonical_channels(b)
+    i, c = (int(v) for v in torch.nonzero(ch.row_ids == 0)[0])  # trajectory 0's first response row
+    token = int(ch.sampled_ids[i, c])
+    values = b.support.values.clone()
+    values[0] = -1
+    values[0, 0] = (token + 1) % 64
+    bad = ReplayBatch(b.sequences, b.attention_mask, b.response_lengths, b.loss_mask,
+                      support=PackedTensor(values, b.support.cu_seqlens))
+    try:
+        prepare_micro_batch(0, bad, role="recompute", settings=RoleSettings(), tp_size=1, cp_size=2, cp_rank=rank,
+                            fp8=False, packed=True, device="cpu")
+        return dict(error=None)
+    except ValueError as exc:
+        return dict(error=str(exc), kind=type(exc).__name__, token=token, column=c + 1)
 
 
 def _phase_pp2(out, batches, policy_batches):
@@ -488,9 +514,17 @@ def test_a_check_one_cp_rank_fails_raises_the_same_named_error_on_every_rank(ran
     holder = [g["held"] for g in got].index(True)
     assert [g["held"] for g in got].count(True) == 1  # one rank's slice holds the bad token
     for g in got:
+        assert g["kind"] == "ValueError" and g["error"] == got[0]["error"]
+        assert g["error"].startswith(f"CP rank {holder} of 2: trajectory 0, token position {g['column']}: sampled id "
+                                     f"{g['token']} outside the vocabulary [0, 64)")
+
+
+def test_a_misaligned_row_under_cp_is_named_on_every_rank_before_the_split(ranks):
+    got = [r["cp_precheck"] for r in ranks]
+    for g in got:
         assert g["kind"] == "SupportAlignmentError" and g["error"] == got[0]["error"]
-        assert g["error"].startswith(f"CP rank {holder} of 2: trajectory 0, token position {g['column']}: sampled token "
-                                     f"{g['token']} is not a member of its support row")
+        assert g["error"].startswith(f"trajectory 0, token position {g['column']}: token {g['token']} is not a member "
+                                     f"of its support row")
 
 
 def test_pipeline_parallel_2_matches_tp1(ranks):
@@ -576,12 +610,15 @@ def test_missing_support_and_policy_inputs_are_refused():
     assert prepare_micro_batch(0, eos, role="recompute", settings=RoleSettings(), **common).replay
     rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[-1, -1], [11, 3]])])
     early = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
+    # Under context parallelism the rule is checked on whole sequences before the split (without it,
+    # the scorer sees whole sequences and checks it there).
+    split = dict(common, cp_size=2, packed=True)
     with pytest.raises(ValueError, match="trajectory 1, token position 2: .*not the trajectory's last loss-active"):
-        prepare_micro_batch(0, early, role="recompute", settings=RoleSettings(), **common)
+        prepare_micro_batch(0, early, role="recompute", settings=RoleSettings(), **split)
     rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[-1, -1], [-1, -1]])])
     many = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows)
     with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active positions without a support row"):
-        prepare_micro_batch(0, many, role="recompute", settings=RoleSettings(), **common)
+        prepare_micro_batch(0, many, role="recompute", settings=RoleSettings(), **split)
 
 
 def test_recorded_routes_are_checked_where_they_were_recorded():

@@ -26,7 +26,8 @@ Worked example, cp = 2, one sequence of L = 6 tokens ``a0 .. a5`` padded to P = 
     the logit at position q predicts a_{q+1} when q + 1 < L: rank 0's slots predict
     a1 a2 - -, rank 1's a3 a4 a5 -; next_token_logprobs column q <- slot of position q.
 
-Every local logit slot is (data row i, padded position q); everything else follows from it.
+Every local logit slot is (data row i, padded position q): the package's slot mapping
+(:mod:`nemo_replay.layout.slots`) reads the canonical channels of :func:`canonical_of` there.
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_replay.layout.canonical import CanonicalChannels, token_aligned_channels
 from nemo_replay.layout.context_parallel import cp_local_positions
+from nemo_replay.layout.slots import Slots
 
 __all__ = [
     "NEMO_RL_COMMIT",
     "LocalSlots",
     "local_slots",
-    "NextTokenChannels",
-    "next_token_channels",
+    "canonical_of",
     "gather_slots",
     "check_width",
 ]
@@ -67,6 +69,12 @@ class LocalSlots:
     position: torch.Tensor
     shape: tuple
 
+    def logit_slots(self, input_lengths: torch.Tensor, width: int) -> Slots:
+        """The slots as next-token columns of ``[N, W - 1]``: rows are right-padded, so position q
+        of data row i is its column q, and its logit predicts token q + 1 while ``q + 1 < L_i``."""
+        lengths = input_lengths.to(torch.int64).cpu()
+        return Slots.of(self.row, self.position, torch.zeros_like(lengths), lengths, seq_len=width, shape=self.shape, logit=True)
+
 
 def local_slots(padded_lengths: Sequence[int], cp_size: int, cp_rank: int, *, packed: bool) -> LocalSlots:
     """The slots of rank ``cp_rank``: unpacked ``[N, P / cp]`` rows, or one packed ``[1, sum(P_i) / cp]`` row.
@@ -85,33 +93,14 @@ def local_slots(padded_lengths: Sequence[int], cp_size: int, cp_rank: int, *, pa
     return LocalSlots(row, position, shape)
 
 
-@dataclass(frozen=True)
-class NextTokenChannels:
-    """Scorer channels of a set of slots, each (n,) in slot order.
+def canonical_of(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor
+) -> CanonicalChannels:
+    """The scorer channels of a right-padded NeMo-RL micro-batch, in next-token columns ``[N, W - 1]``.
 
-    Attributes:
-        sampled_ids: int64, the token each slot's logit predicts (0 where none).
-        row_ids: int64, row of the flattened ``generation_support`` (``i * W + t``), -1 where none.
-        loss_mask: bool, ``token_mask * sample_mask`` of the predicted token.
-        trajectory_ids: int64, data row, -1 where the logit predicts no real token.
-        out_index: int64, flat index into ``[N, W - 1]`` next-token columns, -1 where none.
-    """
-
-    sampled_ids: torch.Tensor
-    row_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    trajectory_ids: torch.Tensor
-    out_index: torch.Tensor
-
-
-def next_token_channels(
-    slots: LocalSlots,
-    input_ids: torch.Tensor,
-    input_lengths: torch.Tensor,
-    token_mask: torch.Tensor,
-    sample_mask: torch.Tensor,
-) -> NextTokenChannels:
-    """Channels of ``slots``: the logit at position q of row i predicts token q + 1 when q + 1 < L_i.
+    Column c predicts token c + 1 of its data row when ``c + 1 < L_i``; its row is
+    ``generation_support`` flattened, ``i * W + c + 1`` (an all -1 row means none); it is
+    loss-active where ``token_mask * sample_mask`` of the predicted token is.
 
     Args:
         input_ids: (N, W), int. Right-padded tokens.
@@ -121,19 +110,11 @@ def next_token_channels(
     """
     device = input_ids.device
     N, W = input_ids.shape
-    i = slots.row.to(device)
-    t = slots.position.to(device) + 1
-    L = input_lengths.to(device=device, dtype=torch.int64)
-    valid = t < L[i]
-    tt = t.clamp(max=W - 1)
-    active = (token_mask.to(device)[i, tt] != 0) & (sample_mask.to(device)[i] != 0)
-    return NextTokenChannels(
-        sampled_ids=torch.where(valid, input_ids[i, tt].to(torch.int64), 0),
-        row_ids=torch.where(valid, i * W + tt, -1),
-        loss_mask=valid & active,
-        trajectory_ids=torch.where(valid, i, -1),
-        out_index=torch.where(valid, i * (W - 1) + t - 1, -1),
-    )
+    columns = torch.arange(W, device=device)
+    real = columns[None, :] < input_lengths.to(device=device, dtype=torch.int64)[:, None]
+    active = (token_mask.to(device) != 0) & (sample_mask.to(device) != 0)[:, None]
+    token_rows = torch.arange(N, device=device)[:, None] * W + columns[None, :]
+    return token_aligned_channels(input_ids, real, active, token_rows)
 
 
 class _GatherSlots(torch.autograd.Function):

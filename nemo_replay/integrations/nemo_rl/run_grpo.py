@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 from nemo_replay.integrations.nemo_rl.datapath import install_data_path
 from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
-from nemo_replay.integrations.nemo_rl.workers import WORKERS, nemo_rl_fqn, worker_fqn
+from nemo_replay.integrations.nemo_rl.workers import nemo_rl_fqn, worker_fqn
 
 __all__ = ["NemoRL", "parse_args", "load_recipe", "wire_driver", "register_worker_environments", "main"]
 

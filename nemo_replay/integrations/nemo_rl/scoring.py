@@ -16,11 +16,11 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_replay.integrations.nemo_rl.layout import check_width, gather_slots, local_slots, next_token_channels
+from nemo_replay.integrations.nemo_rl.layout import canonical_of, check_width, gather_slots, local_slots
+from nemo_replay.layout.checks import check_canonical
 from nemo_replay.scoring.collectives import agree
-from nemo_replay.scoring.scorer import check_synthetic_eos, has_support_row, score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
-from nemo_replay.support.membership import row_membership
 from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["ReplayScores", "next_token_logprobs", "vocab_shard_of", "SUPPORT_KEY"]
@@ -146,33 +146,6 @@ def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
     return ids, lengths, mask, sample, support
 
 
-def _check_alignment(ids, lengths, mask, sample, support) -> None:
-    """Whole-sequence checks before any CP slicing: sampled tokens in their rows, the synthetic-EOS rule.
-
-    Runs on ``[N, W]`` slots (position q = next-token column q), so errors name the data
-    row and the column of ``next_token_logprobs`` whatever the packing.
-    """
-    N, W = ids.shape
-    full = next_token_channels(local_slots([W] * N, 1, 0, packed=False), ids, lengths, mask, sample)
-    has_row = has_support_row(support, full.row_ids)
-    active = torch.nonzero(full.loss_mask & has_row).flatten()
-    if active.numel():
-        rows = support.values[full.row_ids[active]].to(torch.int64)
-        hit, _ = row_membership(rows, full.sampled_ids[active])
-        if not bool(hit.all()):
-            s = int(active[torch.nonzero(~hit)[0]])
-            i, c = divmod(s, W)
-            from nemo_replay.support.errors import SupportAlignmentError
-
-            raise SupportAlignmentError(
-                f"data row {i}, next_token_logprobs column {c}: token {int(full.sampled_ids[s])} (input_ids column "
-                f"{c + 1}) is not in its support row {rows[int(torch.nonzero(~hit)[0])][:16].tolist()}; "
-                f"{SUPPORT_KEY} must be token-aligned like generation_logprobs: the row of token t at column t"
-            )
-    rowless = full.loss_mask & ~has_row
-    check_synthetic_eos(rowless, full.loss_mask, full.trajectory_ids, torch.Size([N, W]))
-
-
 def next_token_logprobs(
     logits,
     data: Mapping[str, Any],
@@ -220,23 +193,23 @@ def next_token_logprobs(
     packed = cu_seqlens_padded is not None
     padded = _padded_lengths(local, N, cp, cu_seqlens_padded)
     check_width("logits", lengths, W, padded)
-    if not full_vocab:
-        _check_alignment(ids, lengths, mask, sample, support)
-    slots = local_slots(padded, cp, cp_rank, packed=packed)
-    ch = next_token_channels(slots, ids, lengths, mask, sample)
+    canonical = canonical_of(ids, lengths, mask, sample)
+    if not full_vocab:  # on whole sequences, before the CP split; every rank alike
+        check_canonical(canonical, support, hint=f"{support_key} must be token-aligned like generation_logprobs: the row "
+                        f"of token t at column t")
+    slots = local_slots(padded, cp, cp_rank, packed=packed).logit_slots(lengths, W)
+    ch = slots.channels(canonical, local.device)
+    flat = lambda t: t.reshape(-1)  # noqa: E731
     source = local.reshape(-1, local.shape[-1])
     if full_vocab:
-        scores = score_full_vocabulary(source, ch.sampled_ids, loss_mask=ch.trajectory_ids >= 0, shard=shard)
+        scores = score_full_vocabulary(source, flat(ch.sampled_ids), loss_mask=flat(ch.trajectory_ids) >= 0, shard=shard)
     else:
-        # input_ids column of the token each slot predicts, so errors name it whatever the packing and CP split.
-        columns = torch.where(ch.out_index >= 0, ch.out_index % (W - 1) + 1, -1)
         scores = agree(lambda: score_aligned_support(
-            source, ch.sampled_ids, ch.row_ids, ch.loss_mask, support.to(local.device), shard=shard,
-            trajectory_ids=ch.trajectory_ids, validate=validate, token_positions=columns,
+            source, flat(ch.sampled_ids), flat(ch.row_ids), flat(ch.loss_mask), support.to(local.device), shard=shard,
+            trajectory_ids=flat(ch.trajectory_ids), validate=validate, token_positions=flat(ch.token_positions),
         ), context_parallel_group, device=local.device, name="CP")
-    indices = [  # where every CP rank's slots land; this rank's are already known
-        ch.out_index if r == cp_rank else
-        next_token_channels(local_slots(padded, cp, r, packed=packed), ids, lengths, mask, sample).out_index
+    indices = [  # where every CP rank's slots land in [N, W - 1]
+        (slots if r == cp_rank else local_slots(padded, cp, r, packed=packed).logit_slots(lengths, W)).canonical_index().to(local.device)
         for r in range(cp)
     ]
     out_shape = (N, W - 1)

@@ -31,7 +31,7 @@ from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.collectives import agree
-from nemo_replay.scoring.guards import check_rowless_positions
+from nemo_replay.layout.checks import check_canonical
 from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.strategies.base import (
     ReplayStrategy,
@@ -216,7 +216,7 @@ class FSDPStrategy(ReplayStrategy):
             )
         layout = build_layout(batch, remove_padding=self.remove_padding, sp_group=self.sp_group)
         if replay and self.sp_size > 1:  # a slice cannot see its trajectory's other slices
-            check_rowless_positions(layout.canonical, batch.support)
+            check_canonical(layout.canonical, batch.support)
         inputs = layout.model_inputs()
         hidden = settings.source == "hidden"
         if hidden:

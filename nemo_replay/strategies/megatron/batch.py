@@ -18,7 +18,7 @@ import torch
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.canonical import CanonicalChannels, canonical_channels
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
-from nemo_replay.scoring.guards import check_rowless_positions
+from nemo_replay.layout.checks import check_canonical
 from nemo_replay.strategies.base import RoleSettings
 
 __all__ = [
@@ -112,13 +112,14 @@ def prepare_micro_batch(
             f"rollout or build the strategy with route_replay=False"
         )
     channels = canonical_channels(batch)
-    if replay:
-        check_rowless_positions(channels, batch.support)
+    if replay and cp_size > 1:  # a rank's chunks cannot see the rest of their trajectory
+        check_canonical(channels, batch.support)
     layout = TokenMetadataLayout.build(
         batch.attention_mask, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, fp8=fp8, packed=packed,
         min_length=min_length,
     )
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    local = layout.slots(logit=True).channels(channels, device)
     prepared = PreparedMicroBatch(
         index=index,
         batch=batch,
@@ -128,11 +129,11 @@ def prepare_micro_batch(
         input_ids=to(layout.input_ids(batch.sequences, pad_id)),
         position_ids=to(layout.position_ids()),
         packed_seq_params=layout.packed_seq_params(device) if packed else None,
-        sampled_ids=to(layout.align_logits(channels.sampled_ids, 0)),
-        row_ids=to(layout.align_logits(channels.row_ids, -1)),
-        loss_mask=to(layout.align_logits(channels.loss_mask, False)),
-        trajectory_ids=to(layout.logit_trajectory_ids()),
-        token_positions=to(layout.align_logits(channels.token_positions, -1)) if replay else None,
+        sampled_ids=local.sampled_ids,
+        row_ids=local.row_ids,
+        loss_mask=local.loss_mask,
+        trajectory_ids=local.trajectory_ids,
+        token_positions=local.token_positions if replay else None,
         support=batch.support.to(device) if replay else None,
     )
     if with_routes:

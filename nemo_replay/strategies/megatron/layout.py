@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from nemo_replay.layout.canonical import real_runs
 from nemo_replay.layout.context_parallel import cp_local_positions
+from nemo_replay.layout.slots import Slots
 from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["TokenMetadataLayout", "layout_alignment"]
@@ -260,11 +261,12 @@ class TokenMetadataLayout:
         return self._view(torch.where(self._logit_mask(), self.slot_trajectory, -1)).to(device)
 
     # ------------------------------------------------------------------ channels in
-    def _canonical_index(self, logit: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        valid = self._logit_mask() if logit else self.slot_trajectory >= 0
-        b = self.slot_trajectory.clamp(min=0)
-        col = self.starts[b] + self.slot_position.clamp(min=0)
-        return valid, b, col
+    def slots(self, *, logit: bool) -> Slots:
+        """This rank's slots as canonical columns of logit or token channels (:mod:`nemo_replay.layout.slots`)."""
+        return Slots.of(
+            self.slot_trajectory, self.slot_position, self.starts, self.lengths, seq_len=self.seq_len,
+            shape=self.local_shape, logit=logit,
+        )
 
     def _align(self, x: torch.Tensor, fill, logit: bool) -> torch.Tensor:
         width = self.seq_len - 1 if logit else self.seq_len
@@ -272,13 +274,9 @@ class TokenMetadataLayout:
         if x.dim() < 2 or tuple(x.shape[:2]) != (self.batch_size, width):
             raise ValueError(
                 f"a {kind} channel must be [B={self.batch_size}, {width}, ...] canonical "
-                f"{'logit' if logit else 'token'} coordinates, got shape {tuple(x.shape)}"
+                f"{kind} coordinates, got shape {tuple(x.shape)}"
             )
-        valid, b, col = self._canonical_index(logit)
-        dev = x.device
-        vals = x[b.to(dev), col.clamp(max=width - 1).to(dev)]
-        keep = valid.to(dev).view(-1, *([1] * (vals.dim() - 1)))
-        return self._view(torch.where(keep, vals, torch.full_like(vals, fill)))
+        return self.slots(logit=logit).take(x, fill)
 
     def align_tokens(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """Token channel ``(B, S, *extra)`` -> ``(*local_shape, *extra)``; ``fill`` on padding."""
@@ -407,10 +405,10 @@ class TokenMetadataLayout:
         out = torch.full((B * W, *extra), fill, dtype=parts[0].dtype, device=device)
         for r, part in enumerate(parts):
             lay = self if r == self.cp_rank else self.for_cp_rank(r)
-            valid, b, col = lay._canonical_index(logit=True)
+            index = lay.slots(logit=True).canonical_index()
             # Integer indices built on the host: a boolean mask on the device would sync to count it.
-            slots = torch.nonzero(valid).flatten()
-            out[(b * W + col)[slots].to(device)] = part.reshape(self.num_local, *extra)[slots.to(device)]
+            held = torch.nonzero(index >= 0).flatten()
+            out[index[held].to(device)] = part.reshape(self.num_local, *extra)[held.to(device)]
         return out.view(B, W, *extra)
 
     def _check_local(self, local: torch.Tensor) -> None:
