@@ -32,6 +32,7 @@ import torch
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.canonical import to_caller_columns
 from nemo_replay.objectives import PolicyLoss, TokenRatioObjective
+from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
 
 __all__ = [
     "Role",
@@ -40,6 +41,8 @@ __all__ = [
     "RoleOutput",
     "ReplayStrategy",
     "check_role",
+    "role_replays",
+    "score_role",
     "policy_loss",
     "check_policy_batches",
 ]
@@ -97,6 +100,47 @@ class RoleSettings:
             problems.append(f"kl_coef must be >= 0, got {self.kl_coef}")
         if problems:
             raise ValueError("invalid RoleSettings: " + "; ".join(problems))
+
+
+def role_replays(batch: ReplayBatch, role: str, settings: RoleSettings, *, where: str = "the micro-batch") -> bool:
+    """Whether ``role`` scores ``batch`` over its recorded support; refuses a replaying role whose batch
+    carries none (every strategy asks here, so the rule and the message are the same everywhere).
+
+    The reference role scores over the full vocabulary with ``reference_full_vocab``; every role
+    does with ``replay=False``.
+    """
+    replay = settings.replay and not (role == "reference" and settings.reference_full_vocab)
+    if replay and batch.support is None:
+        hint = " or RoleSettings(reference_full_vocab=True)" if role == "reference" else ""
+        raise ValueError(
+            f"{where}: role {role!r} replays the recorded support but the batch carries none (support=None). "
+            f"Record supports at rollout (replay.sample_support.enabled) or run with RoleSettings(replay=False){hint}"
+        )
+    return replay
+
+
+def score_role(source, channels, support, settings: RoleSettings, replay: bool, *, shard=None, lm_head_weight=None):
+    """One role's scores from a strategy's rank-local channels: over the support when it replays, else
+    the ordinary full-vocabulary log-probs of every position that predicts a real token.
+
+    Args:
+        source: logits ``(*, V_local)`` or hidden states ``(*, H)`` with ``lm_head_weight``.
+        channels: the strategy's aligned channels (``sampled_ids``, ``row_ids``, ``loss_mask``,
+            ``trajectory_ids``, ``token_positions``), each shaped like ``source``'s positions.
+        support: the batch's rows (unused when not replaying).
+        shard: this rank's vocabulary slice (None: the whole vocabulary).
+    """
+    if replay:
+        return score_aligned_support(
+            source, channels.sampled_ids, channels.row_ids, channels.loss_mask, support, shard=shard,
+            lm_head_weight=lm_head_weight, temperature=settings.temperature, trajectory_ids=channels.trajectory_ids,
+            compute_entropy=settings.compute_entropy, compute_support_mass=settings.compute_support_mass,
+            chunk_size=settings.chunk_size, token_positions=channels.token_positions,
+        )
+    return score_full_vocabulary(
+        source, channels.sampled_ids, loss_mask=channels.trajectory_ids >= 0, shard=shard,
+        lm_head_weight=lm_head_weight, temperature=settings.temperature, compute_entropy=settings.compute_entropy,
+    )
 
 
 @dataclass

@@ -32,7 +32,7 @@ from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.collectives import agree
 from nemo_replay.layout.checks import check_canonical
-from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.scorer import SupportScores
 from nemo_replay.strategies.base import (
     ReplayStrategy,
     RoleOutput,
@@ -40,6 +40,8 @@ from nemo_replay.strategies.base import (
     check_policy_batches,
     check_role,
     policy_loss,
+    role_replays,
+    score_role,
 )
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
 from nemo_replay.strategies.fsdp.head import hidden_mode_problems
@@ -208,12 +210,7 @@ class FSDPStrategy(ReplayStrategy):
 
     # ------------------------------------------------------------------ one forward
     def _forward(self, model, batch: ReplayBatch, settings: RoleSettings, role: str, *, grad: bool):
-        replay = settings.replay and not (role == "reference" and settings.reference_full_vocab)
-        if replay and batch.support is None:
-            raise ValueError(
-                f"the {role} role scores over the recorded support but the micro-batch carries none; attach the "
-                f"rollout's support rows (batch.support) or set RoleSettings(replay=False)"
-            )
+        replay = role_replays(batch, role, settings)
         layout = build_layout(batch, remove_padding=self.remove_padding, sp_group=self.sp_group)
         if replay and self.sp_size > 1:  # a slice cannot see its trajectory's other slices
             check_canonical(layout.canonical, batch.support)
@@ -238,18 +235,7 @@ class FSDPStrategy(ReplayStrategy):
         return self._to_canonical(scores, layout, grad), layout
 
     def _score(self, source, weight, batch, layout: FSDPLayout, settings: RoleSettings, replay: bool) -> SupportScores:
-        if replay:
-            return score_aligned_support(
-                source, layout.sampled_ids, layout.row_ids, layout.loss_mask, batch.support,
-                lm_head_weight=weight, temperature=settings.temperature, trajectory_ids=layout.trajectory_ids,
-                compute_entropy=settings.compute_entropy, compute_support_mass=settings.compute_support_mass,
-                chunk_size=settings.chunk_size, token_positions=layout.token_positions,
-            )
-        # Replay off: the ordinary full-vocabulary log-probs of every real position.
-        return score_full_vocabulary(
-            source, layout.sampled_ids, loss_mask=layout.trajectory_ids >= 0, lm_head_weight=weight,
-            temperature=settings.temperature, compute_entropy=settings.compute_entropy,
-        )
+        return score_role(source, layout, batch.support, settings, replay, lm_head_weight=weight)
 
     def _to_canonical(self, s: SupportScores, layout: FSDPLayout, grad: bool) -> RoleOutput:
         scale = self.sp_grad_scale if grad else 1.0

@@ -19,20 +19,12 @@ from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.canonical import CanonicalChannels, canonical_channels
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.layout.checks import check_canonical
-from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.strategies.base import RoleSettings, role_replays
 
 __all__ = [
     "PreparedMicroBatch",
     "prepare_micro_batch",
-    "role_replays",
 ]
-
-
-def role_replays(role: str, settings: RoleSettings) -> bool:
-    """Whether ``role`` scores over the recorded support under ``settings``."""
-    if not settings.replay:
-        return False
-    return not (role == "reference" and settings.reference_full_vocab)
 
 
 @dataclass
@@ -98,14 +90,7 @@ def prepare_micro_batch(
             row holding several trajectories). The objective's own inputs are checked by
             the strategy (:func:`~nemo_replay.strategies.base.check_policy_batches`).
     """
-    replay = role_replays(role, settings)
-    if replay and batch.support is None:
-        hint = " or RoleSettings(reference_full_vocab=True)" if role == "reference" else ""
-        raise ValueError(
-            f"micro-batch {index}: role {role!r} replays the recorded support but the batch carries none "
-            f"(support=None). Record supports at rollout (replay.sample_support.enabled) or run with "
-            f"RoleSettings(replay=False){hint}"
-        )
+    replay = role_replays(batch, role, settings, where=f"micro-batch {index}")
     if with_routes and batch.routes is None:
         raise ValueError(
             f"micro-batch {index}: MoE route replay is on but the batch carries no routes; record routes at "

@@ -42,8 +42,7 @@ import torch
 from nemo_replay.layout.canonical import to_caller_columns
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.collectives import agree
-from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
-from nemo_replay.strategies.base import RoleSettings, policy_loss
+from nemo_replay.strategies.base import RoleSettings, policy_loss, score_role
 from nemo_replay.strategies.megatron.batch import PreparedMicroBatch
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
@@ -205,19 +204,7 @@ class RoleForwardStep:
         )
 
     def _score(self, mb: PreparedMicroBatch, source, weight, shard):
-        s = self.settings
-        if mb.replay:
-            return score_aligned_support(
-                source, mb.sampled_ids, mb.row_ids, mb.loss_mask, mb.support,
-                shard=shard, lm_head_weight=weight, temperature=s.temperature,
-                trajectory_ids=mb.trajectory_ids, compute_entropy=s.compute_entropy,
-                compute_support_mass=s.compute_support_mass, chunk_size=s.chunk_size,
-                token_positions=mb.token_positions,
-            )
-        return score_full_vocabulary(
-            source, mb.sampled_ids, loss_mask=mb.layout.logit_valid(source.device), shard=shard,
-            lm_head_weight=weight, temperature=s.temperature, compute_entropy=s.compute_entropy,
-        )
+        return score_role(source, mb, mb.support, self.settings, mb.replay, shard=shard, lm_head_weight=weight)
 
     def _loss(self, mb: PreparedMicroBatch, inner, hidden: bool, output: torch.Tensor):
         source, weight, shard = self._source(output, inner, hidden)
