@@ -52,7 +52,7 @@ class ScorerConfig:
 
     source: str = "logits"
     """``logits``: score the model's (vocab-parallel) logits. ``hidden``: score hidden states
-    against the LM-head weight without materialising [tokens, V] logits."""
+    against the LM-head weight without materialising (tokens, V) logits."""
     chunk_size: int = 8192
     """(position, id) pairs projected per chunk in hidden mode; bounds the scorer's memory."""
     compute_entropy: bool = False
@@ -238,6 +238,13 @@ class TrainerConfig:
     """Show a tqdm progress bar on rank 0."""
     plot: bool = True
     """Write metrics.png at the end of the run."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Experiment loggers (Lightning Fabric's), each writing every step's metrics under the run
+    folder: ``jsonl`` (metrics.jsonl; always listed: resume, the plots and summary.json read
+    it), ``csv`` (csv/metrics.csv), ``tensorboard`` (tensorboard/), ``wandb`` (offline,
+    wandb/), ``mlflow`` (file store mlruns/). E.g. ``trainer.loggers=[jsonl,tensorboard]``.
+    tensorboard, wandb and mlflow need ``pip install "nemo_replay[<name>]"``. A resumed run
+    continues the same run in each."""
 
 
 @dataclass

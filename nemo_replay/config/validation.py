@@ -22,7 +22,9 @@ value it holds and the fix; :func:`validate` raises them together as one
 - the long-run flags: the seed's range, ``trainer.resume``, checkpoint cadence and the
   collective timeout;
 - paths (:mod:`nemo_replay.config.paths`): ``model.pretrained`` must be a local checkpoint
-  folder, ``trainer.output_dir`` must not be (or be under) a file.
+  folder, ``trainer.output_dir`` must not be (or be under) a file;
+- ``trainer.loggers``: known names (the message lists them), each once, ``jsonl`` among them,
+  and the package of each installed (the message names the extra to install).
 """
 
 from __future__ import annotations
@@ -327,6 +329,9 @@ def _long_run(cfg: RecipeConfig, out: list[str]) -> None:
     for problem in (pretrained_problem(cfg.model.pretrained), output_dir_problem(tr.output_dir)):
         if problem:
             out.append(problem)
+    from nemo_replay.trainer.loggers import logger_problems  # plain data: no logger package is imported
+
+    out.extend(logger_problems(tr.loggers))
 
 
 def _non_finite(cfg: RecipeConfig) -> dict[str, float]:

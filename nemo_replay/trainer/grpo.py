@@ -50,7 +50,8 @@ from nemo_replay.trainer.checkpoint import (
     CHECKPOINTS, Checkpointer, CheckpointUnreadable, capture_rank_rng, restore_rank_rng,
 )
 from nemo_replay.trainer.guards import NonFiniteError, check_update, collective_failure, diverged_rollout
-from nemo_replay.trainer.metrics import JsonlLogger, plot_runs, restore_rows, write_atomic, write_summary
+from nemo_replay.trainer.loggers import RunLoggers
+from nemo_replay.trainer.metrics import plot_runs, write_atomic, write_summary
 from nemo_replay.trainer.preemption import StopSignals
 from nemo_replay.trainer.rundir import prepare_run_dir
 from nemo_replay.trainer.runtime import launch_fabric, make_backend, seed_all
@@ -130,10 +131,12 @@ class GRPOTrainer:
         # Before any model is built: a folder that cannot be used fails in seconds.
         self.run_dir = prepare_run_dir(cfg, self.fabric, output_suffix, overrides=resume_overrides)
         self.output_dir = self.run_dir.path
+        self.loggers = RunLoggers(cfg.trainer.loggers, self.output_dir, active=self.fabric.is_global_zero)
         try:
             self._build(backend)
         except BaseException:
             # The folder's lock is this process's: a retry here (a notebook, a test) must find it free.
+            self.loggers.close("failed")
             self.run_dir.release()
             raise
 
@@ -166,7 +169,6 @@ class GRPOTrainer:
         self.prompt_rng = torch.Generator().manual_seed(seed)
         self.sample_rng = torch.Generator(device=self.device).manual_seed(seed + 17)
         self.prompts_per_rank = cfg.trainer.prompts_per_step // self.backend.dp_size
-        self.logger = JsonlLogger(self.output_dir)
         self.checkpoints = Checkpointer(
             self.output_dir / CHECKPOINTS, self.fabric, every=cfg.trainer.checkpoint_every,
             keep=cfg.trainer.keep_checkpoints, config=to_yaml(cfg),
@@ -179,9 +181,14 @@ class GRPOTrainer:
             self._resume()
         elif self.fabric.is_global_zero:
             if self.run_dir.restart:
-                side = restore_rows(self.logger.path, [])
+                notes = self.loggers.start("restart", hparams=recipe_params(cfg))
+                side = self.loggers.jsonl_side
                 self.note(f"no complete checkpoint in {self.output_dir}: starting again at step 0 under the same recipe"
                           + (f"; the earlier rows are in {side.name}" if side else ""))
+                for line in notes:
+                    self.note(line)
+            else:
+                self.loggers.start("new", hparams=recipe_params(cfg))
             write_atomic(self.output_dir / "config.yaml", to_yaml(cfg))  # read back by a restart: never torn
         self._record_overrides()
 
@@ -244,7 +251,12 @@ class GRPOTrainer:
             group["lr"], group["weight_decay"] = self.cfg.trainer.lr, self.cfg.trainer.weight_decay
         self.start_step = info.step + 1
         if self.fabric.is_global_zero:
-            restore_rows(self.logger.path, self.history)
+            notes = self.loggers.start("resume", self.history, hparams=recipe_params(self.cfg))
+            side = self.loggers.jsonl_side
+            if side:
+                self.note(f"rows of steps after {info.step} (written after that checkpoint) moved to {side.name}")
+            for line in notes:
+                self.note(line)
 
     def _record_overrides(self) -> None:
         """Log each flag a resume changed on purpose; config.yaml holds the recipe in force."""
@@ -346,6 +358,7 @@ class GRPOTrainer:
         ends the loop after the step in flight, with a checkpoint (:mod:`.preemption`).
         """
         signals = StopSignals(announce=self.fabric.is_global_zero)
+        status = "failed"
         try:
             with signals:
                 try:
@@ -354,10 +367,14 @@ class GRPOTrainer:
                     # Diverged: the rows so far and why it stopped, as for any run that ends.
                     self._finish(None, failed=str(exc))
                     raise
-            return self._finish(stopped_by)
+            result = self._finish(stopped_by)
+            status = "success" if stopped_by is None else "stopped"
+            return result
         finally:
-            # Also when a step fails (a non-finite update, a lost rank): the folder is free again
-            # for this process, whose next run there resumes from the last checkpoint.
+            # Also when a step fails (a non-finite update, a lost rank): every logger's run is
+            # ended and the folder is free again for this process, whose next run there resumes
+            # from the last checkpoint.
+            self.loggers.close(status)
             self.run_dir.release()
 
     def _loop(self, signals: StopSignals) -> Optional[str]:
@@ -370,7 +387,7 @@ class GRPOTrainer:
                 try:
                     metrics = self.step()
                     self.history.append({"step": i, **metrics})
-                    self.logger.log_metrics(metrics, step=i)
+                    self.loggers.log(metrics, step=i)
                     stopped_by = signals.agreed(self._flag_device())
                     if self.checkpoints.due(i, last=i == steps - 1, stopping=stopped_by is not None):
                         self.save_checkpoint(i)
@@ -405,6 +422,13 @@ class GRPOTrainer:
             write_summary(self.output_dir / "summary.json", dict(summary, stopped_by=stopped_by, first_step=self.start_step, **extra))
         self.fabric.barrier()
         return RunResult(self.output_dir, self.history, summary, stopped_by, self.checkpoints.last, self.start_step)
+
+
+def recipe_params(cfg: RecipeConfig) -> dict:
+    """The recipe as nested plain data: the run's config / params in the experiment loggers."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
 def summarize(history: list[dict]) -> dict:

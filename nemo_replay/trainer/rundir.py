@@ -46,7 +46,7 @@ __all__ = [
 RESUMABLE = frozenset({
     "trainer.steps", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.resume",
     "trainer.progress_bar", "trainer.plot", "trainer.num_threads", "trainer.collective_timeout_s",
-    "trainer.output_dir",
+    "trainer.output_dir", "trainer.loggers",
 })
 # Optimizer and objective settings a resume may change, each only when named on purpose
 # (``nemo-replay train --resume-override trainer.lr``): the way a diverged run goes on.

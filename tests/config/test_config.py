@@ -118,6 +118,11 @@ RULES = [
     (["trainer.collective_timeout_s=0"], 1, "trainer.collective_timeout_s=0.0 must be > 0"),
     (["model.pretrained=/nonexistent/llama"], 1, "model.pretrained='/nonexistent/llama': nothing exists at that path"),
     (["model.pretrained=meta-llama/Llama-3.1-8B"], 1, "nothing exists at that path (relative to the working directory"),
+    # Experiment loggers: known names, each once, jsonl always among them.
+    (["trainer.loggers=[jsonl,tensorbord]"], 1,
+     "trainer.loggers: unknown logger 'tensorbord' (did you mean tensorboard?); known loggers: jsonl, csv, tensorboard, wandb, mlflow"),
+    (["trainer.loggers=[csv]"], 1, "trainer.loggers=['csv'] leaves out jsonl, which every run writes"),
+    (["trainer.loggers=[jsonl,csv,csv]"], 1, "trainer.loggers lists csv 2 times; list each logger once"),
 ]
 
 
