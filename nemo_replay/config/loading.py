@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_replay.config.errors import ConfigError
@@ -142,6 +142,8 @@ def _apply(raw: dict, problems: list[str]) -> DictConfig:
             OmegaConf.update(cfg, path, value, merge=False)
         except OmegaConfBaseException as exc:
             reason = str(exc).splitlines()[0]
+            if isinstance(OmegaConf.select(cfg, path), ListConfig) and not isinstance(value, (list, tuple)):
+                reason = f"{path} takes a list; write it in brackets, e.g. {path}=[{value}]"
             problems.append(f"{path}={value!r}: {reason}")
     return cfg
 

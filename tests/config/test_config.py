@@ -123,6 +123,7 @@ RULES = [
      "trainer.loggers: unknown logger 'tensorbord' (did you mean tensorboard?); known loggers: jsonl, csv, tensorboard, wandb, mlflow"),
     (["trainer.loggers=[csv]"], 1, "trainer.loggers=['csv'] leaves out jsonl, which every run writes"),
     (["trainer.loggers=[jsonl,csv,csv]"], 1, "trainer.loggers lists csv 2 times; list each logger once"),
+    (["trainer.loggers=csv"], 1, "trainer.loggers='csv': trainer.loggers takes a list; write it in brackets, e.g. trainer.loggers=[csv]"),
 ]
 
 
