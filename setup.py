@@ -14,8 +14,18 @@ EXTRAS = {
     # TRL integration (nemo_replay.integrations.trl): it overrides GRPOTrainer methods of TRL 1.16.
     "trl": ["trl>=1.16,<1.17; python_version >= '3.11'", "transformers>=4.56.2"],
     "dev": ["pytest>=7.4", "hypothesis>=6.80", "pytest-xdist>=3.5"],
+    # Experiment loggers of the reference trainer (trainer.loggers; jsonl and csv need nothing more).
+    # mlflow-skinny: the tracking client and file store without the server's packages.
+    "tensorboard": ["tensorboard>=2.9"],
+    "wandb": ["wandb>=0.16"],
+    "mlflow": ["mlflow-skinny>=2.8"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+# verl integration (nemo_replay.integrations.verl), verl 0.9.1 exactly, with the packages of verl's own
+# "verl-core" extra that its agent loop and V1 trainer import. Not in "all": verl caps transformers
+# below 5.11 (the resolver would downgrade every other extra's transformers); it gets its own
+# environment (README "Using it with verl", .ci/run).
+EXTRAS["verl"] = ["verl==0.9.1", "cachetools>=5", "fastapi>=0.100", "uvicorn>=0.20", "TransferQueue>=0.1.10"]
 
 setup(
     name="nemo_replay",

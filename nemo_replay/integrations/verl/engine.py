@@ -1,0 +1,428 @@
+"""Replay in verl 0.9.1's engine workers: what the FSDP and Megatron engines share (docs/design.md §9.3).
+
+verl's actor and reference workers build their engine by name (``EngineRegistry.new`` in
+``workers/engine_workers.py``); :mod:`.fsdp` and :mod:`.megatron` register replay engines
+under the vendor key :data:`VENDOR`, which verl looks up before its own engines when
+``VERL_ENGINE_VENDOR=nemo_replay`` is set (``workers/engine/base.py``
+``EngineRegistry.get_engine_cls``). Without that variable verl picks its own engines, so
+registering changes nothing. Every pass of a replay engine -- the old-policy recompute
+(``compute_log_prob``), the reference pass (``compute_ref_log_prob``) and the policy forward
+(``update_actor``) -- returns the log-probs of the sampled tokens over their recorded supports
+in verl's own ``log_probs`` layout, so verl's ``ppo_loss`` and its rollout correction run
+unchanged on top.
+
+This module holds the engine-independent pieces and imports no verl: reading the support
+from a batch (:func:`check_replay_batch`, whole batch, before any micro-batching),
+a micro-batch's coordinates (:func:`micro_batch_layout`), the scorer call on a model
+output's slots (:func:`score_slots`), and the metrics hook on verl's loss function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_replay.integrations.verl.keys import SUPPORT_KEY
+from nemo_replay.integrations.verl.metrics import FULL_VOCAB_LOG_PROBS
+from nemo_replay.integrations.verl.layout import ResponseLayout, response_layout, slot_channels
+from nemo_replay.scoring.collectives import agree
+from nemo_replay.scoring.guards import Where
+from nemo_replay.scoring.scorer import SupportScores, check_synthetic_eos, score_aligned_support
+from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.membership import row_membership
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.validate import validate_support_rows
+
+__all__ = [
+    "VENDOR",
+    "SAMPLE_INDEX_KEY",
+    "FULL_VOCAB_KEY",
+    "FUSED_KERNELS_FIX",
+    "ReplayOutputs",
+    "Responses",
+    "read_responses",
+    "response_lengths_of",
+    "check_replay_batch",
+    "prepare_replay_batch",
+    "micro_batch_layout",
+    "scalar_temperature",
+    "score_slots",
+    "with_replay_metrics",
+    "register_engines",
+]
+
+#: The ``VERL_ENGINE_VENDOR`` value that selects the replay engines.
+VENDOR = "nemo_replay"
+#: Per-sample int64 key the engines add to a batch so errors name each sample by its index
+#: in the batch the engine was handed, whatever verl's micro-batching reorders.
+SAMPLE_INDEX_KEY = "replay_sample_index"
+#: ``model_output`` key of verl's own full-vocabulary log-probs of the same tokens, from the
+#: same forward (the replayed log-probs plus the log support mass), for the metrics.
+FULL_VOCAB_KEY = FULL_VOCAB_LOG_PROBS
+
+FUSED_KERNELS_FIX = (
+    "actor_rollout_ref.model.use_fused_kernels=True scores each token over the full vocabulary inside the model's "
+    "fused forward, from hidden states the engine never receives, so replay cannot score the recorded support there. "
+    "Set actor_rollout_ref.model.use_fused_kernels=False: replay gathers only the support's logits"
+)
+
+
+# ---------------------------------------------------------------------------- the batch
+
+
+def response_lengths_of(data) -> torch.Tensor:
+    """(B,) int64 ``R_i``, as verl's ``no_padding_2_padding`` reads them (``workers/utils/padding.py``)."""
+    prompts, responses = data["prompts"], data["responses"]
+    if getattr(prompts, "is_nested", False):
+        return responses.offsets().diff().to(torch.int64)
+    mask = data["attention_mask"]
+    return mask[:, prompts.shape[1]:].sum(dim=1).to(torch.int64)
+
+
+@dataclass
+class Responses:
+    """A batch's response tensors, ``(B, W)`` whatever verl's layout.
+
+    The legacy trainer hands the engines dense right-padded ``responses``, ``response_mask``
+    and ``generation_support [B, response_length, K]``; the TransferQueue trainer nested ones
+    (``(B, R_i)``, rows ``(B, R_i, K)``). Nested tensors are padded here (tokens and rows with
+    -1, the mask with 0) to ``W``, the widest response.
+
+    Attributes:
+        tokens: (B, W), int64. rows: (B, W, K), the support's integer dtype.
+        mask: (B, W), bool. lengths: (B,), int64, ``R_i``.
+    """
+
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def _missing_support() -> ValueError:
+    return ValueError(
+        f"the batch has no {SUPPORT_KEY!r} while replay is on (the engine was selected with "
+        f"VERL_ENGINE_VENDOR={VENDOR}); every actor and reference pass needs the support rows recorded at "
+        f"rollout, int32 [batch, response_length, K], -1 padded. Run the rollout with "
+        f"nemo_replay.integrations.verl's servers and agent loop (configs/verl/), or unset VERL_ENGINE_VENDOR "
+        f"to score over the full vocabulary"
+    )
+
+
+def read_responses(data) -> Responses:
+    """The response tokens, mask and support rows of a verl batch or micro-batch, checked for shape.
+
+    Raises:
+        ValueError: no ``generation_support``, a support that is not an integer ``(B, R, K)``
+            tensor aligned with ``responses`` (naming the shapes and, for nested batches, the
+            first sample whose row count differs from its response length).
+    """
+    if SUPPORT_KEY not in data.keys():
+        raise _missing_support()
+    rows = data[SUPPORT_KEY]
+    responses = data["responses"]
+    B = int(responses.size(0))
+    if not isinstance(rows, torch.Tensor):
+        raise ValueError(f"batch[{SUPPORT_KEY!r}] must be an int32 tensor [batch, response_length, K], got {type(rows).__name__}")
+    if rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool or rows.dtype in (
+        torch.uint8, torch.uint16, torch.uint32, torch.uint64
+    ):
+        raise ValueError(f"batch[{SUPPORT_KEY!r}] is {rows.dtype}; support rows are signed integers (int32) padded with -1")
+    lengths = response_lengths_of(data)
+    if getattr(responses, "is_nested", False):
+        width = int(responses.offsets().diff().max()) if B else 0
+        tokens = torch.nested.to_padded_tensor(responses, -1, output_size=(B, width)).to(torch.int64)
+        mask_in = data["response_mask"]
+        mask = torch.nested.to_padded_tensor(mask_in, 0, output_size=(B, width)) if mask_in.is_nested else mask_in[:, :width]
+        if not getattr(rows, "is_nested", False) or rows.dim() != 3 or int(rows.size(0)) != B:
+            raise ValueError(
+                f"batch[{SUPPORT_KEY!r}] must be nested [batch, R_i, K] like the nested 'responses' ({B} samples), got "
+                f"{'a nested' if getattr(rows, 'is_nested', False) else 'a dense'} tensor of {rows.dim()} dims"
+            )
+        counts = rows.offsets().diff().to(lengths.device)
+        bad = torch.nonzero(counts != responses.offsets().diff().to(lengths.device)).flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"batch[{SUPPORT_KEY!r}] holds {int(counts[i])} rows for sample {i}, whose response has "
+                f"{int(responses.offsets().diff()[i])} tokens: one row per response token, -1 padded"
+            )
+        k = int(rows.values().shape[-1])
+        rows = torch.nested.to_padded_tensor(rows, -1, output_size=(B, width, k))
+    else:
+        width = int(responses.shape[1])
+        tokens = responses.to(torch.int64)
+        mask = data["response_mask"]
+        if rows.dim() != 3 or tuple(rows.shape[:2]) != (B, width) or getattr(rows, "is_nested", False):
+            raise ValueError(
+                f"batch[{SUPPORT_KEY!r}] has shape {tuple(rows.shape)}, expected [{B}, {width}, K]: one row per column "
+                f"of 'responses' ({B} x {width}), padded with -1 to the widest row. Carry the rows through padding, "
+                f"concatenation and slicing exactly as 'responses' (response_length columns)"
+            )
+    if rows.shape[-1] == 0:
+        raise ValueError(f"batch[{SUPPORT_KEY!r}] has K = 0 columns; a recorded support holds at least the sampled token")
+    return Responses(tokens, rows, mask.to(tokens.device) != 0, lengths.to(tokens.device))
+
+
+def _name(data, i: int) -> str:
+    """``sample i`` plus its ``uid`` when the batch carries one (errors only)."""
+    try:
+        uid = data["uid"][i]
+        uid = getattr(uid, "data", uid)
+        return f"sample {i} (uid {uid})"
+    except Exception:  # noqa: BLE001 - a name is best effort, the index is always there
+        return f"sample {i}"
+
+
+def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
+    """Every check that needs the whole batch, before verl cuts it into micro-batches.
+
+    Args:
+        data: the TensorDict an engine's ``forward_backward_batch`` receives (after verl's
+            ``left_right_2_no_padding``): ``responses (B, R)``, ``response_mask (B, R)``,
+            ``prompts``, ``attention_mask`` and ``generation_support (B, R, K)`` (or their
+            nested forms, :func:`read_responses`).
+        vocab_size: ids must lie below it (the model's vocabulary); None skips that bound.
+
+    Raises:
+        ValueError naming the key, what came and the fix (a missing or misshapen support, rows
+        breaking docs/design.md §2); SupportAlignmentError naming the sample, the response
+        position and the token (a sampled token missing from its row, a loss-active response
+        token without a row that is not its response's last).
+    """
+    resp = read_responses(data)
+    tokens, mask, lengths, width = resp.tokens, resp.mask, resp.lengths, resp.width
+    B = int(tokens.shape[0])
+    rows3 = resp.rows
+    rows = rows3.reshape(B * width, rows3.shape[2])
+    offsets = torch.arange(0, (B + 1) * width, width, dtype=torch.int64)
+    try:
+        validate_support_rows(rows, vocab_size=vocab_size, cu_seqlens=offsets, where=f"batch[{SUPPORT_KEY!r}]")
+    except ValueError as exc:
+        raise ValueError(f"{exc} (trajectory = sample index in this batch, row = response position)") from exc
+    has_row = rows[:, 0] >= 0
+    member, _ = row_membership(rows, tokens.reshape(-1))
+    missing = has_row & ~member
+    if bool(missing.any()):
+        flat = int(torch.nonzero(missing)[0])
+        i, j = divmod(flat, width)
+        past = int(lengths[i]) <= j
+        raise SupportAlignmentError(
+            f"{_name(data, i)}, response position {j}: sampled token {int(tokens[i, j])} (responses[{i}, {j}]) is not "
+            f"in its support row {rows[flat][rows[flat] >= 0][:16].tolist()} ({SUPPORT_KEY}[{i}, {j}])"
+            + (f", a padding position past the response's {int(lengths[i])} tokens" if past else "")
+            + f"; row j of {SUPPORT_KEY} must be the support response token j was sampled from, padded and sliced "
+            f"exactly like 'responses' (rows swapped between samples, or shifted by one position?)"
+        )
+    col = torch.arange(width, device=mask.device)[None, :]
+    active = mask & (col < lengths[:, None].to(mask.device))
+    traj = torch.arange(B, dtype=torch.int64, device=mask.device)[:, None].expand(B, width).reshape(-1)
+    rowless = active.reshape(-1) & ~has_row.to(mask.device)
+    where = Where(traj, torch.Size([B, width]), col.expand(B, width).reshape(-1))
+    try:
+        check_synthetic_eos(rowless, active.reshape(-1), traj, torch.Size([B, width]), where)
+    except ValueError as exc:
+        raise type(exc)(
+            f"{exc} (trajectory = sample index in this batch, token position = response position). A response "
+            f"position whose support could not be recorded must leave response_mask, its row all -1"
+        ) from exc
+
+
+def prepare_replay_batch(data, *, vocab_size: Optional[int], group, device) -> None:
+    """:func:`check_replay_batch` on every rank of ``group`` at once, then name the samples.
+
+    The ranks of a worker group run ``forward_backward_batch`` together and a bad sample
+    sits in one rank's shard of the batch; inside :func:`~nemo_replay.scoring.collectives.agree`
+    every rank raises the same error instead of leaving the others in the next collective.
+    Then ``data[SAMPLE_INDEX_KEY] = arange(B)``, which verl's micro-batching carries with
+    each sample, so errors raised per micro-batch name the sample's index in this batch.
+    """
+    agree(lambda: check_replay_batch(data, vocab_size=vocab_size), group, device=device, name="worker")
+    data[SAMPLE_INDEX_KEY] = torch.arange(int(data["responses"].size(0)), dtype=torch.int64,
+                                          device=data["input_ids"].device)
+
+
+def micro_batch_layout(micro_batch) -> tuple[ResponseLayout, PackedTensor]:
+    """The coordinates and support rows of one micro-batch (``input_ids`` nested, no padding).
+
+    Returns:
+        the :class:`~nemo_replay.integrations.verl.layout.ResponseLayout`, and the rows as one
+        packed support of ``b * R`` rows (row ``i * R + j`` is ``generation_support[i, j]``),
+        read in place.
+    """
+    input_ids = micro_batch["input_ids"]
+    if not getattr(input_ids, "is_nested", False):
+        raise ValueError(
+            "replay reads verl's no-padding micro-batches (input_ids a nested tensor, pad_mode no_padding); got a "
+            f"dense input_ids {tuple(input_ids.shape)}"
+        )
+    resp = read_responses(micro_batch)
+    b, width = int(input_ids.size(0)), resp.width
+    sample_ids = micro_batch[SAMPLE_INDEX_KEY] if SAMPLE_INDEX_KEY in micro_batch.keys() else None
+    cu = input_ids.offsets()
+    layout = response_layout(cu, resp.lengths.to(cu.device), resp.mask.to(cu.device),
+                             None if sample_ids is None else sample_ids.to(cu.device))
+    rows = resp.rows.reshape(b * width, resp.rows.shape[2]).to(cu.device)
+    return layout, PackedTensor(rows, torch.arange(0, (b + 1) * width, width, dtype=torch.int64))
+
+
+def scalar_temperature(temperature) -> Optional[float]:
+    """The one temperature of a micro-batch, or None when its samples differ.
+
+    verl hands the engines ``temperature`` as a host scalar (the rollout config's) or a
+    per-sample tensor. Replay's scores need a positive finite temperature: the sampler's.
+    """
+    if isinstance(temperature, torch.Tensor):
+        flat = temperature.detach().reshape(-1).to(torch.float64).cpu()
+        if flat.numel() == 0:
+            raise ValueError("the micro-batch's temperature tensor is empty")
+        bad = ~torch.isfinite(flat) | (flat <= 0)
+        if bool(bad.any()):
+            raise ValueError(
+                f"temperature {float(flat[bad][0])} (sample {int(torch.nonzero(bad)[0])}) cannot be replayed: replay "
+                f"scores the sampler's softmax z / T over the support, which needs a finite T > 0 (greedy sampling "
+                f"has no support to replay)"
+            )
+        return float(flat[0]) if bool((flat == flat[0]).all()) else None
+    value = float(temperature)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"temperature {value} cannot be replayed: replay scores the sampler's softmax z / T over the support, "
+            f"which needs a finite T > 0 (set actor_rollout_ref.rollout.temperature)"
+        )
+    return value
+
+
+# ---------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class ReplayOutputs:
+    """Scores of one model output's slots, each shaped like the slots.
+
+    Attributes:
+        log_probs: float32, differentiable; the sampled token over its support, 0 where not scored.
+        full_vocab_log_probs: float32, detached; the same tokens over the full vocabulary.
+        entropy: entropy of the support distribution (differentiable), or None.
+    """
+
+    log_probs: torch.Tensor
+    full_vocab_log_probs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+
+
+def _flag_device(group, fallback: torch.device) -> torch.device:
+    """Where :func:`agree`'s flag lives: the CPU for gloo, the current accelerator otherwise."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return fallback
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else fallback
+
+
+def score_slots(
+    logits: torch.Tensor,
+    shard: VocabShard,
+    sampled_ids: torch.Tensor,
+    predicted: torch.Tensor,
+    layout: ResponseLayout,
+    support: PackedTensor,
+    *,
+    temperature: float,
+    compute_entropy: bool,
+    group=None,
+    group_name: str = "SP",
+) -> ReplayOutputs:
+    """Score the slots of one model output over the recorded supports (docs/design.md §4).
+
+    Args:
+        logits: (*, V_local), any float dtype: this rank's vocabulary shard, not yet divided
+            by the temperature (or already divided, with ``temperature=1.0``). Not modified.
+        shard: this rank's vocabulary slice and its tensor-parallel group.
+        sampled_ids: (*,), int. verl's label of each slot (the token its logit predicts).
+        predicted: (*,), int64. The packed token each slot predicts, -1 where none
+            (:mod:`~nemo_replay.integrations.verl.layout`).
+        layout, support: from :func:`micro_batch_layout`.
+        group: the group the slots of one micro-batch are split over (Ulysses SP, Megatron
+            CP), or None; every rank of it raises the same error (``agree``).
+
+    Returns:
+        :class:`ReplayOutputs` shaped like ``predicted``.
+    """
+    ch = slot_channels(layout, predicted.to(logits.device))
+    shape = predicted.shape
+
+    def run() -> SupportScores:
+        try:
+            return score_aligned_support(
+                logits.reshape(-1, logits.shape[-1]), sampled_ids.reshape(-1).to(logits.device), ch.row_ids.reshape(-1),
+                ch.loss_mask.reshape(-1), support.to(logits.device), shard=shard, temperature=temperature,
+                trajectory_ids=ch.trajectory_ids.reshape(-1), compute_entropy=compute_entropy,
+                compute_support_mass=True, validate=False, token_positions=ch.token_positions.reshape(-1),
+            )
+        except ValueError as exc:
+            raise type(exc)(
+                f"verl micro-batch (trajectory = sample index in the batch the engine was handed, token position = "
+                f"response position): {exc}"
+            ) from exc
+
+    scores = agree(run, group, device=_flag_device(group, logits.device), name=group_name)
+    logmass = torch.where(scores.valid_mask, scores.support_logmass, torch.zeros_like(scores.support_logmass))
+    full = (scores.logprobs.detach() + logmass).view(shape)
+    return ReplayOutputs(
+        log_probs=scores.logprobs.view(shape),
+        full_vocab_log_probs=full,
+        entropy=None if scores.entropy is None else scores.entropy.view(shape),
+    )
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def with_replay_metrics(loss_function: Optional[Callable]) -> Optional[Callable]:
+    """verl's loss function, with the replay metrics added to the metrics it returns.
+
+    The policy pass's ``model_output`` holds the replayed ``log_probs`` and, under
+    :data:`FULL_VOCAB_KEY`, verl's own full-vocabulary log-probs of the same tokens;
+    :func:`nemo_replay.integrations.verl.metrics.engine_metrics` turns that pair (with the
+    micro-batch's ``rollout_log_probs``) into ``replay/*`` metrics, which verl aggregates
+    over micro-batches and data-parallel ranks and logs with the actor's (``actor/replay/*``).
+    The loss is returned unchanged.
+    """
+    if loss_function is None:
+        return None
+    from nemo_replay.integrations.verl import metrics as replay_metrics
+
+    def loss_with_replay_metrics(model_output, data, dp_group=None, **kwargs) -> tuple[Any, dict]:
+        loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group, **kwargs)
+        metrics = dict(metrics)
+        metrics.update(replay_metrics.engine_metrics(model_output, data))
+        return loss, metrics
+
+    return loss_with_replay_metrics
+
+
+def register_engines() -> list[str]:
+    """Register the replay engines with verl's ``EngineRegistry`` (idempotent); return their names.
+
+    The same as importing :mod:`.fsdp` and :mod:`.megatron` (what
+    ``VERL_USE_EXTERNAL_MODULES=nemo_replay.integrations.verl.fsdp`` does in every verl
+    process); the Megatron engine only where verl's Megatron engine imports.
+    """
+    from nemo_replay.integrations.verl import fsdp
+
+    names = [fsdp.ReplayFSDPEngineWithLMHead.__name__]
+    try:
+        from nemo_replay.integrations.verl import megatron
+    except ImportError:
+        return names
+    if megatron.ReplayMegatronEngineWithLMHead is not None:
+        names.append(megatron.ReplayMegatronEngineWithLMHead.__name__)
+    return names
