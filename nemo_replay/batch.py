@@ -1,6 +1,6 @@
 """ReplayBatch: one trainer micro-batch, the type every strategy, role and integration takes.
 
-Its coordinates (token columns, logit columns, the right-aligned ``[B, A]`` response window,
+Its coordinates (token columns, logit columns, the right-aligned ``(B, A)`` response window,
 left, right or mixed padding) are those of :mod:`nemo_replay.layout.canonical` and
 docs/design.md §3; the support rows follow docs/design.md §2.
 """
@@ -82,7 +82,7 @@ class ReplayBatch:
                 )
         seq, am = self.sequences, self.attention_mask
         if seq.dim() != 2 or seq.dtype.is_floating_point:
-            raise ValueError(f"sequences must be an integer [B, S] tensor, got {seq.dtype} {tuple(seq.shape)}")
+            raise ValueError(f"sequences must be an integer (B, S) tensor, got {seq.dtype} {tuple(seq.shape)}")
         B, S = seq.shape
         if am.shape != (B, S):
             raise ValueError(f"attention_mask has shape {tuple(am.shape)}, expected {(B, S)} like sequences")
@@ -103,7 +103,7 @@ class ReplayBatch:
         lm = self.loss_mask
         if lm.dim() != 2 or lm.shape[0] != B or not 1 <= lm.shape[1] <= S:
             raise ValueError(
-                f"loss_mask has shape {tuple(lm.shape)}, expected [B={B}, A] over the last A token columns with "
+                f"loss_mask has shape {tuple(lm.shape)}, expected (B={B}, A) over the last A token columns with "
                 f"1 <= A <= S={S} (A = S: token-aligned)"
             )
         A = lm.shape[1]

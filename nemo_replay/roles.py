@@ -11,7 +11,7 @@ For a hand-written megatron-core or FSDP2 loop (and behind :class:`ReplayCallbac
     roles.last_metrics                       # mismatch, first-step ratio, kl, clip fraction
 
 The objective is a plug point: ``roles.policy(policy, micro_batches, loss_fn=SequenceRatioObjective())``
-or any ``loss_fn(logprobs [B, A], batch, mask [B, A]) -> (loss, metrics)``
+or any ``loss_fn(logprobs (B, A), batch, mask (B, A)) -> (loss, metrics)``
 (:mod:`nemo_replay.objectives`); ``ReplayRoles(..., loss_fn=...)`` sets it for every call.
 With ``RoleSettings(replay=False)`` the same calls run the full-vocabulary path. Megatron
 users who drive ``get_forward_backward_func`` themselves can hand the strategy's

@@ -1,16 +1,16 @@
 """Canonical coordinates of a micro-batch and its token-aligned channels (docs/design.md §3).
 
-Coordinates. ``sequences [B, S]`` holds one trajectory per row whose ``L_i`` real tokens
+Coordinates. ``sequences (B, S)`` holds one trajectory per row whose ``L_i`` real tokens
 form one contiguous run of columns ``[s_i, e_i)``; its last ``R_i`` real tokens are the
 response. The logit at column c predicts the token at column c + 1, so logit-coordinate
-channels are ``[B, S - 1]``. Every layout trainers use is such a run, read as it is (no
+channels are ``(B, S - 1)``. Every layout trainers use is such a run, read as it is (no
 copy into another padding):
 
     left-padded (the reference trainer)         _  _  p0 p1 r0 r1 r2      e_i = S
     right-padded (NeMo-RL, Hugging Face)        p0 p1 r0 r1 r2 _  _       s_i = 0
     left-padded prompt, right-padded completion _  p0 p1 r0 r1 r2 _       prompt ends at a fixed column
 
-Per-token fields (``loss_mask``, ``old_logprobs``, ...) are ``[B, A]`` and cover the last A
+Per-token fields (``loss_mask``, ``old_logprobs``, ...) are ``(B, A)`` and cover the last A
 token columns ``[S - A, S)``: ``A = S`` is the whole row (token-aligned, NeMo-RL's
 ``token_mask``), ``A < S`` a right-aligned response window of a left-padded batch.
 
@@ -90,7 +90,7 @@ def real_runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         ValueError naming the row when it has no real token or several separate runs.
     """
     if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+        raise ValueError(f"attention_mask must be (B, S), got shape {tuple(attention_mask.shape)}")
     real = attention_mask.bool()
     B, S = real.shape
     lengths = real.sum(1).to(torch.int64)

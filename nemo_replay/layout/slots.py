@@ -5,8 +5,8 @@ either) is a list of *slots*. Each names the trajectory ``b`` it belongs to and 
 position ``q`` counted from ``b``'s first real token, or padding (``b = -1``). With ``s_b``
 the canonical column of ``b``'s first real token and ``L_b`` its real tokens:
 
-- a token channel ``[B, S, ...]`` is read at column ``s_b + q``, for ``q < L_b``;
-- a logit channel ``[B, S - 1, ...]`` is read at logit column ``s_b + q``, for
+- a token channel ``(B, S, ...)`` is read at column ``s_b + q``, for ``q < L_b``;
+- a logit channel ``(B, S - 1, ...)`` is read at logit column ``s_b + q``, for
   ``q < L_b - 1``: the logit of slot ``(b, q)`` predicts token ``q + 1`` of the same
   trajectory, never the first token of the sequence packed after it.
 
@@ -93,7 +93,7 @@ class Slots:
     def take(self, x: torch.Tensor, fill) -> torch.Tensor:
         """Canonical channel ``(B, width, *extra)`` -> ``(*shape, *extra)``, ``fill`` where a slot holds none."""
         if x.dim() < 2 or x.shape[1] != self.width:
-            raise ValueError(f"a canonical channel must be [B, {self.width}, ...], got shape {tuple(x.shape)}")
+            raise ValueError(f"a canonical channel must be (B, {self.width}, ...), got shape {tuple(x.shape)}")
         device = x.device
         values = x[self.trajectory.to(device), self.column.to(device)]
         keep = self.valid.to(device).view(-1, *([1] * (values.dim() - 1)))
@@ -112,5 +112,5 @@ class Slots:
         return out if device is None else SlotChannels(*(t.to(device) for t in out))
 
     def canonical_index(self) -> torch.Tensor:
-        """(n,), int64: each slot's flat index into ``[B, width]``, -1 where it holds none (the way back)."""
+        """(n,), int64: each slot's flat index into ``(B, width)``, -1 where it holds none (the way back)."""
         return torch.where(self.valid, self.trajectory * self.width + self.column, -1)

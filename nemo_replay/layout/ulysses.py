@@ -4,9 +4,9 @@ The ranks of one SP group hold the same micro-batch. Each keeps one contiguous s
 the sequence dimension of every token-aligned tensor; attention needs the whole sequence,
 so around it an all-to-all trades the sequence shard for a head shard (DeepSpeed-Ulysses):
 
-    before attention   q [B, H, S/sp, D]   all heads, my sequence slice
-    seq_to_heads       q [B, H/sp, S, D]   my heads, the whole sequence
-    heads_to_seq       o [B, H, S/sp, D]   back after attention
+    before attention   q (B, H, S/sp, D)   all heads, my sequence slice
+    seq_to_heads       q (B, H/sp, S, D)   my heads, the whole sequence
+    heads_to_seq       o (B, H, S/sp, D)   back after attention
 
 Worked example, sp = 2, a [B=1, S=5] channel with fill -1:
 

@@ -1,6 +1,6 @@
 """Padding removal and the way back, flash-attention varlen style (docs/design.md §3, §5 fsdp).
 
-A left-padded ``[B, S]`` batch becomes one packed row of its ``nnz`` real tokens, the
+A left-padded ``(B, S)`` batch becomes one packed row of its ``nnz`` real tokens, the
 trajectories back to back; ``cu_seqlens`` marks where each starts. Every token-aligned
 channel goes through the *same* non-pad indices, so a value never changes position
 relative to its token.
@@ -19,7 +19,7 @@ Worked example, B = 2, S = 4 (``_`` is padding):
                                                 a token of the next trajectory: the logit of
                                                 a trajectory's last token predicts nothing,
                                                 so its loss mask (shifted alike) is 0 there
-    pad(., fill=0)   [[0, a, b, c],             back to [B, S], fill at the pad positions
+    pad(., fill=0)   [[0, a, b, c],             back to (B, S), fill at the pad positions
                       [d, e, f, g]]
 """
 
@@ -34,7 +34,7 @@ __all__ = ["Unpadding", "unpad_indices", "unpad", "pad", "packed_position_ids", 
 
 @dataclass(frozen=True)
 class Unpadding:
-    """Where the real tokens of a ``[B, S]`` batch sit.
+    """Where the real tokens of a ``(B, S)`` batch sit.
 
     Attributes:
         indices: (nnz,), torch.int64. Flat positions ``b * S + s`` of the real tokens,
@@ -74,8 +74,8 @@ def unpad_indices(attention_mask: torch.Tensor) -> Unpadding:
     """
     if attention_mask.dim() != 2:
         raise ValueError(
-            f"attention_mask must be [B, S] (one row per trajectory), got shape {tuple(attention_mask.shape)}; "
-            f"pass the batch's 2-D mask, not a per-layer or [B, 1, S, S] attention mask"
+            f"attention_mask must be (B, S) (one row per trajectory), got shape {tuple(attention_mask.shape)}; "
+            f"pass the batch's 2-D mask, not a per-layer or (B, 1, S, S) attention mask"
         )
     real = attention_mask != 0
     B, S = real.shape
@@ -91,7 +91,7 @@ def unpad(x: torch.Tensor, plan: Unpadding) -> torch.Tensor:
     if tuple(x.shape[:2]) != (plan.batch_size, plan.seq_len):
         raise ValueError(
             f"cannot unpad a tensor of shape {tuple(x.shape)} with indices built for "
-            f"[B={plan.batch_size}, S={plan.seq_len}]; every channel must share the token layout"
+            f"(B={plan.batch_size}, S={plan.seq_len}); every channel must share the token layout"
         )
     return x.reshape(plan.batch_size * plan.seq_len, *x.shape[2:]).index_select(0, plan.indices)
 

@@ -3,7 +3,7 @@
 Capture adapters, wire decode and collation all call :func:`validate_support`, which
 applies the §2 invariants to either support form:
 
-- a plain ``[rows, k]`` tensor: :func:`~nemo_replay.support.validate.validate_support_rows`;
+- a plain ``(rows, k)`` tensor: :func:`~nemo_replay.support.validate.validate_support_rows`;
 - a ``PackedTensor`` or a ``RaggedSupport``: its own ``validate``, which both forms answer
   the same way, membership included (one pass, no loop over rows).
 
@@ -37,7 +37,7 @@ def validate_support(
     """Check a support batch against docs/design.md §2.
 
     Args:
-        support: fixed-width rows ``[rows, k]`` (bare or packed) or CSR rows.
+        support: fixed-width rows ``(rows, k)`` (bare or packed) or CSR rows.
         sampled_ids: (rows,), integer, the token sampled from each row (all rows of all
             segments, in buffer order); checks membership when given.
         vocab_size: ids must be below it when given.
@@ -49,7 +49,7 @@ def validate_support(
     """
     if not isinstance(support, (PackedTensor, RaggedSupport, torch.Tensor)):
         raise ValueError(
-            f"{where}: support must be fixed-width rows (a PackedTensor or an int [rows, k] tensor) or a "
+            f"{where}: support must be fixed-width rows (a PackedTensor or an int (rows, k) tensor) or a "
             f"RaggedSupport, got {type(support).__name__}"
         )
     if sampled_ids is not None:

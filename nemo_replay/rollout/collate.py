@@ -45,11 +45,11 @@ def _segment(item: SegmentLike, i: int) -> Support:
         seg = item
     elif isinstance(item, torch.Tensor):
         if item.dim() != 2:
-            raise ValueError(f"collation: trajectory {i} rows have shape {tuple(item.shape)}, expected [R_i, k]")
+            raise ValueError(f"collation: trajectory {i} rows have shape {tuple(item.shape)}, expected (R_i, k)")
         seg = PackedTensor(item, [0, item.shape[0]])
     else:
         raise ValueError(
-            f"collation: trajectory {i} is a {type(item).__name__}; expected an int [R_i, k] tensor, a one-segment "
+            f"collation: trajectory {i} is a {type(item).__name__}; expected an int (R_i, k) tensor, a one-segment "
             f"PackedTensor or RaggedSupport, or a SupportTrace"
         )
     if seg.batch_size != 1:
@@ -115,7 +115,7 @@ def collate_support(
     """Build the batch's support in the trainer's order.
 
     Args:
-        per_trajectory: trajectory i's ``R_i`` rows: int ``[R_i, k]``, a one-segment
+        per_trajectory: trajectory i's ``R_i`` rows: int ``(R_i, k)``, a one-segment
             PackedTensor / RaggedSupport, or a finished SupportTrace. All fixed-width with
             one ``k``, or all ragged.
         response_lengths: (B,) int, the trainer's ``R`` per batch position.
@@ -199,7 +199,7 @@ def collate_routes(
     for i, r in enumerate(per_trajectory):
         if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.dtype.is_floating_point or r.dtype == torch.bool:
             got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
-            raise ValueError(f"collation: trajectory {i} routes must be an int [L_i, layers, topk] tensor, got {got}")
+            raise ValueError(f"collation: trajectory {i} routes must be an int (L_i, layers, topk) tensor, got {got}")
         low = int(r.to(torch.int64).min()) if r.numel() else 0  # widened: uint8 routes never meet -1 as 255
         if low < -1:
             raise ValueError(f"collation: trajectory {i} routes hold expert id {low} < -1")

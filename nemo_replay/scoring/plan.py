@@ -7,9 +7,9 @@ with the sizes the later phases need (scored positions, synthetic-EOS positions,
 pairs, hidden-mode chunk bounds), and reads them all with ONE host read. Only then does
 it select the scored positions, whose count it now knows.
 
-The row of every position (``ids_all``, ``[N, w]``) is read before the selection, so the
+The row of every position (``ids_all``, ``(N, w)``) is read before the selection, so the
 membership guard runs over all N positions; positions that are not scored are masked
-out. That costs one ``[N, w]`` integer gather, a sequential read, against the scorer's
+out. That costs one ``(N, w)`` integer gather, a sequential read, against the scorer's
 random reads of ``n * w`` scores.
 
 Legend: N positions, n positions scored over a row, e positions scored over the
@@ -130,16 +130,16 @@ def _what(t) -> str:
 def _check_source(source, lm_head_weight, temperature) -> None:
     if not isinstance(source, torch.Tensor) or not source.is_floating_point():
         raise ValueError(
-            f"source must be a floating-point tensor [*, V_local] (logits) or [*, H] (hidden states), got {_what(source)}"
+            f"source must be a floating-point tensor (*, V_local) (logits) or (*, H) (hidden states), got {_what(source)}"
         )
     if source.dim() < 2:
         raise ValueError(f"source must have a position dimension and a last vocab/hidden dimension, got {tuple(source.shape)}")
     if lm_head_weight is not None:
         if not isinstance(lm_head_weight, torch.Tensor) or not lm_head_weight.is_floating_point():
-            raise ValueError(f"lm_head_weight must be a floating-point tensor [V_local, H], got {_what(lm_head_weight)}")
+            raise ValueError(f"lm_head_weight must be a floating-point tensor (V_local, H), got {_what(lm_head_weight)}")
         if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != source.shape[-1]:
             raise ValueError(
-                f"lm_head_weight must be [V_local, H={source.shape[-1]}] to match the hidden states, "
+                f"lm_head_weight must be (V_local, H={source.shape[-1]}) to match the hidden states, "
                 f"got {tuple(lm_head_weight.shape)}"
             )
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
@@ -198,7 +198,7 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
     N = src.shape[0]
     if trajectory_ids is not None:
         traj = trajectory_ids.reshape(-1).to(device=device, dtype=torch.int64)
-    elif len(pos_shape) >= 2:  # [B, T]: trajectory b is row b
+    elif len(pos_shape) >= 2:  # (B, T): trajectory b is row b
         traj = torch.arange(pos_shape[0], device=device).repeat_interleave(N // max(pos_shape[0], 1))
     else:
         traj = torch.zeros(N, dtype=torch.int64, device=device)
@@ -221,19 +221,19 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
 
 
 def normalise_support(support: SupportArg, device) -> Union[PackedTensor, RaggedSupport]:
-    """A PackedTensor of int32/int64 [rows, k] rows or a RaggedSupport, on ``device``."""
+    """A PackedTensor of int32/int64 (rows, k) rows or a RaggedSupport, on ``device``."""
     if isinstance(support, torch.Tensor):
         if support.dim() != 2:
-            raise ValueError(f"support rows must be [rows, k], got shape {tuple(support.shape)}")
+            raise ValueError(f"support rows must be (rows, k), got shape {tuple(support.shape)}")
         support = PackedTensor(support, [0, support.shape[0]])
     if not isinstance(support, (PackedTensor, RaggedSupport)):
         raise ValueError(
-            f"support must be a PackedTensor of [rows, k] int rows, a RaggedSupport or a [rows, k] tensor, got "
+            f"support must be a PackedTensor of (rows, k) int rows, a RaggedSupport or a (rows, k) tensor, got "
             f"{type(support).__name__}"
         )
     ids = support.all_ids  # RaggedSupport checked its members' dtype when it was built
     if ids.dim() != 2 and isinstance(support, PackedTensor):
-        raise ValueError(f"fixed-width support values must be [rows, k], got {tuple(ids.shape)}")
+        raise ValueError(f"fixed-width support values must be (rows, k), got {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"support rows must be integer (int32), got {ids.dtype}")
     if ids.dtype not in (torch.int32, torch.int64):

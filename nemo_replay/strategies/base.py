@@ -2,11 +2,11 @@
 
 A strategy turns micro-batches (:class:`~nemo_replay.batch.ReplayBatch`, any
 padding) into backend-aligned channels, calls the one shared scorer, and returns results in
-the batch's ``[B, S - 1]`` logit coordinates. Trainers call :meth:`ReplayStrategy.run_role`
+the batch's ``(B, S - 1)`` logit coordinates. Trainers call :meth:`ReplayStrategy.run_role`
 for each of the three roles:
 
 - ``policy``: the trained forward. Scores with gradients, hands the log-probs in the
-  caller's ``[B, A]`` columns to the loss (``loss_fn``, a
+  caller's ``(B, A)`` columns to the loss (``loss_fn``, a
   :class:`~nemo_replay.objectives.PolicyLoss`; default the clipped token-ratio objective
   built from ``RoleSettings.clip_eps`` / ``kl_coef``) and runs backward. The caller steps
   the optimizer. The strategy owns the scoring, the coordinates and the CP/SP
@@ -145,7 +145,7 @@ def score_role(source, channels, support, settings: RoleSettings, replay: bool, 
 
 @dataclass
 class RoleOutput:
-    """Results of one role on one micro-batch, in canonical ``[B, S - 1]`` logit coordinates.
+    """Results of one role on one micro-batch, in canonical ``(B, S - 1)`` logit coordinates.
 
     Attributes:
         logprobs: (B, S-1) float32, 0 where not scored. Detached for forward-only roles.
@@ -167,7 +167,7 @@ class RoleOutput:
     metrics: dict = field(default_factory=dict)
 
     def response(self, width: int) -> "RoleOutput":
-        """The caller's ``[B, A=width]`` token columns ``[S - A, S)`` (the columns of ``batch.loss_mask``).
+        """The caller's ``(B, A=width)`` token columns ``[S - A, S)`` (the columns of ``batch.loss_mask``).
 
         Token column t holds the result of the logit that predicts it (logit column t - 1);
         with ``width == S`` (token-aligned) column 0 is 0 / False.
@@ -184,7 +184,7 @@ def policy_loss(settings: RoleSettings, loss_fn: Optional[PolicyLoss] = None) ->
     if loss_fn is not None:
         if not callable(loss_fn):
             raise ValueError(
-                f"loss_fn must be callable as loss_fn(logprobs [B, A], batch, mask [B, A]) -> (loss, metrics), got "
+                f"loss_fn must be callable as loss_fn(logprobs (B, A), batch, mask (B, A)) -> (loss, metrics), got "
                 f"{type(loss_fn).__name__}; see nemo_replay.objectives"
             )
         return loss_fn
@@ -240,10 +240,10 @@ class ReplayStrategy(abc.ABC):
         """
 
     def score(self, model, batch: ReplayBatch, settings: RoleSettings, *, role: Role = "policy") -> RoleOutput:
-        """One micro-batch's scores, differentiable for the ``policy`` role, in ``[B, S - 1]`` logit columns.
+        """One micro-batch's scores, differentiable for the ``policy`` role, in ``(B, S - 1)`` logit columns.
 
         For trainers that compute their own loss and run backward themselves
-        (``out.response(batch.response_width).logprobs`` is the ``[B, A]`` view). A
+        (``out.response(batch.response_width).logprobs`` is the ``(B, A)`` view). A
         strategy whose backward runs inside its own schedule (megatron) does not offer it.
         """
         raise ValueError(

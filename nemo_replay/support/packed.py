@@ -68,7 +68,7 @@ def segment_row_index(cu_seqlens: torch.Tensor, segments: torch.Tensor) -> tuple
 class Segmented:
     """Views shared by batches whose trajectories are addressed by ``cu_seqlens`` (B + 1,).
 
-    Support rows come in two forms, fixed-width (:class:`PackedTensor` of ``[rows, k]`` ids with
+    Support rows come in two forms, fixed-width (:class:`PackedTensor` of ``(rows, k)`` ids with
     trailing -1) and CSR (:class:`~nemo_replay.support.ragged.RaggedSupport`). Both answer the
     same support methods, so no caller branches on the form (docs/design.md §2):
 
@@ -106,7 +106,7 @@ class PackedTensor(Segmented):
     """Ragged per-trajectory rows in one buffer.
 
     Args:
-        values: (total_rows, *row_shape), any dtype (support rows: int32 [rows, k];
+        values: (total_rows, *row_shape), any dtype (support rows: int32 (rows, k);
             MoE routes: int [tokens, layers, topk]).
         cu_seqlens: (batch_size + 1,), int32 (other integer dtypes are converted).
     """
@@ -137,7 +137,7 @@ class PackedTensor(Segmented):
         row_shape: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
     ) -> "PackedTensor":
-        """Pack per-trajectory tensors ``[R_i, *row_shape]`` into one buffer.
+        """Pack per-trajectory tensors ``(R_i, *row_shape)`` into one buffer.
 
         ``row_shape``/``dtype`` are needed only when every segment is empty or the list is
         empty; otherwise they are taken from the segments (and must agree).
@@ -257,7 +257,7 @@ class PackedTensor(Segmented):
         """Move/cast ``values`` like ``Tensor.to``; ``cu_seqlens`` follows the device, stays int32."""
         return carry_checked([self], PackedTensor(self.values.to(*args, **kwargs), self.cu_seqlens))
 
-    # ------------------------------------------------------------------ support rows ([rows, k] int)
+    # ------------------------------------------------------------------ support rows: (rows, k) int
     @property
     def all_ids(self) -> torch.Tensor:
         return self.values

@@ -128,7 +128,7 @@ def validate_support_rows(
     if not isinstance(values, torch.Tensor):
         raise ValueError(f"{where}: support rows must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() != 2:
-        raise ValueError(f"{where}: support rows must be 2-D [rows, k], got shape {tuple(values.shape)}")
+        raise ValueError(f"{where}: support rows must be 2-D (rows, k), got shape {tuple(values.shape)}")
     if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
         raise ValueError(f"{where}: support rows must be an integer tensor (int32), got {values.dtype}")
     if values.numel() == 0:

@@ -19,7 +19,7 @@ Layout while generating (B = 2, prompts ``a b c`` and ``d e``, stop token ``#``)
 
 At the end each trajectory is re-left-padded into the canonical batch (its real tokens a
 suffix of its row) with ``R_i`` support rows, and the loss mask / rollout log-probs are
-right-aligned ``[B, A]`` with ``A = max R_i``.
+right-aligned ``(B, A)`` with ``A = max R_i``.
 
 MoE routes (R3). When ``next_token_logits`` also returns the routes of every column of
 the buffer, each token keeps the routes of the forward that first processed it, as a KV-cached
@@ -217,7 +217,7 @@ def rollout_batch(
         row_width: fixed-width rows narrower than this are padded with -1 to it.
         routes: per-trajectory MoE routes of the real tokens, or None.
 
-    Right-aligned ``[B, A]`` response coordinates, ``A = max R_i``: token j of trajectory i
+    Right-aligned ``(B, A)`` response coordinates, ``A = max R_i``: token j of trajectory i
     sits at column ``A - R_i + j``. Example A = 3, R = [3, 1]: row 0 holds tokens [0 1 2],
     row 1 holds [- - 0] (- = left of the response: loss mask False, log-prob 0).
     """
@@ -259,7 +259,7 @@ def replay_batches_from_generation(
     The canonical batch is built by :func:`rollout_batch`, as
     for every other sampler: each prompt's real tokens followed by its completion,
     re-left-padded, ``R_i`` support rows per trajectory, the loss mask and the rollout
-    log-probs right-aligned ``[B, A]`` with ``A = max R_i``. Example, prompts ``[_ a b]``
+    log-probs right-aligned ``(B, A)`` with ``A = max R_i``. Example, prompts ``[_ a b]``
     and ``[c d e]`` (``_`` = left pad), completions ``[x y #]`` and ``[z]``: sequences
     ``[a b x y #]`` and ``[_ c d e z]``, loss mask ``[[1 1 1], [0 0 1]]`` over the last
     ``A = 3`` columns.

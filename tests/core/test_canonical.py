@@ -163,15 +163,15 @@ def _loss_at(i, a):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(sequences=torch.zeros(3, 9)), r"sequences must be an integer \[B, S\] tensor, got torch.float32"),
-        (dict(sequences=torch.zeros(27, dtype=torch.int64)), r"sequences must be an integer \[B, S\] tensor"),
+        (dict(sequences=torch.zeros(3, 9)), r"sequences must be an integer \(B, S\) tensor, got torch.float32"),
+        (dict(sequences=torch.zeros(27, dtype=torch.int64)), r"sequences must be an integer \(B, S\) tensor"),
         (dict(attention_mask=torch.ones(3, 8, dtype=torch.bool)), r"attention_mask has shape \(3, 8\), expected \(3, 9\)"),
         (dict(attention_mask=_two_runs()), r"trajectory 1: attention_mask holds 2 separate runs of real tokens"),
         (dict(attention_mask=torch.zeros(3, 9, dtype=torch.bool)), r"trajectory 0: attention_mask has no real token"),
         (dict(response_lengths=torch.tensor([4, 2])), r"response_lengths has shape \(2,\), expected \(3,\)"),
         (dict(response_lengths=torch.tensor([4, -1, 5])), r"trajectory 1: response_length -1 must be in \[0, L_i - 1\] with L_i=5"),
         (dict(response_lengths=torch.tensor([4, 5, 5])), r"trajectory 1: response_length 5 must be in \[0, L_i - 1\]"),
-        (dict(loss_mask=torch.ones(3, 10, dtype=torch.bool)), r"loss_mask has shape \(3, 10\), expected \[B=3, A\].*S=9"),
+        (dict(loss_mask=torch.ones(3, 10, dtype=torch.bool)), r"loss_mask has shape \(3, 10\), expected \(B=3, A\).*S=9"),
         (dict(loss_mask=torch.ones(3, 9, dtype=torch.bool)), r"trajectory 0: loss_mask is set at token column 0, which no logit"),
         # Trajectory 1 (L = 5) is real in token columns 4..8; the [B, A=6] mask covers columns 3..8.
         (dict(loss_mask=_loss_at(1, 0)),

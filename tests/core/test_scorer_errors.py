@@ -63,7 +63,7 @@ def test_bad_channels(case, name, make, match):
 def test_non_float_source_and_weight_name_their_dtype(case):
     with pytest.raises(ValueError, match=r"source must be a floating-point tensor .* got torch.int64"):
         _score(case, source=case.logits.long())
-    with pytest.raises(ValueError, match=r"lm_head_weight must be a floating-point tensor \[V_local, H\], got torch.int64"):
+    with pytest.raises(ValueError, match=r"lm_head_weight must be a floating-point tensor \(V_local, H\), got torch.int64"):
         _score(case, source=case.hidden, lm_head_weight=case.weight.long())
 
 
@@ -75,9 +75,9 @@ def test_bad_trajectory_ids(case):
 
 
 def test_bad_lm_head_weight(case):
-    with pytest.raises(ValueError, match=r"lm_head_weight must be \[V_local, H=8\].*got \(61, 7\)"):
+    with pytest.raises(ValueError, match=r"lm_head_weight must be \(V_local, H=8\).*got \(61, 7\)"):
         _score(case, source=case.hidden, lm_head_weight=case.weight[:, :7])
-    with pytest.raises(ValueError, match=r"lm_head_weight must be \[V_local, H=8\].*got \(61, 8, 1\)"):
+    with pytest.raises(ValueError, match=r"lm_head_weight must be \(V_local, H=8\).*got \(61, 8, 1\)"):
         _score(case, source=case.hidden, lm_head_weight=case.weight[..., None])
 
 
@@ -138,9 +138,9 @@ def test_support_mass_needs_logits(case):
     [
         (lambda c: c.support.values.tolist(), r"support must be a PackedTensor.*RaggedSupport.*got list"),
         (lambda c: None, r"support must be a PackedTensor.*got NoneType"),
-        (lambda c: c.support.values.reshape(-1), r"support rows must be \[rows, k\], got shape \(\d+,\)"),
+        (lambda c: c.support.values.reshape(-1), r"support rows must be \(rows, k\), got shape \(\d+,\)"),
         (lambda c: PackedTensor(c.support.values[..., None], c.support.cu_seqlens),
-         r"fixed-width support values must be \[rows, k\], got \(\d+, 5, 1\)"),
+         r"fixed-width support values must be \(rows, k\), got \(\d+, 5, 1\)"),
         (lambda c: c.support.values.float(), r"support rows must be integer"),
         (lambda c: PackedTensor(c.support.values.float(), c.support.cu_seqlens), r"support rows must be integer"),
     ],

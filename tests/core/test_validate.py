@@ -66,8 +66,8 @@ def test_without_offsets_rows_are_named_globally():
     "values, match",
     [
         ([[1, 2]], r"support rows must be a torch.Tensor, got list"),
-        (torch.tensor([1, 2]), r"support rows must be 2-D \[rows, k\], got shape \(2,\)"),
-        (torch.zeros(2, 3, 1, dtype=torch.int32), r"must be 2-D \[rows, k\], got shape \(2, 3, 1\)"),
+        (torch.tensor([1, 2]), r"support rows must be 2-D \(rows, k\), got shape \(2,\)"),
+        (torch.zeros(2, 3, 1, dtype=torch.int32), r"must be 2-D \(rows, k\), got shape \(2, 3, 1\)"),
         (torch.zeros(2, 3), r"must be an integer tensor \(int32\), got torch.float32"),
         (torch.zeros(2, 3, dtype=torch.bool), r"must be an integer tensor \(int32\), got torch.bool"),
     ],

@@ -241,7 +241,7 @@ def test_score_hands_out_differentiable_logprobs_for_the_callers_backward(model,
     model.zero_grad(set_to_none=True)
     with pytest.raises(ValueError, match="loss_fn applies to the policy role only; the recompute role runs forward only"):
         strategy.run_role("recompute", model, batches, settings, loss_fn=gspo)
-    with pytest.raises(ValueError, match=r"loss_fn must be callable as loss_fn\(logprobs \[B, A\], batch, mask \[B, A\]\)"):
+    with pytest.raises(ValueError, match=r"loss_fn must be callable as loss_fn\(logprobs \(B, A\), batch, mask \(B, A\)\)"):
         strategy.run_role("policy", model, batches, settings, loss_fn="gspo")
 
 

@@ -384,7 +384,7 @@ def test_misaligned_and_malformed_batches_are_refused_naming_the_fix():
         (dict(generation_support=None), r"no 'generation_support' \(token-aligned support rows"),
         (dict(input_lengths=None), r"no 'input_lengths' \(tokens per row \[B\]\)"),
         (dict(generation_support=data["generation_support"].to(torch.uint8)), r"is torch.uint8, which cannot hold the -1"),
-        (dict(generation_support=data["generation_support"][:, :-1]), r"must be an integer \[B=4, S=\d+, k\] tensor, token-aligned"),
+        (dict(generation_support=data["generation_support"][:, :-1]), r"must be an integer \(B=4, S=\d+, k\) tensor, token-aligned"),
         (dict(input_lengths=data["input_lengths"] + 40), r"data row 0 has input_lengths \d+, outside \[1, \d+\]"),
         (dict(token_mask=data["token_mask"][:2]), r"data dict shapes disagree"),
     ]

@@ -132,7 +132,7 @@ def test_pads_and_carrying_into_the_policy_batches():
     assert train["generation_support"] is flat["generation_support"]
     with pytest.raises(ValueError, match=r"flattened rollout batch has no 'generation_support'"):
         carry_support({"input_ids": flat["token_ids"]}, {"token_ids": flat["token_ids"]})
-    with pytest.raises(ValueError, match=r"flattened generation_support has shape \(2, 5, 5\); expected \[B, S, k\] over "
+    with pytest.raises(ValueError, match=r"flattened generation_support has shape \(2, 5, 5\); expected \(B, S, k\) over "
                                          r"input_ids \(2, 6\)"):
         carry_support(train, {"generation_support": torch.full((2, 5, K), -1)})
 

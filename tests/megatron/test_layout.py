@@ -241,7 +241,7 @@ def test_errors_name_the_problem_and_the_fix():
     with pytest.raises(ValueError, match="tp_size must be a positive int"):
         TokenMetadataLayout.build(am, tp_size=0)
     lay = TokenMetadataLayout.build(am)
-    with pytest.raises(ValueError, match=r"logit channel must be \[B=2, 2"):
+    with pytest.raises(ValueError, match=r"logit channel must be \(B=2, 2"):
         lay.align_logits(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="cu_seqlens"):
         lay.packed_row_ids([0, 1], [0, 0], shift=True)

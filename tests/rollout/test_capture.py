@@ -199,7 +199,7 @@ def test_broken_logits_are_refused():
         capture.sample(bad, temperature=1.0, top_k=4)
     with pytest.raises(ValueError, match="row 0"):
         capture.sample(torch.full((1, 5), -math.inf), temperature=1.0, top_k=4)
-    with pytest.raises(ValueError, match=r"\[N, V\]"):
+    with pytest.raises(ValueError, match=r"\(N, V\)"):
         capture.sample(torch.randn(10), temperature=1.0, top_k=4)
 
 

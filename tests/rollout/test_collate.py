@@ -119,7 +119,7 @@ def test_routes_collate_and_check_sequence_lengths():
         collate_routes(r, sequence_lengths=[6, 7])
     with pytest.raises(ValueError, match="different route shapes"):
         collate_routes([r[0], torch.zeros(3, 2, 3, dtype=torch.int16)], sequence_lengths=[5, 3])
-    with pytest.raises(ValueError, match=r"int \[L_i, layers, topk\]"):
+    with pytest.raises(ValueError, match=r"int \(L_i, layers, topk\)"):
         collate_routes([r[0].float()], sequence_lengths=[5])
 
 

@@ -7,7 +7,7 @@ per-sequence packing; :mod:`.layout`). The pieces:
 
 - :func:`replay_prepare_fn` -- a ``prepare_fn`` for the Megatron ``LossPostProcessor``:
   ``next_token_logprobs`` over the recorded supports read from ``data["generation_support"]``
-  (int32 ``[B, S, k]``, token-aligned, -1 padded); NeMo-RL's own loss
+  (int32 ``(B, S, k)``, token-aligned, -1 padded); NeMo-RL's own loss
   (``ClippedPGLossFn``...) runs on them unchanged;
 - :class:`ReplayLogprobsPostProcessor` (Megatron) and :class:`ReplayAutomodelLogprobsPostProcessor`
   (DTensor v2) for the old-policy and reference log-probs, same support (full vocabulary

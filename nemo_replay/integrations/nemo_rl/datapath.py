@@ -135,7 +135,7 @@ def carry_support(target: MutableMapping[str, Any], flat_messages: MutableMappin
     """``target[key] = flat_messages[key]``, checked against ``target``'s ``input_ids``.
 
     Raises:
-        ValueError when the flattened batch has no rows or rows not ``[B, S, k]`` over its tokens.
+        ValueError when the flattened batch has no rows or rows not ``(B, S, k)`` over its tokens.
     """
     if key not in flat_messages:
         raise ValueError(
@@ -146,7 +146,7 @@ def carry_support(target: MutableMapping[str, Any], flat_messages: MutableMappin
     if not isinstance(rows, torch.Tensor) or rows.dim() != 3 or tuple(rows.shape[:2]) != tuple(ids.shape):
         got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
         raise ValueError(
-            f"flattened {key} has shape {got}; expected [B, S, k] over input_ids {tuple(ids.shape)} (token-aligned, "
+            f"flattened {key} has shape {got}; expected (B, S, k) over input_ids {tuple(ids.shape)} (token-aligned, "
             f"-1 padded)"
         )
     target[key] = rows

@@ -91,13 +91,13 @@ def replay_prepare_fn(
     support_key: str = SUPPORT_KEY,
     validate: bool = True,
 ) -> tuple[dict[str, torch.Tensor], Any]:
-    """NeMo-RL ``prepare_fn``: ``next_token_logprobs [B, S - 1]`` over the recorded supports.
+    """NeMo-RL ``prepare_fn``: ``next_token_logprobs (B, S - 1)`` over the recorded supports.
 
     Args (NeMo-RL's, by keyword):
-        logits: ``[B, S / cp, V / tp]`` temperature-divided logits of an unpacked micro-batch,
+        logits: ``(B, S / cp, V / tp)`` temperature-divided logits of an unpacked micro-batch,
             or ``[1, P / cp, V / tp]`` of one packed sequence (``SequencePackingLossWrapper``).
         data: the (per-sequence) data dict: ``input_ids``, ``input_lengths``, ``token_mask``,
-            ``sample_mask``, ``generation_support [B, S, k]`` int32 token-aligned.
+            ``sample_mask``, ``generation_support (B, S, k)`` int32 token-aligned.
         loss_fn: a LOGPROB loss (``ClippedPGLossFn``...).
         vocab_parallel_rank, vocab_parallel_group, context_parallel_group: Megatron's groups.
 
@@ -174,7 +174,7 @@ class ReplayLogprobsPostProcessor(_MegatronLogprobs):
 
     ``post(data_dict, input_ids, cu_seqlens_padded)`` returns ``fn(output_tensor) -> (0,
     {"logprobs": (B, S) float32})``, token-aligned with a 0 in column 0, as NeMo-RL's does.
-    Output tensors are ``[B, S, V / tp]`` (unpacked) or ``[1, T / cp, V / tp]`` (packed,
+    Output tensors are ``(B, S, V / tp)`` (unpacked) or ``[1, T / cp, V / tp]`` (packed,
     ``cfg["sequence_packing"]["enabled"]``).
 
     Args:

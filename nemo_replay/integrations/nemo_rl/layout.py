@@ -3,10 +3,10 @@
 Read from NeMo-RL at commit ``7ea279abfbeb698b092856d0dab61e7cf39bc909`` (github NVIDIA-NeMo/RL):
 
 - batches are right-padded: row i's ``input_lengths[i]`` tokens sit at columns ``[0, L_i)``
-  of ``input_ids [B, W]``; per-token fields are token-aligned ``[B, W]`` (``token_mask``,
-  ``generation_logprobs``), and ``generation_support [B, W, k]`` holds the support row of
+  of ``input_ids (B, W)``; per-token fields are token-aligned ``(B, W)`` (``token_mask``,
+  ``generation_logprobs``), and ``generation_support (B, W, k)`` holds the support row of
   token t at column t (``-1`` padded; all ``-1`` where nothing was sampled);
-- ``next_token_logprobs [B, W - 1]``: column c scores token c + 1
+- ``next_token_logprobs (B, W - 1)``: column c scores token c + 1
   (``distributed/model_utils.py`` ``from_parallel_logits_to_logprobs``: targets rolled by
   -1, last column dropped);
 - context parallel: a padded sequence of P tokens (a multiple of 2 cp) is cut into 2 cp
@@ -70,14 +70,14 @@ class LocalSlots:
     shape: tuple
 
     def logit_slots(self, input_lengths: torch.Tensor, width: int) -> Slots:
-        """The slots as next-token columns of ``[N, W - 1]``: rows are right-padded, so position q
+        """The slots as next-token columns of ``(N, W - 1)``: rows are right-padded, so position q
         of data row i is its column q, and its logit predicts token q + 1 while ``q + 1 < L_i``."""
         lengths = input_lengths.to(torch.int64).cpu()
         return Slots.of(self.row, self.position, torch.zeros_like(lengths), lengths, seq_len=width, shape=self.shape, logit=True)
 
 
 def local_slots(padded_lengths: Sequence[int], cp_size: int, cp_rank: int, *, packed: bool) -> LocalSlots:
-    """The slots of rank ``cp_rank``: unpacked ``[N, P / cp]`` rows, or one packed ``[1, sum(P_i) / cp]`` row.
+    """The slots of rank ``cp_rank``: unpacked ``(N, P / cp)`` rows, or one packed ``[1, sum(P_i) / cp]`` row.
 
     Args:
         padded_lengths: P_i per data row (unpacked: all equal to the padded row width).
@@ -96,7 +96,7 @@ def local_slots(padded_lengths: Sequence[int], cp_size: int, cp_rank: int, *, pa
 def canonical_of(
     input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor
 ) -> CanonicalChannels:
-    """The scorer channels of a right-padded NeMo-RL micro-batch, in next-token columns ``[N, W - 1]``.
+    """The scorer channels of a right-padded NeMo-RL micro-batch, in next-token columns ``(N, W - 1)``.
 
     Column c predicts token c + 1 of its data row when ``c + 1 < L_i``; its row is
     ``generation_support`` flattened, ``i * W + c + 1`` (an all -1 row means none); it is
@@ -118,7 +118,7 @@ def canonical_of(
 
 
 class _GatherSlots(torch.autograd.Function):
-    """Every CP rank's slot values scattered into ``[N, W - 1]``; NeMo-RL's CP gather semantics.
+    """Every CP rank's slot values scattered into ``(N, W - 1)``; NeMo-RL's CP gather semantics.
 
     Forward: one all-gather over ``cp_group`` of this rank's ``(n,)`` values (none when
     cp = 1), then a scatter of every rank's slots (0 where no slot predicts). Backward: the

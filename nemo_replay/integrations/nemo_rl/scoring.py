@@ -2,7 +2,7 @@
 
 :func:`next_token_logprobs` takes what a NeMo-RL worker holds after its forward --
 temperature-divided logits (vocab-parallel over TP, CP-local, unpacked rows or one packed
-row) and the micro-batch's data dict -- and returns ``[N, W - 1]`` log-probs of the
+row) and the micro-batch's data dict -- and returns ``(N, W - 1)`` log-probs of the
 sampled tokens over their recorded supports (docs/design.md §9), through the shared
 scorer. It runs as phases: read the shards, read the data dict, build this rank's
 channels (:mod:`.layout`), check the whole sequences, score, gather over CP.
@@ -115,13 +115,13 @@ def _tensor(data: Mapping[str, Any], key: str, what: str) -> torch.Tensor:
 
 
 def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
-    """(input_ids [N, W], input_lengths [N], token_mask [N, W], sample_mask [N], support or None)."""
-    ids = _tensor(data, "input_ids", "right-padded tokens [B, S]")
+    """(input_ids (N, W), input_lengths [N], token_mask (N, W), sample_mask [N], support or None)."""
+    ids = _tensor(data, "input_ids", "right-padded tokens (B, S)")
     if ids.dim() != 2 or ids.is_floating_point():
-        raise ValueError(f"data['input_ids'] must be an integer [B, S] tensor, got {ids.dtype} {tuple(ids.shape)}")
+        raise ValueError(f"data['input_ids'] must be an integer (B, S) tensor, got {ids.dtype} {tuple(ids.shape)}")
     N, W = ids.shape
     lengths = _tensor(data, "input_lengths", "tokens per row [B]")
-    mask = _tensor(data, "token_mask", "loss-active tokens [B, S]")
+    mask = _tensor(data, "token_mask", "loss-active tokens (B, S)")
     sample = _tensor(data, "sample_mask", "trajectories in the loss [B]")
     if lengths.shape != (N,) or mask.shape != (N, W) or sample.shape != (N,):
         raise ValueError(
@@ -130,10 +130,10 @@ def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
         )
     support = None
     if replay:
-        rows = _tensor(data, support_key, "token-aligned support rows [B, S, k], int32, -1 padded")
+        rows = _tensor(data, support_key, "token-aligned support rows (B, S, k), int32, -1 padded")
         if rows.dim() != 3 or rows.shape[:2] != (N, W) or rows.is_floating_point() or rows.dtype == torch.bool:
             raise ValueError(
-                f"data[{support_key!r}] must be an integer [B={N}, S={W}, k] tensor, token-aligned with input_ids "
+                f"data[{support_key!r}] must be an integer (B={N}, S={W}, k) tensor, token-aligned with input_ids "
                 f"(the row of token t at column t), got {rows.dtype} {tuple(rows.shape)}"
             )
         if rows.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
@@ -161,12 +161,12 @@ def next_token_logprobs(
     """Log-probs of NeMo-RL's next tokens over their recorded supports.
 
     Args:
-        logits: ``[N, P / cp, V_local]`` (unpacked rows) or ``[1, sum(P_i) / cp, V_local]``
+        logits: ``(N, P / cp, V_local)`` (unpacked rows) or ``[1, sum(P_i) / cp, V_local]``
             (packed, with ``cu_seqlens_padded``), already divided by the temperature, any
             float dtype; a torch tensor (Megatron) or a DTensor (automodel). Not modified.
-        data: the micro-batch's data dict: ``input_ids [N, W]`` (int, right-padded),
-            ``input_lengths [N]``, ``token_mask [N, W]``, ``sample_mask [N]`` and, unless
-            ``full_vocab``, ``generation_support [N, W, k]`` (int32, token-aligned, -1 padded).
+        data: the micro-batch's data dict: ``input_ids (N, W)`` (int, right-padded),
+            ``input_lengths [N]``, ``token_mask (N, W)``, ``sample_mask [N]`` and, unless
+            ``full_vocab``, ``generation_support (N, W, k)`` (int32, token-aligned, -1 padded).
         vocab_parallel_rank, vocab_parallel_group: Megatron's TP rank and group (None: whole
             vocabulary, or the DTensor's own mesh).
         context_parallel_group: the CP group (None: no CP).
@@ -208,7 +208,7 @@ def next_token_logprobs(
             source, flat(ch.sampled_ids), flat(ch.row_ids), flat(ch.loss_mask), support.to(local.device), shard=shard,
             trajectory_ids=flat(ch.trajectory_ids), validate=validate, token_positions=flat(ch.token_positions),
         ), context_parallel_group, device=local.device, name="CP")
-    indices = [  # where every CP rank's slots land in [N, W - 1]
+    indices = [  # where every CP rank's slots land in (N, W - 1)
         (slots if r == cp_rank else local_slots(padded, cp, r, packed=packed).logit_slots(lengths, W)).canonical_index().to(local.device)
         for r in range(cp)
     ]
@@ -224,7 +224,7 @@ def _padded_lengths(local: torch.Tensor, N: int, cp: int, cu_seqlens_padded) -> 
     if cu_seqlens_padded is None:
         if local.shape[0] != N:
             raise ValueError(
-                f"logits hold {local.shape[0]} rows for {N} data rows; unpacked logits are [B, S / cp, V_local] "
+                f"logits hold {local.shape[0]} rows for {N} data rows; unpacked logits are (B, S / cp, V_local) "
                 f"(packed ones need cu_seqlens_padded)"
             )
         return [local.shape[1] * cp] * N

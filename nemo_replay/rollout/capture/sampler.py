@@ -361,7 +361,7 @@ def sample(
         )
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
         got = f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"capture.sample: logits must be a floating [N, V] tensor, got {got}")
+        raise ValueError(f"capture.sample: logits must be a floating (N, V) tensor, got {got}")
     N, V = logits.shape
     if V == 0:
         raise ValueError("capture.sample: logits have an empty vocabulary dimension (V = 0)")

@@ -5,12 +5,12 @@ attention layer of a model switched to it (:func:`use_ulysses_attention`) receiv
 of this rank's sequence slice (rotary embeddings already applied with the *global* position
 ids the caller passed) and:
 
-1. all-to-all: ``q [B, H, S/sp, D] -> [B, H/sp, S, D]`` (k and v alike), so this rank holds
+1. all-to-all: ``q (B, H, S/sp, D) -> (B, H/sp, S, D)`` (k and v alike), so this rank holds
    ``H/sp`` heads over the whole sequence;
 2. attends over the whole sequence with the mask of :func:`segment_attention_mask`: causal,
    block-diagonal per trajectory (trajectories packed into one row restart there), never
    attending a padding key;
-3. all-to-all back to ``[B, H, S/sp, D]``.
+3. all-to-all back to ``(B, H, S/sp, D)``.
 
 Step 2 builds a dense ``[B, 1, S, S]`` boolean mask for PyTorch's SDPA: exact and
 portable (CPU, any dtype), quadratic in memory; a varlen flash-attention kernel fed the
@@ -152,8 +152,8 @@ def ulysses_attention_forward(
         num_kv = num_heads
     ulysses_plan.calls += 1
 
-    q = seq_to_heads(query, group)  # [B, H/sp, S, D]
-    k = seq_to_heads(key, group)  # [B, H_kv/sp, S, D]
+    q = seq_to_heads(query, group)  # (B, H/sp, S, D)
+    k = seq_to_heads(key, group)  # (B, H_kv/sp, S, D)
     v = seq_to_heads(value, group)
     # Rank g holds query heads [g*H/sp, (g+1)*H/sp) and kv heads [g*H_kv/sp, ...): the same
     # groups, since query head h uses kv head h // (H / H_kv).
@@ -165,7 +165,7 @@ def ulysses_attention_forward(
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling
     )
-    out = heads_to_seq(out, group)  # [B, H, S/sp, D]
+    out = heads_to_seq(out, group)  # (B, H, S/sp, D)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,10 +1,10 @@
 """The fsdp strategy's token layout: canonical channels through unpad, roll and Ulysses.
 
 Channels start in canonical coordinates (:func:`~nemo_replay.layout.canonical.canonical_channels`)
-and are laid out ``[B, S]`` like the tokens, one value per token position p:
+and are laid out ``(B, S)`` like the tokens, one value per token position p:
 
 - ``row_ids``: the support row of the *logit* at p (it predicts token p + 1). Canonical
-  logit column c is token column c, so the canonical ``[B, S-1]`` row ids are the first
+  logit column c is token column c, so the canonical ``(B, S-1)`` row ids are the first
   S-1 columns and the last token gets -1. They are never rolled.
 - ``trajectory_ids``: batch index of token p, -1 on padding. Never rolled.
 - ``loss_mask``: a *token* quantity: the canonical logit mask moved back one column
@@ -37,7 +37,7 @@ support rows 0, 1 for r0, r1, no padding removal, no SP:
     scored            position 2 predicts r0 over row 0, position 3 r1 over row 1
 
 Outputs come back through :meth:`FSDPLayout.to_canonical`: gathered over SP, unpadded
-back to ``[B, S]`` and cut to the canonical ``[B, S-1]`` logit columns.
+back to ``(B, S)`` and cut to the canonical ``(B, S-1)`` logit columns.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class FSDPLayout:
         """(R, T) per-position output of this rank -> (B, S-1) canonical logit columns.
 
         Gathers over SP (``grad_scale`` as in :func:`~nemo_replay.layout.ulysses.gather_sequence`),
-        scatters packed positions back to ``[B, S]`` with ``fill`` at padding, and drops the
+        scatters packed positions back to ``(B, S)`` with ``fill`` at padding, and drops the
         last token column (its logit predicts nothing). Differentiable in ``x``.
         """
         x = gather_sequence(x, self.group, dim=1, seq_len=self.model_len, grad_scale=grad_scale)
@@ -118,7 +118,7 @@ class FSDPLayout:
 
 
 def token_channels(channels: CanonicalChannels, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Canonical ``[B, S-1]`` logit channels -> ``[B, S]`` token layout (module docstring).
+    """Canonical ``(B, S-1)`` logit channels -> ``(B, S)`` token layout (module docstring).
 
     Returns ``row_ids`` (int64, -1 in the last column), ``loss_mask`` (bool, token
     positions) and ``trajectory_ids`` (int64, -1 on padding), each (B, S).
@@ -141,7 +141,7 @@ def build_layout(batch: ReplayBatch, *, remove_padding: bool = True, sp_group=No
     Args:
         batch: the canonical micro-batch (same on every rank of ``sp_group``).
         remove_padding: pack the real tokens into one row (varlen) instead of keeping
-            the left-padded ``[B, S]`` rows.
+            the left-padded ``(B, S)`` rows.
         sp_group: the Ulysses SP group, or None.
     """
     channels = canonical_channels(batch)

@@ -2,11 +2,11 @@
 
 Each role runs the model forward on the layout of :mod:`nemo_replay.strategies.fsdp.layout`,
 calls the shared scorer on this rank's positions with explicit trajectory ids, and brings
-the results back to canonical ``[B, S-1]`` columns (docs/design.md §5, §6).
+the results back to canonical ``(B, S-1)`` columns (docs/design.md §5, §6).
 
 Sources (``RoleSettings.source``):
 
-- ``logits``: the model's full forward; logits ``[R, T, V]`` go to the scorer.
+- ``logits``: the model's full forward; logits ``(R, T, V)`` go to the scorer.
 - ``hidden``: the trunk runs and the full LM head is skipped (``logits_to_keep`` selects
   no position); the scorer projects only the support against the LM-head weight. Under
   FSDP2 that weight is a sharded DTensor: the LM head must be its own ``fully_shard``
@@ -170,7 +170,7 @@ class FSDPStrategy(ReplayStrategy):
         return outputs
 
     def score(self, model, batch: ReplayBatch, settings: RoleSettings, *, role="policy") -> RoleOutput:
-        """One micro-batch, ``[B, S - 1]`` logit columns; differentiable for ``role="policy"``.
+        """One micro-batch, ``(B, S - 1)`` logit columns; differentiable for ``role="policy"``.
 
         Under SP every rank returns the whole micro-batch; the gradient of this rank's
         slice is scaled by ``sp_grad_scale`` as in :meth:`run_role`. Forward-only roles run

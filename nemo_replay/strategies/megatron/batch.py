@@ -1,7 +1,7 @@
 """One micro-batch turned into Megatron inputs and aligned channels.
 
 Every channel starts from :func:`~nemo_replay.layout.canonical.canonical_channels` (logit
-coordinates ``[B, S - 1]`` of the batch, whatever its padding) and moves through the
+coordinates ``(B, S - 1)`` of the batch, whatever its padding) and moves through the
 micro-batch's :class:`~nemo_replay.strategies.megatron.layout.TokenMetadataLayout`; the
 support row ids are taken from the canonical channels too, so the layout never re-derives
 where a row sits. The policy objective reads its inputs (advantages, old and reference

@@ -8,7 +8,7 @@ Modes
 -----
 unpadded (``packed=False``): each row keeps one trajectory, its real tokens moved to the
 front, rows padded at the end to a multiple of the alignment (``tp``; ``lcm(tp, 16)``
-under FP8). Local shape ``[B, S_out]``. Causal attention never lets a real token see
+under FP8). Local shape ``(B, S_out)``. Causal attention never lets a real token see
 the trailing padding, so no attention mask is needed.
 
 packed THD (``packed=True``): one row ``[seq0, pad0, seq1, pad1, ...]``; sequence ``i`` is
@@ -93,7 +93,7 @@ def _runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """First real column and number of real tokens of each row; rejects multi-trajectory rows."""
     am = attention_mask
     if am.dim() != 2:
-        raise ValueError(f"attention_mask must be [B, S], got shape {tuple(am.shape)}")
+        raise ValueError(f"attention_mask must be (B, S), got shape {tuple(am.shape)}")
     if am.dtype.is_floating_point:
         raise ValueError(f"attention_mask must be bool or integer (1 on real tokens), got {am.dtype}")
     if am.dtype != torch.bool:
@@ -273,7 +273,7 @@ class TokenMetadataLayout:
         kind = "logit" if logit else "token"
         if x.dim() < 2 or tuple(x.shape[:2]) != (self.batch_size, width):
             raise ValueError(
-                f"a {kind} channel must be [B={self.batch_size}, {width}, ...] canonical "
+                f"a {kind} channel must be (B={self.batch_size}, {width}, ...) canonical "
                 f"{kind} coordinates, got shape {tuple(x.shape)}"
             )
         return self.slots(logit=logit).take(x, fill)

@@ -7,7 +7,7 @@ divides it by the number of micro-batches and (unless ``forward_only``) back-pro
 
 :class:`RoleForwardStep` is that ``forward_step_func`` for one role:
 
-- ``policy``: scores with gradients, brings the log-probs to the caller's ``[B, A]``
+- ``policy``: scores with gradients, brings the log-probs to the caller's ``(B, A)``
   columns (a differentiable gather over CP) and returns the loss of the step's
   ``loss_fn`` (a :class:`~nemo_replay.objectives.PolicyLoss`; default the clipped
   token-ratio objective of the settings);
@@ -21,14 +21,14 @@ The schedule's ``x cp_size`` and the DDP average over ``dp x cp`` then cancel: t
 gradient is that of the micro-batch's objective, as without CP.
 
 Each closure also stores the micro-batch's results, scattered back to canonical
-``[B, S - 1]`` coordinates, in :attr:`RoleForwardStep.results`. A trainer with its own
+``(B, S - 1)`` coordinates, in :attr:`RoleForwardStep.results`. A trainer with its own
 training loop can hand a ``RoleForwardStep`` to its own ``forward_backward_func`` call.
 
 Sources. Logits mode scores the GPTModel output ``[b, s, V/tp]`` (vocab-parallel; a
 gathered ``[b, s, V]`` output is scored without the TP group). Hidden mode runs the model
 with ``post_process`` switched off for the call, so GPTModel returns the decoder output
 ``[s, b, H]`` (after the final norm) and never builds logits; the scorer projects it
-against this rank's output-layer shard ``[V/tp, H]``.
+against this rank's output-layer shard ``(V/tp, H)``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def unwrap_gpt_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def output_weight(inner: torch.nn.Module) -> torch.Tensor:
-    """This rank's LM-head shard ``[V/tp, H]`` (the shared embedding when tied)."""
+    """This rank's LM-head shard ``(V/tp, H)`` (the shared embedding when tied)."""
     if getattr(inner, "share_embeddings_and_output_weights", False):
         return inner.shared_embedding_or_output_weight()
     return inner.output_layer.weight

@@ -4,7 +4,7 @@
 (:mod:`~nemo_replay.strategies.megatron.batch`), runs ``get_forward_backward_func()``
 with the role's :class:`~nemo_replay.strategies.megatron.steps.RoleForwardStep`, and
 returns one :class:`~nemo_replay.strategies.base.RoleOutput` per micro-batch in canonical
-``[B, S - 1]`` coordinates on every rank (the last pipeline stage broadcasts them over
+``(B, S - 1)`` coordinates on every rank (the last pipeline stage broadcasts them over
 the pipeline group).
 
 Process groups are read from ``megatron.core.parallel_state`` once per call, at entry,
