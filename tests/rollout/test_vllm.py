@@ -254,6 +254,16 @@ def test_engine_prerequisites_name_the_flag():
     with pytest.raises(ValueError, match="expected llm.llm_engine.vllm_config or a mapping"):
         check_vllm_engine(None, path="logprobs")
 
+    class OlderModelConfig:  # a vLLM before 0.33 (verl 0.9.1 pins 0.24): no return_sampling_mask field
+        logprobs_mode, max_logprobs = "processed_logprobs", 65
+
+    class OlderVllmConfig:
+        model_config, use_v2_model_runner = OlderModelConfig(), True
+
+    check_vllm_engine(OlderVllmConfig(), path="logprobs", top_k=64)
+    with pytest.raises(ValueError, match=r"this vLLM has no sampling masks \(vLLM 0.33 added them\)"):
+        check_vllm_engine(OlderVllmConfig(), path="mask")
+
 
 def test_capture_rows_are_what_the_engine_reports(steps):
     """The simulated engine and capture agree: the fixture's supports are the sampler's."""

@@ -120,10 +120,12 @@ def check_vllm_engine(config: Any, *, path: str, top_k: Optional[int] = None) ->
         values, v2 = {**_VLLM_DEFAULTS, **config}, config.get("use_v2_model_runner")
     elif hasattr(config, "model_config") or all(hasattr(config, k) for k in _VLLM_DEFAULTS):
         model = getattr(config, "model_config", config)
-        missing = [k for k in _VLLM_DEFAULTS if not hasattr(model, k)]
+        # A vLLM before sampling masks (0.33) has no return_sampling_mask: masks off, the log-prob path stands.
+        missing = [k for k in _VLLM_DEFAULTS if k != "return_sampling_mask" and not hasattr(model, k)]
         if missing:
             raise ValueError(f"check_vllm_engine: the model config has no {missing}; pass llm.llm_engine.vllm_config")
-        values, v2 = {k: getattr(model, k) for k in _VLLM_DEFAULTS}, getattr(config, "use_v2_model_runner", None)
+        values = {k: getattr(model, k, _VLLM_DEFAULTS[k]) for k in _VLLM_DEFAULTS}
+        v2 = getattr(config, "use_v2_model_runner", None)
     else:
         raise ValueError(
             f"check_vllm_engine: expected llm.llm_engine.vllm_config or a mapping of engine arguments, got "
@@ -136,7 +138,9 @@ def check_vllm_engine(config: Any, *, path: str, top_k: Optional[int] = None) ->
             f"with --logprobs-mode processed_logprobs (LLM(logprobs_mode='processed_logprobs'))"
         )
     if path == "mask":
-        if values["return_sampling_mask"] is not True:
+        if not hasattr(getattr(config, "model_config", config), "return_sampling_mask") and not isinstance(config, Mapping):
+            errors.append("this vLLM has no sampling masks (vLLM 0.33 added them): upgrade, or use the log-prob path")
+        elif values["return_sampling_mask"] is not True:
             errors.append("return_sampling_mask is off: start vLLM with --return-sampling-mask (LLM(return_sampling_mask=True))")
         if v2 is None:
             errors.append(
