@@ -15,7 +15,7 @@ on two models, each in a fresh process (``python -m benchmarks.training SPEC``):
     hf        the reference trainer's model: a Llama built from a config
               (``nemo_replay.trainer.hf_backend.build_hf_model``) through the fsdp strategy
     megatron  a megatron-core GPTModel (local layer spec) through the megatron strategy,
-              on one gloo rank, with the CPU shims of tests/megatron/cpu_shims.py
+              on one gloo rank, with the CPU shims of tests/strategies/megatron/cpu_shims.py
 
 Timing: the variants run round-robin (one warm-up round, then ``rounds`` rounds), each
 step with fresh gradients (``zero_grad(set_to_none=True)``, so micro-batch 1 of hidden
@@ -94,14 +94,14 @@ def _hf_model(spec: dict):
 
 
 def _megatron_model(spec: dict):
-    """A GPTModel on one gloo rank (the CPU shims are test code: tests/megatron/cpu_shims.py)."""
+    """A GPTModel on one gloo rank (the CPU shims are test code: tests/strategies/megatron/cpu_shims.py)."""
     import socket
 
     import torch.distributed as dist
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
-    from tests.megatron.cpu_shims import install_cpu_shims
+    from tests.strategies.megatron.cpu_shims import install_cpu_shims
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,14 +3,14 @@
     python -m tests.trainer.megatron_cli train replay.strategy=megatron ...
     torchrun --nproc-per-node 2 -m tests.trainer.megatron_cli train replay.strategy=megatron parallel.tensor=2 ...
 
-The shims (tests/megatron/cpu_shims.py) stay in tests/; everything else -- the signal
+The shims (tests/strategies/megatron/cpu_shims.py) stay in tests/; everything else -- the signal
 handling, the checkpoint writer and its helper processes -- is the package's own.
 """
 
 import sys
 
 if __name__ == "__main__":
-    from tests.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
+    from tests.strategies.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
 
     install_cpu_shims()
     install_moe_without_te_shim()

@@ -1,6 +1,6 @@
 """GRPO trainer steps with the megatron strategy: a real megatron-core GPTModel on CPU ranks.
 
-The test-only shims of tests/megatron/cpu_shims.py are installed in each spawned worker
+The test-only shims of tests/strategies/megatron/cpu_shims.py are installed in each spawned worker
 (CPU device for megatron's CUDA calls; the missing ``te_general_gemm`` name for MoE
 without Transformer Engine); process groups, layers and schedules are megatron-core's own.
 """
@@ -16,7 +16,7 @@ MOE = ["model.num_experts=4", "model.moe_top_k=2", "replay.route_replay=true"]
 
 
 def _megatron_runs(rank, world, out_dir, runs):
-    from tests.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
+    from tests.strategies.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
 
     install_cpu_shims()
     install_moe_without_te_shim()

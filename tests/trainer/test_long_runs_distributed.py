@@ -5,7 +5,7 @@ straight through, and stopped after a checkpoint then resumed by a new trainer o
 folder. Their rows must agree bit for bit (except ``step_time_s``). FSDP2 (data parallel 2)
 goes through Lightning Fabric's ``ModelParallelStrategy.save`` (torch distributed
 checkpoint, one shard file per rank); megatron-core's GPTModel with tensor parallel 2
-through megatron-core's ``dist_checkpointing`` (CPU shims of tests/megatron/cpu_shims.py).
+through megatron-core's ``dist_checkpointing`` (CPU shims of tests/strategies/megatron/cpu_shims.py).
 
 A stopped rank. Under a real ``torchrun --nproc-per-node 2``, rank 1 is frozen with
 SIGSTOP mid-run; rank 0 must fail within ``trainer.collective_timeout_s`` with an error
@@ -51,7 +51,7 @@ def _stop_and_resume(out_dir: str, world: int, extra: list) -> dict:
 
 def _both_strategies(rank, world, out_dir):
     fsdp = _stop_and_resume(f"{out_dir}/fsdp", world, [])
-    from tests.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
+    from tests.strategies.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
 
     install_cpu_shims()
     install_moe_without_te_shim()

@@ -83,7 +83,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
     distribution the policy is scored with, **renormalised over each token's recorded
     support**, not over the full vocabulary. Everything TRL builds on them changes meaning
     with it: the logged ``entropy`` metric (support entropy, lower than the full-vocabulary
-    one: 1.10 vs 2.04 nats on the first step of ``tests/integrations/test_trl.py``),
+    one: 1.10 vs 2.04 nats on the first step of ``tests/integrations/trl/test_trainer.py``),
     ``entropy_coef`` (the entropy bonus rewards spreading mass inside the support; tokens
     outside it get none) and ``top_entropy_quantile`` (the high-entropy token mask ranks
     tokens by support entropy; a token whose support has one member has entropy 0). In

@@ -12,7 +12,7 @@ the Continuous Token builder's merges), ``AgentLoopOutput.as_dict`` and
 Stand-ins, because vLLM and SGLang do not run on a CPU machine:
 
 - the engine: ``SampledEngine.generate`` yields ``RequestOutput``s built field for field as
-  vLLM 0.33 builds them (``tests/rollout/engine_outputs.py``), sampling scripted tokens from
+  vLLM 0.33 builds them (``tests/rollout/engines/engine_outputs.py``), sampling scripted tokens from
   known logits with top-k (the sampler's support is the reference);
 - verl's server around it: ``VerlVllmServer.generate`` does what ``vLLMHttpServer.generate``
   does with the engine (lines cited on it), and replay's server is replay's mixin over it, as
@@ -62,7 +62,7 @@ from nemo_replay.integrations.verl.rollout import (  # noqa: E402
 )
 from nemo_replay.support.errors import SupportAlignmentError  # noqa: E402
 from tests.integrations.verl.conftest import TOKENS  # noqa: E402
-from tests.rollout.engine_outputs import (  # noqa: E402
+from tests.rollout.engines.engine_outputs import (  # noqa: E402
     RequestOutput,
     sglang_meta_info,
     sglang_steps,

@@ -1,9 +1,9 @@
 """generation_support through NeMo-RL's own data-path functions, from a vLLM output to replay_prepare_fn.
 
-Run by tests/integrations/test_nemo_rl_source.py in a fresh process whose ``nemo_rl`` is a
+Run by tests/integrations/nemo_rl/test_source.py in a fresh process whose ``nemo_rl`` is a
 patched copy of the tree ``NEMO_RL_SRC`` names (commit 7ea279a). Everything below is NeMo-RL's
 code except vLLM itself (not installed: ``llm.generate`` hands back RequestOutputs built field
-for field, tests/rollout/engine_outputs.py), the tokenizer's ``batch_decode`` and the logits:
+for field, tests/rollout/engines/engine_outputs.py), the tokenizer's ``batch_decode`` and the logits:
 
 1. ``VllmGenerationWorkerImpl.generate`` (vllm_worker.py:850-1075) with replay's mixin, two
    data-parallel shards of different widths;
@@ -57,8 +57,8 @@ def main() -> None:
 
     from nemo_replay.integrations.nemo_rl import install_data_path, replay_prepare_fn
     from nemo_replay.integrations.nemo_rl.workers import ReplayVllmMixin
-    from tests.integrations.nemo_rl_batches import TEMPERATURE, make_logits
-    from tests.rollout.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
+    from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
+    from tests.rollout.engines.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
 
     assert rollouts.__file__.startswith(sys.argv[1]), f"nemo_rl came from {rollouts.__file__}, not the patched copy"
     installed = install_data_path()

@@ -64,7 +64,7 @@ def right_padded(batch: ReplayBatch) -> ReplayBatch:
 
 def naive_policy_logprobs(model, b: ReplayBatch) -> torch.Tensor:
     """(B, A) differentiable float64 log-probs of plain single-trajectory forwards (left-padded batch)."""
-    from tests.megatron.harness import naive_scores
+    from tests.strategies.megatron.harness import naive_scores
 
     B, A = b.loss_mask.shape
     lp = torch.zeros(B, A, dtype=torch.float64)
@@ -81,7 +81,7 @@ def response_rows(batch: ReplayBatch, i: int) -> torch.Tensor:
 
 def naive_response(model, batch: ReplayBatch, *, full_vocab: bool) -> torch.Tensor:
     """(B, A) float64 reference log-probs from one plain forward per trajectory."""
-    from tests.megatron.harness import naive_scores
+    from tests.strategies.megatron.harness import naive_scores
 
     B, A = batch.loss_mask.shape
     out = torch.zeros(B, A, dtype=torch.float64)

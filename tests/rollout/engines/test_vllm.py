@@ -1,4 +1,4 @@
-"""vLLM adapters on outputs built field for field as vLLM 0.33.0 builds them (tests/rollout/engine_outputs.py)."""
+"""vLLM adapters on outputs built field for field as vLLM 0.33.0 builds them (tests/rollout/engines/engine_outputs.py)."""
 
 import importlib
 import logging
@@ -18,7 +18,7 @@ from nemo_replay.rollout.engines.vllm import (
 )
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
-from tests.rollout.engine_outputs import (
+from tests.rollout.engines.engine_outputs import (
     FlatLogprobs,
     Logprob,
     SamplingMask,

@@ -22,7 +22,7 @@ import pytest
 from nemo_replay.integrations.nemo_rl.patch import PATCHED_FILES, patch_state
 
 NEMO_RL_SRC = os.environ.get("NEMO_RL_SRC")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.skipif(
     not NEMO_RL_SRC,
@@ -58,6 +58,6 @@ def test_generation_support_through_nemo_rls_own_data_path(patched_tree):
     python = os.environ.get("NEMO_RL_PYTHON", sys.executable)
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_tree), str(REPO), *extra])}
-    done = subprocess.run([python, "-m", "tests.integrations.nemo_rl_source_checks", str(patched_tree)], cwd=REPO,
+    done = subprocess.run([python, "-m", "tests.integrations.nemo_rl.source_checks", str(patched_tree)], cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1].startswith("ok"), done.stdout + done.stderr

@@ -2,7 +2,7 @@
 
 One spawn of four gloo ranks (tensor-parallel rank fastest: ``rank = 2 * cp_rank + tp_rank``,
 Megatron's order) runs every multi-process check, each layout as NeMo-RL builds it
-(tests/integrations/nemo_rl_batches.py cites the NeMo-RL file and line of each convention):
+(tests/integrations/nemo_rl/batches.py cites the NeMo-RL file and line of each convention):
 
 - TP=2, unpacked rows (the Megatron worker without packing: CP needs packing there);
 - CP=2 and TP=2 x CP=2, packed sequences, ``replay_prepare_fn`` called once per sequence
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.integrations.nemo_rl_batches import (
+from tests.integrations.nemo_rl.batches import (
     TEMPERATURE,
     VOCAB,
     ClippedPGStyleLoss,
@@ -498,7 +498,7 @@ def test_vllm_outputs_become_generation_support_that_reproduces_the_engine():
     """The vLLM worker's layout (vllm_worker.py:951-991: prompt at [0, input_len), generated
     tokens from input_len, right-padded to padded_input_length + max generated length)."""
     from nemo_replay.integrations.nemo_rl import generation_support_from_vllm, next_token_logprobs, vllm_support_request
-    from tests.rollout.engine_outputs import vllm_offline_output, vllm_steps
+    from tests.rollout.engines.engine_outputs import vllm_offline_output, vllm_steps
 
     top_k = 6
     assert vllm_support_request(top_k) == {"logprobs": 7} and vllm_support_request(top_k, path="mask") == {}

@@ -13,7 +13,7 @@ from nemo_replay.rollout.engines.sglang import (
 )
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
-from tests.rollout.engine_outputs import (
+from tests.rollout.engines.engine_outputs import (
     sglang_abort_finish_reason,
     sglang_error_body,
     sglang_meta_info,

@@ -23,7 +23,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from tests.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
+from tests.strategies.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
 
 VOCAB = 64
 HIDDEN = 32

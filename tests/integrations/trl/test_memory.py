@@ -1,6 +1,6 @@
 """Hidden mode keeps the memory property of TRL's fused LM head: no (B, C, V) logits.
 
-One fresh process (``python -m tests.integrations.test_trl_memory``) measures each variant in
+One fresh process (``python -m tests.integrations.trl.test_memory``) measures each variant in
 turn, smallest first, returning freed memory to the system in between (``malloc_trim``), and
 reports the peak resident memory above the baseline of one policy pass, forward and
 backward, on the same batch (B = 8 completions of C = 96 tokens, V = 32000, H = 64):
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 B, C, P, V, H, K = 8, 96, 8, 32000, 64, 64
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _kib(field: str) -> int:
@@ -110,7 +110,7 @@ def measure(variants=("hidden", "logits", "trl")) -> dict:
 def test_hidden_mode_peak_stays_at_trl_fused_head_level():
     pytest.importorskip("trl")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "tests.integrations.test_trl_memory"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.integrations.trl.test_memory"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     peak = json.loads(proc.stdout.strip().splitlines()[-1])

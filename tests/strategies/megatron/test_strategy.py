@@ -29,7 +29,7 @@ from nemo_replay.batch import ReplayBatch
 from nemo_replay.objectives import SequenceRatioObjective, clipped_policy_loss
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.support.packed import PackedTensor
-from tests.megatron.batches import (
+from tests.strategies.megatron.batches import (
     TEMPERATURE,
     make_batch,
     naive_policy_logprobs,
@@ -66,7 +66,7 @@ def _zero_grads(model):
 
 
 def _phase_tp1(out):
-    from tests.megatron import harness as H
+    from tests.strategies.megatron import harness as H
     from nemo_replay import get_strategy
 
     H.init_parallel(tp=1)
@@ -120,7 +120,7 @@ def _phase_tp1(out):
 def _phase_tp2(out, rank, batches, policy_batches):
     import torch.distributed as dist
 
-    from tests.megatron import harness as H
+    from tests.strategies.megatron import harness as H
     from nemo_replay import get_strategy
     from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
     from nemo_replay.strategies.megatron import MegatronParallel
@@ -260,7 +260,7 @@ def _cp_misaligned_row(rank, b):
 
 
 def _phase_pp2(out, batches, policy_batches):
-    from tests.megatron import harness as H
+    from tests.strategies.megatron import harness as H
     from nemo_replay import get_strategy
 
     H.init_parallel(pp=2)
@@ -284,7 +284,7 @@ def _routing_maps(model):
 
 
 def _phase_moe(out, batches):
-    from tests.megatron import harness as H
+    from tests.strategies.megatron import harness as H
     from nemo_replay import get_strategy
     from nemo_replay.strategies.megatron.routing import moe_routers
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -669,7 +669,7 @@ def test_the_loss_closure_keeps_float64_log_probs():
     from nemo_replay.strategies.megatron import MegatronParallel
     from nemo_replay.strategies.megatron.batch import prepare_micro_batch
     from nemo_replay.strategies.megatron.steps import RoleForwardStep
-    from tests.fsdp.fixtures import BATCH_A, VOCAB as V, make_batch as fsdp_batch
+    from tests.strategies.fsdp.fixtures import BATCH_A, VOCAB as V, make_batch as fsdp_batch
 
     batch = fsdp_batch(**BATCH_A)
     B, S = batch.sequences.shape

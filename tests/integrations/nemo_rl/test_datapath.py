@@ -14,7 +14,7 @@ Objects are built field for field as NeMo-RL builds them at commit 7ea279a (file
   (``nemo_rl/models/generation/vllm/vllm_worker.py:925-1075``); its sampling params from
   ``_build_sampling_params`` (``vllm_worker.py:641-668``, ``logprobs=0``).
 
-The same data path through NeMo-RL's own functions runs in tests/integrations/test_nemo_rl_source.py
+The same data path through NeMo-RL's own functions runs in tests/integrations/nemo_rl/test_source.py
 when a NeMo-RL tree is at hand.
 """
 
@@ -42,8 +42,8 @@ from nemo_replay.integrations.nemo_rl import (
 )
 from nemo_replay.integrations.nemo_rl import patch as patch_mod
 from nemo_replay.integrations.nemo_rl import workers
-from tests.integrations.nemo_rl_batches import TEMPERATURE, make_logits
-from tests.rollout.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
+from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
+from tests.rollout.engines.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
 
 K = 5
 VOCAB = 64
@@ -406,7 +406,7 @@ def _nemo_rl_stand_in(tmp_path, recipe: dict, calls: list):
 ])
 def test_the_launcher_wires_replay_then_runs_nemo_rls_setup_and_grpo_train(tmp_path, monkeypatch, overlay, policy_worker):
     from nemo_replay.integrations.nemo_rl import run_grpo
-    from tests.integrations.test_nemo_rl_recipe import replay_recipe
+    from tests.integrations.nemo_rl.test_recipe import replay_recipe
 
     recipe = replay_recipe(overlay)
     recipe.update(logger={"log_dir": "logs"}, data={}, env={})
@@ -437,7 +437,7 @@ def test_the_launcher_wires_replay_then_runs_nemo_rls_setup_and_grpo_train(tmp_p
 
 def test_the_launcher_stops_before_any_cluster_on_a_recipe_replay_cannot_run(tmp_path, capsys):
     from nemo_replay.integrations.nemo_rl import run_grpo
-    from tests.integrations.test_nemo_rl_recipe import replay_recipe
+    from tests.integrations.nemo_rl.test_recipe import replay_recipe
 
     calls = []
     nemo = _nemo_rl_stand_in(tmp_path, replay_recipe(), calls)

@@ -11,7 +11,7 @@ from nemo_replay.layout.unpad import pad, packed_position_ids, shift_left, unpad
 from nemo_replay.scoring.scorer import score_aligned_support
 from nemo_replay.strategies.fsdp.layout import build_layout
 from nemo_replay.support.packed import PackedTensor
-from tests.fsdp.fixtures import BATCH_B, make_batch
+from tests.strategies.fsdp.fixtures import BATCH_B, make_batch
 
 
 def test_unpad_worked_example():

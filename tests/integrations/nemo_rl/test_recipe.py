@@ -1,6 +1,6 @@
 """check_nemo_rl_recipe and the overlays in configs/nemo_rl/, against NeMo-RL's own recipes.
 
-NeMo-RL is not imported: its recipes' keys are facts in nemo_rl_recipe_keys.txt (each with the
+NeMo-RL is not imported: its recipes' keys are facts in recipe_keys.txt (each with the
 file and line it came from at NEMO_RL_COMMIT). Each overlay is merged over the recipe it
 inherits, the way NeMo-RL's load_config merges ``defaults:``. With NEMO_RL_SRC naming a
 NeMo-RL source tree, one more test resolves each overlay with NeMo-RL's own loader.
@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 
 from nemo_replay.integrations.nemo_rl import NEMO_RL_COMMIT, check_nemo_rl_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OVERLAYS = sorted((ROOT / "configs" / "nemo_rl").glob("*.yaml"))
-KEYS = Path(__file__).with_name("nemo_rl_recipe_keys.txt")
+KEYS = Path(__file__).with_name("recipe_keys.txt")
 # Keys an overlay may set that NeMo-RL's recipe lacks: read with .get() from an open dict or with a default.
 OPEN = {
     "grpo_math_1B_replay.yaml": ("policy.generation.vllm_kwargs.",),
@@ -35,7 +35,7 @@ OPEN = {
 
 
 def _facts() -> dict[str, dict[str, object]]:
-    """{NeMo-RL recipe file: {dotted key: value}} from nemo_rl_recipe_keys.txt."""
+    """{NeMo-RL recipe file: {dotted key: value}} from recipe_keys.txt."""
     facts: dict[str, dict[str, object]] = {}
     for line in KEYS.read_text().splitlines():
         if not line or line.startswith("#"):
@@ -427,7 +427,7 @@ def test_nemo_rls_loader_resolves_each_overlay_to_an_accepted_recipe(tmp_path):
     for path in OVERLAYS:
         shutil.copy(path, configs / path.name)
         check_nemo_rl_recipe(_resolve(configs / path.name, src))
-        # The facts of nemo_rl_recipe_keys.txt are what NeMo-RL resolves its own recipe to.
+        # The facts of recipe_keys.txt are what NeMo-RL resolves its own recipe to.
         parent, _ = _overlay(path)
         theirs = _resolve(configs / parent, src)
         ours = OmegaConf.to_container(_base(parent), resolve=True)

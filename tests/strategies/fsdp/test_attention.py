@@ -16,7 +16,7 @@ from nemo_replay.strategies.fsdp.attention import (
     ulysses_attention_forward,
     use_ulysses_attention,
 )
-from tests.fsdp.fixtures import BATCH_A, make_batch, plain_copy, tiny_llama
+from tests.strategies.fsdp.fixtures import BATCH_A, make_batch, plain_copy, tiny_llama
 
 TOL = dict(rtol=1e-10, atol=1e-11)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.strategies.base import RoleSettings
-from tests.fsdp.fixtures import (
+from tests.strategies.fsdp.fixtures import (
     BATCH_A,
     BATCH_B,
     canonical_from_response,

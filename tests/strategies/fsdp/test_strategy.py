@@ -9,7 +9,7 @@ from nemo_replay import get_strategy
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.strategies.fsdp import FSDPStrategy
-from tests.fsdp.fixtures import (
+from tests.strategies.fsdp.fixtures import (
     BATCH_A,
     BATCH_B,
     canonical_from_response,
@@ -33,7 +33,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def reference_model(model):
-    from tests.fsdp.fixtures import plain_copy
+    from tests.strategies.fsdp.fixtures import plain_copy
 
     return plain_copy(model)
 
@@ -248,7 +248,7 @@ def test_score_hands_out_differentiable_logprobs_for_the_callers_backward(model,
 def test_an_empty_response_contributes_nothing_and_trains_on(model, reference_model):
     """The engine returned no token (a prompt at the length limit, an aborted request): the trajectory
     has no rows and nothing is scored; the others score and train exactly as without it."""
-    from tests.fsdp.fixtures import Trajectory
+    from tests.strategies.fsdp.fixtures import Trajectory
 
     from nemo_replay.strategies.megatron.batch import prepare_micro_batch
 
