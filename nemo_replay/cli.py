@@ -65,7 +65,7 @@ def _split(args: Sequence[str]) -> tuple[Optional[str], list[str]]:
 
 
 def _load(args: Sequence[str]):
-    from nemo_replay.config.loading import load_config
+    from nemo_replay.trainer.config.loading import load_config
 
     config, overrides = _split(args)
     return load_config(config, overrides)
@@ -166,14 +166,14 @@ def _compare(args: Sequence[str], ns: argparse.Namespace) -> int:
 
 
 def _check(args: Sequence[str], ns: argparse.Namespace) -> int:
-    from nemo_replay.config.loading import to_yaml
+    from nemo_replay.trainer.config.loading import to_yaml
 
     print(to_yaml(_load(args)), end="")
     return 0
 
 
 def _flags(args: Sequence[str], ns: argparse.Namespace) -> int:
-    from nemo_replay.config.schema import flag_docs
+    from nemo_replay.trainer.config.schema import flag_docs
 
     for path, default, doc in flag_docs():
         print(f"{path} = {default!r}\n    {doc}")
@@ -293,7 +293,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
 
 def _run(command: str, ns: argparse.Namespace) -> int:
     """One command, with its errors turned into messages and exit statuses (see the module doc)."""
-    from nemo_replay.config.errors import ConfigError
+    from nemo_replay.trainer.config.errors import ConfigError
     from nemo_replay.trainer.guards import CollectiveError, NonFiniteError
 
     debug = bool(os.environ.get("NEMO_REPLAY_DEBUG"))

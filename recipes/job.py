@@ -118,7 +118,7 @@ def validate_recipe(job: Job, repo_root: Optional[Path] = None) -> None:
 
     ``job.config`` is resolved against ``repo_root`` (the local checkout mirrored at ``workdir``).
     """
-    from nemo_replay.config.loading import load_config
+    from nemo_replay.trainer.config.loading import load_config
 
     config = job.config
     if config and not config.startswith("pkg://") and repo_root is not None and not Path(config).is_absolute():

@@ -16,7 +16,7 @@ def test_capture_is_one_module_under_both_names():
 
 
 def test_config_error_has_one_home():
-    from nemo_replay.config import ConfigError
-    from nemo_replay.config.errors import ConfigError as Direct
+    from nemo_replay.trainer.config import ConfigError
+    from nemo_replay.trainer.config.errors import ConfigError as Direct
 
     assert ConfigError is Direct and issubclass(ConfigError, ValueError)

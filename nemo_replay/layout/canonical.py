@@ -38,12 +38,9 @@ with the targets, like the sampled ids. Every channel the strategies carry start
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from nemo_replay.batch import ReplayBatch
 
 __all__ = [
     "CanonicalChannels",
@@ -234,8 +231,9 @@ def token_aligned_channels(
     )
 
 
-def canonical_channels(batch: ReplayBatch) -> CanonicalChannels:
-    """Build the logit-coordinate channels of a batch (see the module example).
+def canonical_channels(batch) -> CanonicalChannels:
+    """Build the logit-coordinate channels of a :class:`~nemo_replay.batch.ReplayBatch` (see the module example;
+    this module sits below the batch type and reads its fields only).
 
     The ``R_i`` packed support rows of trajectory i belong to its last ``R_i`` real tokens;
     they are placed at those token columns and shifted with the targets

@@ -70,7 +70,8 @@ class Segmented:
 
     Support rows come in two forms, fixed-width (:class:`PackedTensor` of ``(rows, k)`` ids with
     trailing -1) and CSR (:class:`~nemo_replay.support.ragged.RaggedSupport`). Both answer the
-    same support methods, so no caller branches on the form (docs/design.md §2):
+    same support methods, so no caller branches on the form (docs/design.md §2);
+    ``RaggedSupport.of(support)`` is the CSR form of either:
 
     ============================  ====================================================
     ``all_ids``                   every id the rows hold (padding included), for bounds
@@ -81,7 +82,6 @@ class Segmented:
     ``validate(...)``             the §2 invariants and membership, naming the row
     ``resegment(cu_seqlens)``     the same rows under new trajectory boundaries
     ``widen(width)``              rows padded to at least ``width`` columns
-    ``to_ragged()``               the CSR form
     ``gather``, ``cat``, ``to``   batch operations; a passed check carries over
     ============================  ====================================================
     """
@@ -305,11 +305,6 @@ class PackedTensor(Segmented):
             return self
         wide = self.gather_padded(torch.arange(self.num_rows, device=self.device), width)
         return carry_checked([self], PackedTensor(wide, self.cu_seqlens))
-
-    def to_ragged(self):
-        from nemo_replay.support.ragged import RaggedSupport  # ragged builds on this module
-
-        return RaggedSupport.from_padded(self)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, PackedTensor):

@@ -154,8 +154,10 @@ class RaggedSupport(Segmented):
         """CSR rows have no columns to pad: the rows as they are."""
         return self
 
-    def to_ragged(self) -> "RaggedSupport":
-        return self
+    @classmethod
+    def of(cls, support: "RaggedSupport | PackedTensor") -> "RaggedSupport":
+        """The CSR form of either support form (fixed-width rows lose their -1 padding)."""
+        return support if isinstance(support, RaggedSupport) else cls.from_padded(support)
 
     def row(self, r: int) -> torch.Tensor:
         return self.member_ids[int(self.row_offsets[r]) : int(self.row_offsets[r + 1])]

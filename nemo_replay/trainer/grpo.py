@@ -20,7 +20,7 @@ One step, on every rank (NeMo-RL's GRPO loop, on Lightning Fabric):
 Every role scores over the recorded support when ``replay.enabled`` (the strategy calls the
 shared scorer), and over the full vocabulary otherwise; nothing else changes.
 
-    from nemo_replay.config import load_config
+    from nemo_replay.trainer.config import load_config
     from nemo_replay.trainer import GRPOTrainer
     result = GRPOTrainer(load_config(overrides=["trainer.steps=20"])).fit()
 """
@@ -38,13 +38,13 @@ from typing import Optional
 
 import torch
 
-from nemo_replay.config.loading import to_yaml
-from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.trainer.config.loading import to_yaml
+from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.objectives import group_advantages
 from nemo_replay.strategies.base import RoleSettings, policy_loss
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
-from nemo_replay.config.validation import resolve_engine
+from nemo_replay.trainer.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.trainer.checkpoint import (
     CHECKPOINTS, Checkpointer, CheckpointUnreadable, capture_rank_rng, restore_rank_rng,
@@ -115,7 +115,7 @@ class GRPOTrainer:
     """GRPO with support-conditioned replay (see the module doc for one step).
 
     Args:
-        cfg: a validated recipe (:func:`nemo_replay.config.load_config`).
+        cfg: a validated recipe (:func:`nemo_replay.trainer.config.load_config`).
         backend: the model side; None builds the one for ``replay.strategy``
             (:func:`~nemo_replay.trainer.runtime.make_backend`).
         fabric: a launched Fabric; None launches one for ``cfg``.

@@ -18,7 +18,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.layout.canonical import position_ids
 from nemo_replay.trainer.runtime import collective_timeout
 

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.trainer.config.schema import RecipeConfig
 
 __all__ = ["MegatronBackend"]
 

@@ -32,9 +32,9 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from nemo_replay.config.loading import to_yaml
-from nemo_replay.config.paths import output_dir_problem
-from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.trainer.config.loading import to_yaml
+from nemo_replay.trainer.config.paths import output_dir_problem
+from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.trainer.checkpoint import CHECKPOINTS, CheckpointInfo, latest_checkpoint
 
 __all__ = [

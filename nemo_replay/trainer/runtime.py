@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nemo_replay.config.schema import RecipeConfig
+from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.strategies.registry import get_strategy
 
 __all__ = ["launch_fabric", "make_backend", "process_counts", "seed_all", "collective_timeout"]

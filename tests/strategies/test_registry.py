@@ -162,8 +162,8 @@ def test_importing_the_package_imports_neither_megatron_nor_transformers():
 
 def test_a_plugin_strategy_brings_its_own_recipe_rules(plugin_dir):
     """Validation asks the plugin's spec; it never treats a plugin as one of the built-ins."""
-    from nemo_replay.config import ConfigError, load_config
-    from nemo_replay.config.validation import collect_problems, model_parallel_size
+    from nemo_replay.trainer.config import ConfigError, load_config
+    from nemo_replay.trainer.config.validation import collect_problems, model_parallel_size
 
     base = ["replay.strategy=core-plugin", "parallel.context=3", "replay.route_replay=true"]
     cfg = load_config(overrides=base, validate=False)

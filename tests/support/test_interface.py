@@ -25,7 +25,7 @@ def test_views_agree(form):
     got = support.gather_padded(torch.tensor([2, 0, 1]), width)
     assert got.tolist() == [[2, 3, 7], [4, 9, -1], [-1, -1, -1]]
     assert sorted(i for i in support.all_ids.flatten().tolist() if i >= 0) == [2, 3, 4, 5, 7, 9]
-    assert support.to_ragged() == both()[1]
+    assert RaggedSupport.of(support) == both()[1]
     assert not bool(support.invalid_flag(vocab_size=10))
     assert bool(support.invalid_flag(vocab_size=9))  # id 9 is out of range
 
@@ -54,6 +54,6 @@ def test_resegment_and_widen_keep_rows_and_record(form):
     wide = support.widen(5)
     assert wide.checked is not None and wide.width_bound >= 3
     assert wide.gather_padded(torch.tensor([0]), 5).tolist() == [[4, 9, -1, -1, -1]]
-    assert wide.to_ragged() == support.to_ragged()
+    assert RaggedSupport.of(wide) == RaggedSupport.of(support)
     joined = type(support).cat([wide, wide])
     assert joined.batch_size == 4 and joined.checked is not None

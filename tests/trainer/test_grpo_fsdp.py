@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from nemo_replay.config import load_config
+from nemo_replay.trainer.config import load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.tasks import SuccessorTask
 from tests.spawn import run_workers

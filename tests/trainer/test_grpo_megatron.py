@@ -20,7 +20,7 @@ def _megatron_runs(rank, world, out_dir, runs):
 
     install_cpu_shims()
     install_moe_without_te_shim()
-    from nemo_replay.config import load_config
+    from nemo_replay.trainer.config import load_config
     from nemo_replay.trainer.grpo import GRPOTrainer
 
     results = []

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nemo_replay.cli import main
-from nemo_replay.config import load_config
-from nemo_replay.config.errors import ConfigError
-from nemo_replay.config.validation import resolve_engine
+from nemo_replay.trainer.config import load_config
+from nemo_replay.trainer.config.errors import ConfigError
+from nemo_replay.trainer.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.hf_backend import build_hf_model

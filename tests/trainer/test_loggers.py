@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_replay.config import ConfigError, load_config
+from nemo_replay.trainer.config import ConfigError, load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.loggers import IDS_FILE, RunLoggers
 from nemo_replay.trainer.metrics import read_jsonl

@@ -32,7 +32,7 @@ def _rows(history):
 
 
 def _stop_and_resume(out_dir: str, world: int, extra: list) -> dict:
-    from nemo_replay.config import load_config
+    from nemo_replay.trainer.config import load_config
     from nemo_replay.trainer.grpo import GRPOTrainer
 
     def run(folder, steps):

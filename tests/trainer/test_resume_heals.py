@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_replay.config import load_config
+from nemo_replay.trainer.config import load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.rundir import check_overrides
 from tests.trainer.tiny import tiny

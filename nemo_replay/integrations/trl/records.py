@@ -140,7 +140,7 @@ def join_supports(supports: Sequence[Union[PackedTensor, RaggedSupport]]) -> Uni
     """One batch from per-completion supports: fixed width when all share one, else CSR."""
     if all(isinstance(s, PackedTensor) for s in supports) and len({s.width_bound for s in supports}) == 1:
         return PackedTensor.cat(supports)  # one width: stays fixed-width
-    return RaggedSupport.cat([s.to_ragged() for s in supports])
+    return RaggedSupport.cat([RaggedSupport.of(s) for s in supports])
 
 
 class Channels(NamedTuple):

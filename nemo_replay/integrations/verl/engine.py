@@ -53,7 +53,6 @@ __all__ = [
     "scalar_temperature",
     "score_slots",
     "with_replay_metrics",
-    "register_engines",
 ]
 
 #: The ``VERL_ENGINE_VENDOR`` value that selects the replay engines.
@@ -407,22 +406,3 @@ def with_replay_metrics(loss_function: Optional[Callable]) -> Optional[Callable]
         return loss, metrics
 
     return loss_with_replay_metrics
-
-
-def register_engines() -> list[str]:
-    """Register the replay engines with verl's ``EngineRegistry`` (idempotent); return their names.
-
-    The same as importing :mod:`.fsdp` and :mod:`.megatron` (what
-    ``VERL_USE_EXTERNAL_MODULES=nemo_replay.integrations.verl.fsdp`` does in every verl
-    process); the Megatron engine only where verl's Megatron engine imports.
-    """
-    from nemo_replay.integrations.verl import fsdp
-
-    names = [fsdp.ReplayFSDPEngineWithLMHead.__name__]
-    try:
-        from nemo_replay.integrations.verl import megatron
-    except ImportError:
-        return names
-    if megatron.ReplayMegatronEngineWithLMHead is not None:
-        names.append(megatron.ReplayMegatronEngineWithLMHead.__name__)
-    return names

@@ -1,7 +1,7 @@
 """What the fsdp strategy asks of a recipe: its parallel sizes and its own rules.
 
-Read by :mod:`nemo_replay.config.validation` through the strategy's spec; ``cfg`` is a
-:class:`~nemo_replay.config.schema.RecipeConfig` (read by attribute, never imported here).
+Read by :mod:`nemo_replay.trainer.config.validation` through the strategy's spec; ``cfg`` is a
+:class:`~nemo_replay.trainer.config.schema.RecipeConfig` (read by attribute, never imported here).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Overrides. ``key=value`` strings in OmegaConf dotlist syntax, applied after ever
 (``generation.top_k=null``, ``trainer.lr=3e-4``).
 
 Errors. Every problem — unknown flags (with the closest known name), values of the wrong
-type, and the cross-flag rules of :mod:`nemo_replay.config.validation` — is collected and
+type, and the cross-flag rules of :mod:`nemo_replay.trainer.config.validation` — is collected and
 raised once as :class:`ConfigError`, before any model is built.
 """
 
@@ -29,9 +29,9 @@ from typing import Any, Iterable, Optional, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nemo_replay.config.errors import ConfigError
-from nemo_replay.config.schema import RecipeConfig, flag_docs
-from nemo_replay.config.validation import collect_problems
+from nemo_replay.trainer.config.errors import ConfigError
+from nemo_replay.trainer.config.schema import RecipeConfig, flag_docs
+from nemo_replay.trainer.config.validation import collect_problems
 
 __all__ = ["ConfigError", "PACKAGE_PREFIX", "packaged_config", "read_recipe", "load_config", "to_yaml"]
 
@@ -162,7 +162,7 @@ def load_config(
         overrides: ``key=value`` dotlist strings applied last.
         world_size: processes the run will have; None reads ``WORLD_SIZE`` or uses
             ``trainer.devices * trainer.num_nodes``.
-        validate: run the cross-flag rules (:func:`~nemo_replay.config.validation.collect_problems`).
+        validate: run the cross-flag rules (:func:`~nemo_replay.trainer.config.validation.collect_problems`).
 
     Returns:
         a :class:`RecipeConfig` instance.

@@ -6,7 +6,7 @@ right below it; :func:`flag_docs` reads them back so ``nemo-replay flags`` can p
 whole list with defaults.
 
 The schema only types the flags. Cross-flag rules (replay needs capture, CP needs packing,
-sizes divide the world, ...) live in :mod:`nemo_replay.config.validation` and run before any
+sizes divide the world, ...) live in :mod:`nemo_replay.trainer.config.validation` and run before any
 model is built.
 """
 

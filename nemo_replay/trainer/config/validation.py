@@ -2,7 +2,7 @@
 
 :func:`collect_problems` returns every violated rule as one line naming the flag, the
 value it holds and the fix; :func:`validate` raises them together as one
-:class:`~nemo_replay.config.errors.ConfigError`. The rules:
+:class:`~nemo_replay.trainer.config.errors.ConfigError`. The rules:
 
 - replay on without support capture;
 - sampling that cannot be captured: temperature missing or <= 0, ``top_k <= 1`` for
@@ -21,7 +21,7 @@ value it holds and the fix; :func:`validate` raises them together as one
   would silently switch the KL term off), and reported once, not again by its range check;
 - the long-run flags: the seed's range, ``trainer.resume``, checkpoint cadence and the
   collective timeout;
-- paths (:mod:`nemo_replay.config.paths`): ``model.pretrained`` must be a local checkpoint
+- paths (:mod:`nemo_replay.trainer.config.paths`): ``model.pretrained`` must be a local checkpoint
   folder, ``trainer.output_dir`` must not be (or be under) a file;
 - ``trainer.loggers``: known names (the message lists them), each once, ``jsonl`` among them,
   and the package of each installed (the message names the extra to install).
@@ -33,9 +33,9 @@ import math
 import os
 from typing import Optional
 
-from nemo_replay.config.errors import ConfigError
-from nemo_replay.config.paths import output_dir_problem, pretrained_problem
-from nemo_replay.config.schema import RecipeConfig, flag_docs
+from nemo_replay.trainer.config.errors import ConfigError
+from nemo_replay.trainer.config.paths import output_dir_problem, pretrained_problem
+from nemo_replay.trainer.config.schema import RecipeConfig, flag_docs
 
 __all__ = ["collect_problems", "validate", "resolve_world_size", "model_parallel_size", "rollout_engines", "resolve_engine"]
 

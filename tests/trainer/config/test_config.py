@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_replay.config import ConfigError, RecipeConfig, flag_docs, load_config, to_yaml
+from nemo_replay.trainer.config import ConfigError, RecipeConfig, flag_docs, load_config, to_yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_default_recipe_is_valid_and_matches_the_schema_defaults():
