@@ -1,6 +1,6 @@
 """The run's experiment loggers (``trainer.loggers``): Lightning Fabric loggers under the run folder.
 
-- ``jsonl``: :class:`~nemo_replay.trainer.metrics.JsonlLogger`, ``metrics.jsonl``;
+- ``jsonl``: :class:`~nemo_replay.trainer.jsonl_logger.JsonlLogger`, ``metrics.jsonl``;
 - ``csv``: ``lightning.fabric.loggers.CSVLogger``, ``csv/metrics.csv``;
 - ``tensorboard``: ``lightning.fabric.loggers.TensorBoardLogger``, ``tensorboard/events.out.tfevents.*``;
 - ``wandb``: ``lightning.pytorch.loggers.WandbLogger``, offline, ``wandb/offline-run-<time>-<id>/``;
@@ -140,7 +140,8 @@ class _Jsonl(_RunLogger):
     side: Optional[Path] = None
 
     def start(self, mode, rows, ids, hparams, later):
-        from nemo_replay.trainer.metrics import JsonlLogger, restore_rows
+        from nemo_replay.trainer.jsonl_logger import JsonlLogger
+        from nemo_replay.trainer.metrics import restore_rows
 
         self.logger = JsonlLogger(self.run)
         if mode != "new":

@@ -1,4 +1,7 @@
-"""Run metrics: a JSON-lines Fabric logger and PNG plots (matplotlib, Agg backend).
+"""Run metrics: the JSON-lines rows, their files and PNG plots (matplotlib, Agg backend).
+
+The Fabric logger that writes the rows is :class:`~nemo_replay.trainer.jsonl_logger.JsonlLogger`;
+this module imports no Lightning, so run folders and checkpoints that read or write rows stay cheap.
 
 ``metrics.jsonl`` holds one JSON object per training step (``{"step": 3, "reward": 0.41,
 "mismatch_mean": 2.1e-07, ...}``); non-finite values are written as ``null`` so every line
@@ -17,14 +20,11 @@ import json
 import math
 import os
 import time
-from argparse import Namespace
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from lightning.fabric.loggers import Logger
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-__all__ = ["JsonlLogger", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
+__all__ = ["clean", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
 
 # (metric, title, log scale) in plot order.
 PLOTTED = (
@@ -39,60 +39,17 @@ PLOTTED = (
 )
 
 
-def _clean(value: Any) -> Any:
+def clean(value: Any) -> Any:
     """``value`` as strict JSON holds it: non-finite floats as None, tensors as numbers, nested dicts and lists too."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [clean(v) for v in value]
     if hasattr(value, "item"):
-        return _clean(value.item())
+        return clean(value.item())
     return value
-
-
-class JsonlLogger(Logger):
-    """Fabric logger appending one JSON object per ``log_metrics`` call to ``<root_dir>/metrics.jsonl``.
-
-    Writes on global rank 0 only; ``log_hyperparams`` writes ``hparams.json``.
-    """
-
-    def __init__(self, root_dir: Union[str, os.PathLike], filename: str = "metrics.jsonl"):
-        super().__init__()
-        self._root = Path(root_dir)
-        self._filename = filename
-
-    @property
-    def name(self) -> Optional[str]:
-        return "jsonl"
-
-    @property
-    def version(self) -> Optional[Union[int, str]]:
-        return 0
-
-    @property
-    def root_dir(self) -> Optional[str]:
-        return str(self._root)
-
-    @property
-    def path(self) -> Path:
-        return self._root / self._filename
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        self._root.mkdir(parents=True, exist_ok=True)
-        row = {"step": step} if step is not None else {}
-        row.update({k: _clean(v) for k, v in metrics.items()})
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Union[dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:
-        self._root.mkdir(parents=True, exist_ok=True)
-        params = vars(params) if isinstance(params, Namespace) else params
-        with open(self._root / "hparams.json", "w", encoding="utf-8") as f:
-            json.dump(params, f, indent=2, default=str)
 
 
 def read_jsonl(path: Union[str, os.PathLike]) -> list[dict]:
@@ -102,7 +59,7 @@ def read_jsonl(path: Union[str, os.PathLike]) -> list[dict]:
 
 
 def _row_text(row: dict) -> str:
-    return json.dumps({k: _clean(v) for k, v in row.items()})
+    return json.dumps({k: clean(v) for k, v in row.items()})
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -155,7 +112,7 @@ def restore_rows(path: Union[str, os.PathLike], rows: Sequence[dict]) -> Optiona
 def write_summary(path: Union[str, os.PathLike], summary: dict) -> Path:
     """``summary.json`` (non-finite values as null, nested ones too), written atomically."""
     path = Path(path)
-    write_atomic(path, json.dumps(_clean(summary), indent=2, allow_nan=False) + "\n")
+    write_atomic(path, json.dumps(clean(summary), indent=2, allow_nan=False) + "\n")
     return path
 
 
