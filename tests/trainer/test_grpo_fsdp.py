@@ -10,7 +10,7 @@ import torch
 from nemo_replay.trainer.config import load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.tasks import SuccessorTask
-from tests.spawn import run_workers
+from tests.trainer.distributed_runs import phase
 from tests.trainer.tiny import tiny
 
 DIAGNOSTICS = {"reward", "mismatch_mean", "mismatch_max", "ratio_mean", "ratio_max_dev", "kl", "clip_fraction", "loss", "grad_norm"}
@@ -48,17 +48,9 @@ def test_replay_off_shows_the_mismatch(tmp_path):
     assert first["ratio_old_max_dev"] > 1e-2
 
 
-def _distributed_runs(rank, world, out_dir):
-    """Both layouts of two ranks in one spawn: FSDP2 data parallel 2, then Ulysses SP 2."""
-    results = {}
-    for name, extra in (("dp2", []), ("sp2", ["parallel.sequence=2", "trainer.prompts_per_step=2"])):
-        cfg = load_config(overrides=tiny(f"{out_dir}/{name}", *extra, steps=2), world_size=world)
-        results[name] = GRPOTrainer(cfg).fit().history
-    return results
-
-
-def test_fsdp2_data_parallel_and_ulysses_sp(tmp_path):
-    ranks = run_workers(_distributed_runs, 2, str(tmp_path))
+def test_fsdp2_data_parallel_and_ulysses_sp(spawned_runs, tmp_path):
+    # FSDP2 data parallel 2 and Ulysses SP 2: phases of the shared two-rank spawn (tests/trainer/distributed_runs.py).
+    ranks = [{name: phase(rank, name) for name in ("dp2", "sp2")} for rank in spawned_runs["two"]]
     for name in ("dp2", "sp2"):
         h0, h1 = ranks[0][name], ranks[1][name]
         assert h0 == h1  # every metric is reduced over the ranks

@@ -9,41 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spawn import run_workers
-from tests.trainer.tiny import tiny
-
-MOE = ["model.num_experts=4", "model.moe_top_k=2", "replay.route_replay=true"]
+from tests.trainer.distributed_runs import phase
 
 
-def _megatron_runs(rank, world, out_dir, runs):
-    from tests.strategies.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
-
-    install_cpu_shims()
-    install_moe_without_te_shim()
-    from nemo_replay.trainer.config import load_config
-    from nemo_replay.trainer.grpo import GRPOTrainer
-
-    results = []
-    for i, extra in enumerate(runs):
-        overrides = tiny(f"{out_dir}/{i}", "replay.strategy=megatron", *extra, steps=2)
-        trainer = GRPOTrainer(load_config(overrides=overrides, world_size=world))
-        probe = None
-        if "replay.route_replay=true" in extra:
-            batch, _ = trainer.rollout()  # one extra rollout to look at the recorded routes
-            probe = {
-                "route_rows": batch.routes.lengths.tolist(),
-                "tokens": batch.attention_mask.sum(1).tolist(),
-                "route_range": (int(batch.routes.values.min()), int(batch.routes.values.max())),
-            }
-        results.append({"history": trainer.fit().history, "probe": probe})
-    return results
-
-
-def test_megatron_steps_tp1_tp2_and_moe_route_replay(tmp_path):
-    tp1, moe = run_workers(_megatron_runs, 1, str(tmp_path / "w1"), [[], MOE])[0]
-    tp2 = run_workers(_megatron_runs, 2, str(tmp_path / "w2"), [["parallel.tensor=2"]])
-    assert tp2[0][0]["history"] == tp2[1][0]["history"]
-    tp2 = tp2[0][0]
+def test_megatron_steps_tp1_tp2_and_moe_route_replay(spawned_runs):
+    # TP = 1 and MoE on one rank; TP = 2 a phase of the shared two-rank spawn (tests/trainer/distributed_runs.py).
+    tp1, moe = spawned_runs["one"]
+    tp2 = [phase(rank, "megatron_tp2") for rank in spawned_runs["two"]]
+    assert tp2[0]["history"] == tp2[1]["history"]
+    tp2 = tp2[0]
     for run in (tp1, tp2, moe):
         first, second = run["history"]
         assert abs(first["ratio_mean"] - 1) < 1e-5 and first["ratio_max_dev"] < 1e-5

@@ -1,8 +1,8 @@
 """Long runs on several ranks: sharded checkpoints resumed bit for bit, and a stopped rank.
 
-Checkpoints. Two gloo ranks (spawned, ``tests/spawn.py``) run the reference trainer twice:
-straight through, and stopped after a checkpoint then resumed by a new trainer on the same
-folder. Their rows must agree bit for bit (except ``step_time_s``). FSDP2 (data parallel 2)
+Checkpoints. Two gloo ranks (phases of the shared spawn, ``tests/trainer/distributed_runs.py``)
+run the reference trainer twice: straight through, and stopped after a checkpoint then resumed
+by a new trainer on the same folder. Their rows must agree bit for bit (except ``step_time_s``). FSDP2 (data parallel 2)
 goes through Lightning Fabric's ``ModelParallelStrategy.save`` (torch distributed
 checkpoint, one shard file per rank); megatron-core's GPTModel with tensor parallel 2
 through megatron-core's ``dist_checkpointing`` (CPU shims of tests/strategies/megatron/cpu_shims.py).
@@ -21,46 +21,17 @@ import sys
 import time
 from pathlib import Path
 
-from tests.spawn import free_port, run_workers
+from tests.spawn import free_port
+from tests.trainer.distributed_runs import phase
 from tests.trainer.tiny import tiny
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _rows(history):
-    return [{k: v for k, v in row.items() if k != "step_time_s"} for row in history]
-
-
-def _stop_and_resume(out_dir: str, world: int, extra: list) -> dict:
-    from nemo_replay.trainer.config import load_config
-    from nemo_replay.trainer.grpo import GRPOTrainer
-
-    def run(folder, steps):
-        cfg = load_config(overrides=tiny(folder, "trainer.checkpoint_every=2", *extra, steps=steps), world_size=world)
-        return GRPOTrainer(cfg).fit()
-
-    straight = run(f"{out_dir}/straight", 3)
-    first = run(f"{out_dir}/stopped", 2)  # ends after step 1 with its checkpoint
-    resumed = run(f"{out_dir}/stopped", 3)  # a new trainer on the same folder continues at step 2
-    state = Path(first.last_checkpoint) / "state"
-    return {
-        "straight": _rows(straight.history), "resumed": _rows(resumed.history), "first_step": resumed.first_step,
-        "files": sorted(p.name for p in state.iterdir()) if state.is_dir() else None,
-    }
-
-
-def _both_strategies(rank, world, out_dir):
-    fsdp = _stop_and_resume(f"{out_dir}/fsdp", world, [])
-    from tests.strategies.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
-
-    install_cpu_shims()
-    install_moe_without_te_shim()
-    megatron = _stop_and_resume(f"{out_dir}/megatron", world, ["replay.strategy=megatron", "parallel.tensor=2"])
-    return {"fsdp": fsdp, "megatron": megatron}
-
-
-def test_sharded_checkpoints_resume_bit_for_bit_fsdp2_and_megatron_tp2(tmp_path):
-    ranks = run_workers(_both_strategies, 2, str(tmp_path))
+def test_sharded_checkpoints_resume_bit_for_bit_fsdp2_and_megatron_tp2(spawned_runs):
+    # Phases of the shared two-rank spawn (tests/trainer/distributed_runs.py, ``stop_and_resume``).
+    ranks = [{"fsdp": phase(rank, "fsdp_resume"), "megatron": phase(rank, "megatron_resume")}
+             for rank in spawned_runs["two"]]
     for name in ("fsdp", "megatron"):
         r0, r1 = ranks[0][name], ranks[1][name]
         assert r0["first_step"] == 2 and r0["resumed"] == r1["resumed"]

@@ -1,7 +1,8 @@
 """Long runs on one process: SIGTERM mid-run and resume, bit for bit; resume modes; run folders; guards.
 
 The run under test is the real command line (``python -m nemo_replay train``) in a
-subprocess, stopped with a real SIGTERM; the reference is the same command never stopped.
+subprocess, stopped with a real SIGTERM; the reference is the same command never stopped,
+run through ``nemo_replay.cli.main`` in the test's own process (it pays no second start-up).
 Both use one CPU thread (``trainer.num_threads=1``) so their float reductions agree.
 Rows are compared in full except ``step_time_s``, the one wall-clock metric.
 """
@@ -9,6 +10,7 @@ Rows are compared in full except ``step_time_s``, the one wall-clock metric.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -53,13 +55,23 @@ def _wait_for_rows(path: Path, proc: subprocess.Popen, n: int, timeout: float = 
     raise AssertionError(f"no {n} rows in {path} after {timeout} s")
 
 
+def _here(cmd: list[str], command: str = "train") -> int:
+    """``cmd`` (a ``_cmd`` list) run by the same command line in this process, on one thread as the subprocess."""
+    import torch
+
+    from nemo_replay.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        return main(cmd[cmd.index(command):])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_sigterm_mid_run_then_resume_matches_the_uninterrupted_run(tmp_path):
     steps = 8
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     cmd = _cmd(stopped, "trainer.checkpoint_every=3", steps=steps)
-    # The reference runs alongside (one thread each).
-    reference = subprocess.Popen(_cmd(straight, "trainer.checkpoint_every=3", steps=steps), cwd=tmp_path, env=ENV,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_rows(stopped / "metrics.jsonl", proc, 1)
     proc.send_signal(signal.SIGTERM)
@@ -75,11 +87,13 @@ def test_sigterm_mid_run_then_resume_matches_the_uninterrupted_run(tmp_path):
     assert (stopped / "metrics.png").stat().st_size > 0
     summary = json.loads((stopped / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and summary["steps"] == done
-    # The same command again continues from there.
-    again = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert f"resuming {stopped} after step {done - 1}" in again.stderr
-    assert reference.wait(timeout=300) == 0, reference.stderr.read()
+    # The same command again continues from there; the reference, the same command never stopped,
+    # runs alongside in this process (one thread each).
+    again = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert _here(_cmd(straight, "trainer.checkpoint_every=3", steps=steps)) == 0
+    _, again_err = again.communicate(timeout=300)
+    assert again.returncode == 0, again_err
+    assert f"resuming {stopped} after step {done - 1}" in again_err
     resumed, uninterrupted = _rows(stopped), _rows(straight)
     assert [r["step"] for r in resumed] == list(range(steps))
     diff = [(a["step"], {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}) for a, b in zip(resumed, uninterrupted)]
@@ -87,7 +101,7 @@ def test_sigterm_mid_run_then_resume_matches_the_uninterrupted_run(tmp_path):
     assert json.loads((stopped / "summary.json").read_text())["first_step"] == done
 
 
-def test_compare_stopped_in_its_second_half_continues_with_the_same_command(tmp_path):
+def test_compare_stopped_in_its_second_half_continues_with_the_same_command(tmp_path, capsys):
     steps = 4
     cmd = [*_cmd(tmp_path, "trainer.checkpoint_every=0", steps=steps), "trainer.plot=false"]
     cmd[cmd.index("train")] = "compare"
@@ -100,9 +114,12 @@ def test_compare_stopped_in_its_second_half_continues_with_the_same_command(tmp_
     done = len(_rows(tmp_path / "replay-off"))
     assert 1 <= done < steps, "the signal must land in the second half"
     on_rows = _rows(tmp_path / "replay-on")
-    again = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert f"nemo-replay compare: resuming {tmp_path / 'replay-on'} after step {steps - 1}" in again.stderr
+    # The same command again (here in this process).
+    capsys.readouterr()
+    rc = _here(cmd, "compare")
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert f"nemo-replay compare: resuming {tmp_path / 'replay-on'} after step {steps - 1}" in err
     assert _rows(tmp_path / "replay-on") == on_rows  # the finished half is not run again
     assert [r["step"] for r in _rows(tmp_path / "replay-off")] == list(range(steps))
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -172,37 +189,51 @@ def test_resume_modes_and_folders_that_hold_runs(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000009"]
 
 
+def _hold(folder: str, held) -> None:
+    from nemo_replay.trainer.rundir import _lock
+
+    Path(folder).mkdir()
+    _lock(Path(folder))  # a plain descriptor: the lock stays until the process is killed
+    held.set()
+    time.sleep(60)
+
+
 def test_a_folder_in_use_is_refused_naming_its_holder(tmp_path):
+    # Another process (forked: the package is already imported) holds the folder's lock.
     out = tmp_path / "busy"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"from pathlib import Path; from nemo_replay.trainer.rundir import _lock; "
-                               f"Path({str(out)!r}).mkdir(); fd = _lock(Path({str(out)!r})); print('held', flush=True); "
-                               f"import time; time.sleep(60)"],
-        env=ENV, stdout=subprocess.PIPE, text=True,
-    )
+    fork = multiprocessing.get_context("fork")
+    held = fork.Event()
+    holder = fork.Process(target=_hold, args=(str(out), held))
+    holder.start()
     try:
-        assert holder.stdout.readline() == "held\n"
+        assert held.wait(timeout=60)
         with pytest.raises(ValueError, match=rf"is in use by a running run \(pid {holder.pid} on "):
             GRPOTrainer(load_config(overrides=tiny(out, steps=1)))
     finally:
         holder.kill()
-        holder.wait()
+        holder.join()
     GRPOTrainer(load_config(overrides=tiny(out, steps=1)))  # the kernel dropped the lock with its process
 
 
+def _make_runs(runs: str, ready, go, made) -> None:
+    ready.release()
+    go.wait()
+    made.put([str(new_run_dir(Path(runs), "20250101-000000-fsdp-replay-on")) for _ in range(8)])
+
+
 def test_default_run_folders_never_collide(tmp_path, monkeypatch):
-    make = (
-        "import os, sys; from pathlib import Path; from nemo_replay.trainer.rundir import new_run_dir\n"
-        "print('ready', flush=True)\n"
-        "while not os.path.exists(sys.argv[1]): pass\n"
-        "print(*[new_run_dir(Path(sys.argv[2]), '20250101-000000-fsdp-replay-on') for _ in range(8)])\n"
-    )
-    go, runs = tmp_path / "go", tmp_path / "runs"
-    procs = [subprocess.Popen([sys.executable, "-c", make, str(go), str(runs)], env=ENV, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2  # every process imported: now all at once
-    go.touch()
-    made = [d for p in procs for d in p.communicate(timeout=120)[0].split()]
+    fork = multiprocessing.get_context("fork")  # processes of their own, the package already imported
+    ready, go, made_q = fork.Semaphore(0), fork.Event(), fork.Queue()
+    procs = [fork.Process(target=_make_runs, args=(str(tmp_path / "runs"), ready, go, made_q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        assert ready.acquire(timeout=60)  # every process is up: now all at once
+    go.set()
+    made = [d for _ in procs for d in made_q.get(timeout=120)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
     assert len(made) == len(set(made)) == 16  # two processes, eight runs each, started together
     cfg = load_config()
     monkeypatch.setenv("SLURM_JOB_ID", "777")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_replay.cli import main
 from nemo_replay.trainer.config import load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.rundir import check_overrides
@@ -99,12 +100,15 @@ def test_a_diverged_run_exits_1_with_its_summary_and_goes_on_with_a_smaller_lr(t
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
+    def args(lr, *extra, steps):
+        return ["train", *tiny(out, "trainer.checkpoint_every=2", steps=steps), f"trainer.lr={lr}", *extra]
+
     def train(lr, *extra, steps):
-        cmd = [sys.executable, "-m", "nemo_replay", "train", *tiny(out, "trainer.checkpoint_every=2", steps=steps),
-               f"trainer.lr={lr}", *extra]
+        cmd = [sys.executable, "-m", "nemo_replay", *args(lr, *extra, steps=steps)]
         return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
-    assert train("1e-3", steps=2).returncode == 0  # checkpoint after step 1
+    # The runs around the diverged one go through the same command line in this process.
+    assert main(args("1e-3", steps=2)) == 0  # checkpoint after step 1
     # Raised on purpose, it diverges: step 2's first update throws the weights far, the next gradient is NaN.
     bad = train("1e6", "--resume-override", "trainer.lr", steps=4)
     assert bad.returncode == 1, bad.stderr[-2000:]  # README: 1 a failed run (it was 2, a usage error)
@@ -112,8 +116,7 @@ def test_a_diverged_run_exits_1_with_its_summary_and_goes_on_with_a_smaller_lr(t
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failed"].startswith("step 2, minibatch 1: ") and summary["steps"] == 2
     # The fix the message names goes on from the last checkpoint (step 1), recorded in the run's log.
-    good = train("1e-3", "--resume-override", "trainer.lr", steps=4)
-    assert good.returncode == 0, good.stderr[-2000:]
+    assert main(args("1e-3", "--resume-override", "trainer.lr", steps=4)) == 0
     assert _steps(out / "metrics.jsonl") == [0, 1, 2, 3]
     # The diverged attempt wrote no checkpoint: the step-1 one (lr 0.001) is the recipe resumed.
     assert "trainer.lr: 0.001 -> 1000000.0" in (out / "resume.log").read_text()

@@ -1,0 +1,109 @@
+"""The reference trainer on spawned gloo ranks: every multi-rank run the trainer tests read, in one spawn.
+
+Starting a rank (torch, transformers, Lightning, megatron-core) costs more than the tiny runs
+themselves, so the two-rank runs of ``test_grpo_fsdp.py``, ``test_long_runs_distributed.py``
+and ``test_grpo_megatron.py`` are phases of one spawn (the session fixture ``two_ranks`` of
+``tests/trainer/conftest.py``), and the one-rank megatron runs go in a spawn of their own
+started alongside it. A phase that raises records its traceback under its name; the test that
+reads that phase fails with it, the others still get their results.
+
+Phases run in order on every rank; the fsdp ones come first, then the megatron CPU shims
+(tests/strategies/megatron/cpu_shims.py) are installed for the rest.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+from tests.trainer.tiny import tiny
+
+MOE = ["model.num_experts=4", "model.moe_top_k=2", "replay.route_replay=true"]
+
+
+def rows(history):
+    """History rows without ``step_time_s``, the one wall-clock metric."""
+    return [{k: v for k, v in row.items() if k != "step_time_s"} for row in history]
+
+
+def _fit(folder, world: int, *extra, steps: int):
+    from nemo_replay.trainer.config import load_config
+    from nemo_replay.trainer.grpo import GRPOTrainer
+
+    return GRPOTrainer(load_config(overrides=tiny(folder, *extra, steps=steps), world_size=world)).fit()
+
+
+def stop_and_resume(out_dir: str, world: int, extra: list) -> dict:
+    """Straight through 3 steps; and 2 steps (checkpoint after step 1), then a new trainer on that folder to 3."""
+    extra = ["trainer.checkpoint_every=2", *extra]
+    straight = _fit(f"{out_dir}/straight", world, *extra, steps=3)
+    first = _fit(f"{out_dir}/stopped", world, *extra, steps=2)  # ends after step 1 with its checkpoint
+    resumed = _fit(f"{out_dir}/stopped", world, *extra, steps=3)  # continues at step 2
+    state = Path(first.last_checkpoint) / "state"
+    return {
+        "straight": rows(straight.history), "resumed": rows(resumed.history), "first_step": resumed.first_step,
+        "files": sorted(p.name for p in state.iterdir()) if state.is_dir() else None,
+    }
+
+
+def _megatron_shims() -> None:
+    from tests.strategies.megatron.cpu_shims import install_cpu_shims, install_moe_without_te_shim
+
+    install_cpu_shims()
+    install_moe_without_te_shim()
+
+
+def megatron_runs(out_dir: str, world: int, runs: list) -> list:
+    """GRPO steps with the megatron strategy, one run per entry of ``runs`` (extra overrides)."""
+    from nemo_replay.trainer.config import load_config
+    from nemo_replay.trainer.grpo import GRPOTrainer
+
+    results = []
+    for i, extra in enumerate(runs):
+        overrides = tiny(f"{out_dir}/{i}", "replay.strategy=megatron", *extra, steps=2)
+        trainer = GRPOTrainer(load_config(overrides=overrides, world_size=world))
+        probe = None
+        if "replay.route_replay=true" in extra:
+            batch, _ = trainer.rollout()  # one extra rollout to look at the recorded routes
+            probe = {
+                "route_rows": batch.routes.lengths.tolist(),
+                "tokens": batch.attention_mask.sum(1).tolist(),
+                "route_range": (int(batch.routes.values.min()), int(batch.routes.values.max())),
+            }
+        results.append({"history": trainer.fit().history, "probe": probe})
+    return results
+
+
+def _phases(out_dir: str, world: int):
+    yield "dp2", lambda: _fit(f"{out_dir}/dp2", world, steps=2).history  # FSDP2 data parallel 2
+    yield "sp2", lambda: _fit(f"{out_dir}/sp2", world, "parallel.sequence=2", "trainer.prompts_per_step=2",
+                              steps=2).history  # Ulysses SP 2
+    yield "fsdp_resume", lambda: stop_and_resume(f"{out_dir}/fsdp", world, [])
+    _megatron_shims()
+    tp2 = ["replay.strategy=megatron", "parallel.tensor=2"]
+    yield "megatron_resume", lambda: stop_and_resume(f"{out_dir}/megatron", world, tp2)
+    yield "megatron_tp2", lambda: megatron_runs(f"{out_dir}/tp2", world, [["parallel.tensor=2"]])[0]
+
+
+def two_rank_phases(rank: int, world: int, out_dir: str) -> dict:
+    results = {}
+    for name, run in _phases(out_dir, world):
+        try:
+            results[name] = run()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def one_rank_megatron(rank: int, world: int, out_dir: str) -> list:
+    """TP = 1 and MoE with route replay on a single rank: ``[tp1, moe]``."""
+    _megatron_shims()
+    return megatron_runs(out_dir, world, [[], MOE])
+
+
+def phase(results: dict, name: str):
+    """The result of phase ``name``; its traceback as the failure when it raised."""
+    got = results[name]
+    if isinstance(got, dict) and set(got) == {"error"}:
+        raise AssertionError(f"phase {name} raised:\n{got['error']}")
+    return got
