@@ -21,6 +21,7 @@ import math
 import shutil
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,16 @@ def _wandb_records(path: Path):
             pieces = b""
 
 
+def _written(file: Path, timeout_s: float = 30.0) -> Path:
+    """``file`` once W&B's writer (its own service process) has written the run's exit record:
+    ``finish()`` returns before the last records of an offline run are always on disk."""
+    deadline = time.monotonic() + timeout_s
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(file)):
+        assert time.monotonic() < deadline, f"{file} has no exit record after {timeout_s} s"
+        time.sleep(0.1)
+    return file
+
+
 def test_wandb_keeps_one_offline_run_whose_steps_go_on(run):
     out, stale = run
     run_id = json.loads((out / IDS_FILE).read_text())["wandb"]
@@ -157,7 +168,7 @@ def test_wandb_keeps_one_offline_run_whose_steps_go_on(run):
     logged, config = [], {}  # (folder, step, row) in logging order; the run's config
     for n, folder in enumerate(folders):
         (file,) = folder.glob(f"run-{run_id}.wandb")
-        for record in _wandb_records(file):
+        for record in _wandb_records(_written(file)):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 assert record.run.run_id == run_id and record.run.project == "nemo_replay"
