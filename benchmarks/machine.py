@@ -38,21 +38,25 @@ def last_level_cache_bytes() -> int:
     best = 0
     base = "/sys/devices/system/cpu/cpu0/cache"
     try:
-        for entry in os.listdir(base):
+        entries = os.listdir(base)
+    except OSError:
+        entries = []
+    for entry in entries:  # index0, index1, ... (other entries, such as uevent, have no size)
+        try:
             with open(os.path.join(base, entry, "size")) as f:
                 text = f.read().strip()
             scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
             best = max(best, int(text.rstrip("KM")) * scale)
-    except (OSError, ValueError):
-        pass
+        except (OSError, ValueError, IndexError):
+            continue
     return best or 32 << 20
 
 
 class Flusher:
-    """Writes a buffer twice the last-level cache, so the next timed call starts cold."""
+    """Writes a buffer twice the last-level cache (or ``size_bytes``), so the next timed call starts cold."""
 
-    def __init__(self):
-        self.buf = torch.empty(2 * last_level_cache_bytes() // 4)
+    def __init__(self, size_bytes: int | None = None):
+        self.buf = torch.empty((size_bytes or 2 * last_level_cache_bytes()) // 4)
 
     def __call__(self):
         self.buf.fill_(1.0)

@@ -3,6 +3,8 @@
     python -m benchmarks.run             # full tables, about 10-15 minutes on a quiet machine; writes docs/benchmarks.md
     python -m benchmarks.run --quick     # the two headline configurations and short sweeps
     python -m benchmarks.run --tiny --out /tmp/bench.md    # under a minute (the smoke test)
+    python -m benchmarks.run --only logits "small T" --out /tmp/floor.md    # some sections
+    python -m benchmarks.run --device cuda   # the GPU tables (benchmarks/gpu.py), written into docs/benchmarks.md
 
 Options: ``--threads N`` (default 2), ``--out PATH``, ``--small-pages`` (keep 4 KiB pages:
 by default the run sets ``THP_MEM_ALLOC_ENABLE=1`` before torch is imported, so the
@@ -41,6 +43,9 @@ PROFILES = {
         "hidden_T": (128, 256, 512, 1024, 2048, 4096),
         "hidden_V": (16384, 32768, 65536, 131072),
         "logits_T": (512, 1024, 2048, 4096),
+        "small_T": (64, 256),
+        "tp": {"T": 4096, "V": 131072, "k": (20, 64), "dtypes": ("float32", "bfloat16"), "extras": ("", "entropy", "mass"),
+               "rounds": 7},
         "repeats": 9,
         "rates_bytes": 1 << 30,
         "training_profile": "full",
@@ -51,6 +56,8 @@ PROFILES = {
         "hidden_T": (128, 512, 2048),
         "hidden_V": (32768, 131072),
         "logits_T": (1024, 4096),
+        "small_T": (64, 256),
+        "tp": {"T": 4096, "V": 131072, "k": (64,), "dtypes": ("float32",), "extras": ("",), "rounds": 7},
         "repeats": 7,
         "rates_bytes": 1 << 30,
         "training_profile": "quick",
@@ -61,6 +68,10 @@ PROFILES = {
         "hidden_T": (16, 32),
         "hidden_V": (1024, 2048),
         "logits_T": (32, 64),
+        "small_T": (16,),
+        "small_T_rounds": 3,
+        "tp": {"T": 32, "V": 2048, "k": (8,), "dtypes": ("float32",), "extras": ("",), "rounds": 2},
+        "profile_calls": 2,
         "repeats": 2,
         "rates_bytes": 1 << 24,
         "memory_scope": (("hidden", "support"), ("hidden", "support-sparse")),
@@ -83,6 +94,10 @@ def _parse(argv):
     p.add_argument("--no-training", action="store_true", help="skip the whole-training-step section")
     p.add_argument("--omp-wait", choices=("passive", "active"), default="passive",
                    help="OMP_WAIT_POLICY for this run and its child processes (default passive)")
+    p.add_argument("--only", nargs="+", metavar="SECTION", default=None,
+                   help="run only these sections: logits, 'small T', tp, hidden, sweeps, profiles, 'host reads', training")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the GPU tables (benchmarks/gpu.py) instead of the CPU run")
     p.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -103,6 +118,10 @@ def _small_page_rates(threads: int, size_bytes: int) -> dict:
 def main(argv=None) -> int:
     args = _parse(argv)
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
+    if args.device == "cuda":
+        from benchmarks.gpu import main as gpu_main
+
+        return gpu_main(profile, out=args.out)
     torch_loaded = "torch" in sys.modules
     if not args.small_pages and not torch_loaded:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read by the CPU allocator; must precede torch
@@ -115,11 +134,11 @@ def main(argv=None) -> int:
 
     from benchmarks import machine
     from benchmarks.render import render
-    from benchmarks.suite import Suite
+    from benchmarks.suite import SECTIONS, Suite
 
     torch.set_num_threads(args.threads)
     cfg = PROFILES[profile]
-    flush = machine.Flusher()
+    flush = machine.Flusher(16 << 20 if profile == "tiny" else None)  # tiny: seconds, not cold caches
     if args.rates_json:
         print(json.dumps(machine.measure_rates(flush, size_bytes=cfg["rates_bytes"], repeats=3).as_dict()))
         return 0
@@ -136,17 +155,28 @@ def main(argv=None) -> int:
     small = None if profile == "tiny" or args.small_pages else _small_page_rates(args.threads, cfg["rates_bytes"])
     suite = Suite(cfg, rates, flush, threads=args.threads, memory=not args.no_memory, profile=profile,
                   training=not args.no_training)
-    suite.run_all()
+    unknown = sorted(set(args.only or ()) - set(SECTIONS))
+    if unknown:
+        print(f"--only: unknown section(s) {unknown}; the sections are {list(SECTIONS)}", file=sys.stderr)
+        return 2
+    suite.run_all(args.only)
     info = machine.describe(huge_pages)
     info["omp_wait"] = omp_wait
+    info["flush_mib"] = flush.buf.numel() * 4 >> 20
     info["load_start"], info["load_end"] = load_start, machine.loadavg()
     info["seconds"] = round(time.time() - started)
     info["command"] = "python -m benchmarks.run" + {"full": "", "quick": " --quick", "tiny": " --tiny"}[profile]
+    if args.only:
+        info["command"] += " --only " + " ".join(repr(x) if " " in x else x for x in args.only)
     text = render(suite, info, small)
     print(text)
-    out = args.out or ("docs/benchmarks.md" if profile == "full" else None)
+    out = args.out or ("docs/benchmarks.md" if profile == "full" and not args.only else None)
     if out:
+        from benchmarks.gpu import PLACEHOLDER, section_of, splice
+
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        old = open(out).read() if os.path.exists(out) else ""
+        text = splice(text, section_of(old) or PLACEHOLDER)  # the GPU tables stay until a GPU run replaces them
         with open(out, "w") as f:
             f.write(text)
         print(f"wrote {out}")

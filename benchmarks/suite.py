@@ -1,14 +1,20 @@
 """The benchmark run: every section of the table, measured in one process (report: benchmarks/render.py).
 
 Sections (sizes from the profile in benchmarks/run.py):
-    logits     forward of full / chunked / replay-off / support / support-unchecked /
-               support-nv per (V, k, dtype), T fixed; the headline configuration also
-               forward + backward and peak memory, and the three support variants again
-               round-robin (the validation target)
+    logits     forward of full / chunked / replay-off / plain / support / support-unchecked /
+               support-nv per (V, k, dtype), T fixed; per (V, k, dtype) and extra (none,
+               entropy, support mass) the gather limit, the plain scorer and the scorer
+               round-robin (the floor targets); the headline configuration also forward +
+               backward and peak memory, and the three support variants again round-robin
+               (the validation target)
+    small T    the floor round-robin at small T (host overhead against the gather limit)
+    tp         the floor round-robin on two tensor-parallel ranks (benchmarks/tp.py)
     hidden     forward and forward + backward of full / chunked / two-proj / support /
                support-sparse per (V, H, k), T fixed, and peak memory; the headline
-               configuration again with uniform (non-overlapping) supports, and dense
-               against sparse weight gradient round-robin (the gradient target)
+               configuration again with uniform (non-overlapping) supports, dense against
+               sparse weight gradient round-robin, and the persistent buffers (.grad,
+               main_grad) against filling a (V, H) buffer round-robin (the gradient targets)
+    profiles   the top operators (torch.profiler, self CPU time) of the headline variants
     scaling    support scoring against T (hidden and logits mode) and against V (hidden,
                dense and sparse weight gradient)
     host reads per scorer call, before and after (benchmarks/syncs.py)
@@ -27,10 +33,20 @@ import torch
 from benchmarks import limits
 from benchmarks.machine import Flusher, Rates, interleaved_ms, loadavg, median_ms
 from benchmarks.memory import measure_in_subprocess
-from benchmarks.variants import HIDDEN_VARIANTS, LOGITS_VARIANTS, hidden_variant, logits_variant
+from benchmarks.variants import (
+    FLOOR_EXTRAS,
+    HIDDEN_VARIANTS,
+    LOGITS_VARIANTS,
+    floor_variants,
+    hidden_variant,
+    logits_variant,
+    sparse_gradient_variants,
+)
 from benchmarks.workloads import channels, hidden_inputs, logits_input, support_rows
 
-__all__ = ["Suite"]
+__all__ = ["Suite", "SECTIONS", "top_ops"]
+
+SECTIONS = ("logits", "small T", "tp", "hidden", "sweeps", "profiles", "host reads", "training")
 
 MiB = 1 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,6 +55,24 @@ VALIDATION_VARIANTS = ("support", "support-unchecked", "support-nv")
 
 def _ratio(a, b):
     return None if a is None or b in (None, 0) else a / b
+
+
+def top_ops(fn, *, calls: int, top: int) -> dict:
+    """``fn()`` ``calls`` times under ``torch.profiler``: wall ms per call (profiler on) and the
+    ``top`` operators by self CPU time, each ``(name, self ms per call, share of all self time)``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        wall = (time.perf_counter() - t0) / calls
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    ops = [(e.key, e.self_cpu_time_total / calls / 1e3, e.self_cpu_time_total / total) for e in events[:top]]
+    return {"wall_ms": wall * 1e3, "self_ms": total / calls / 1e3, "ops": ops}
 
 
 class Suite:
@@ -52,6 +86,11 @@ class Suite:
         self.logits_rows: list[dict] = []
         self.logits_train: dict = {}
         self.logits_validation: dict = {}  # round-robin forward of the three support variants
+        self.floor_rows: list[dict] = []  # round-robin gather limit / plain scorer / scorer, per configuration
+        self.small_T: list[dict] = []  # the same at small T
+        self.tp: dict = {}  # the same on two tensor-parallel ranks
+        self.hidden_buffers: dict = {}  # round-robin fwd+bwd into .grad / main_grad against a (V, H) fill
+        self.profiles: dict = {}  # variant -> top_ops()
         self.hidden_rows: list[dict] = []
         self.hidden_gradient: dict = {}  # round-robin fwd+bwd, dense vs sparse weight gradient
         self.sweep_hidden_T: list[dict] = []
@@ -84,10 +123,14 @@ class Suite:
 
     # ------------------------------------------------------------------ sections
 
-    def run_all(self) -> None:
-        sections = (("logits", self.run_logits), ("hidden", self.run_hidden), ("sweeps", self.run_hidden_sweeps),
+    def run_all(self, only=None) -> None:
+        """Every section in order, or those named in ``only`` (names from :data:`SECTIONS`)."""
+        sections = (("logits", self.run_logits), ("small T", self.run_small_T), ("tp", self.run_tp),
+                    ("hidden", self.run_hidden), ("sweeps", self.run_hidden_sweeps), ("profiles", self.run_profiles),
                     ("host reads", self.run_host_reads), ("training", self.run_training))
         for name, section in sections:
+            if only and name not in only:
+                continue
             self.load[name] = loadavg()[0]
             section()
         self.load["end"] = loadavg()[0]
@@ -114,6 +157,9 @@ class Suite:
                     row["limit"] = limits.logits_support_fwd(self.rates, P=P) * 1e3
                     row["full_limit"] = limits.logits_full_fwd(self.rates, N=T, V=V, b=logits.element_size()) * 1e3
                     self.logits_rows.append(row)
+                    for extra in self.cfg.get("floor_extras", FLOOR_EXTRAS):
+                        self.floor_rows.append({"T": T, "V": V, "k": k, "dtype": dname, "extra": extra,
+                                                **self._floor(logits, ch, extra)})
                     if (T, V, k) == self.logits_head and dname == "float32":
                         self._logits_headline(logits, ch)
                 if dname == "float32" and V == self.logits_head[1]:
@@ -122,6 +168,57 @@ class Suite:
                 gc.collect()
             del base
             gc.collect()
+
+    def _floor(self, logits, ch, extra: str, rounds: int | None = None) -> dict:
+        """The gather limit, the plain scorer and the scorer round-robin: name -> {ms, min, max}."""
+        fns = floor_variants(logits, ch, extra)
+        rounds = rounds or (max(3, self.cfg["repeats"] // 2) if extra == "mass" else self._rounds())
+        res = interleaved_ms(fns, rounds=rounds, flush=self.flush)
+        gc.collect()
+        return res
+
+    def run_small_T(self) -> None:
+        V, k = self.logits_head[1], self.logits_head[2]
+        for T in self.cfg.get("small_T", ()):
+            logits = logits_input(T, V, torch.float32).requires_grad_()
+            ch = channels(support_rows(T, V, k), vocab_size=V)
+            res = self._floor(logits, ch, "", rounds=self.cfg.get("small_T_rounds", 50))
+            self.small_T.append({"T": T, "V": V, "k": k, "dtype": "float32", "extra": "", **res})
+
+    def run_tp(self) -> None:
+        from benchmarks.tp import measure_in_subprocess as measure_tp
+
+        spec = self.cfg.get("tp")
+        if spec:
+            self.tp = {"spec": spec, "rows": measure_tp(spec)}
+
+    def run_profiles(self) -> None:
+        """Top operators of the headline variants: where the time goes, so a regression shows where it came from."""
+        T, V, k = self.logits_head
+        calls, top = self.cfg.get("profile_calls", 10), self.cfg.get("profile_top", 6)
+        logits = logits_input(T, V, torch.float32).requires_grad_()
+        ch = channels(support_rows(T, V, k), vocab_size=V)
+        for extra in ("", "entropy"):
+            fns = floor_variants(logits, ch, extra)
+            names = ("gather", "plain", "support") if not extra else ("plain", "support")
+            for name in names:
+                label = f"logits {name}{' +' + extra if extra else ''}, T={T} V={V} k={k} fp32, forward"
+                self.profiles[label] = top_ops(fns[name], calls=calls, top=top)
+        del logits
+        for T_small in self.cfg.get("small_T", ())[:1]:
+            small = logits_input(T_small, V, torch.float32).requires_grad_()
+            ch = channels(support_rows(T_small, V, k), vocab_size=V)
+            fn = floor_variants(small, ch)["support"]
+            self.profiles[f"logits support, T={T_small} V={V} k={k} fp32, forward"] = top_ops(fn, calls=5 * calls, top=top)
+        Th, Vh, H, kh = self.hidden_head
+        hidden, weight = hidden_inputs(Th, Vh, H, torch.float32)
+        hidden.requires_grad_(), weight.requires_grad_()
+        ch = channels(support_rows(Th, Vh, kh), vocab_size=Vh)
+        fns = sparse_gradient_variants(hidden, weight, ch)
+        label = f"hidden support-sparse, T={Th} V={Vh} H={H} k={kh} fp32, forward+backward"
+        self.profiles[label] = top_ops(fns["support-sparse"], calls=max(1, calls // 2), top=top)
+        weight.grad = None
+        gc.collect()
 
     def _logits_headline(self, logits, ch) -> None:
         T, V, k = self.logits_head
@@ -197,6 +294,9 @@ class Suite:
         fns = {name: hidden_variant(name, hidden, weight, ch) for name in ("support", "support-sparse")}
         self.hidden_gradient = interleaved_ms({n: (lambda f=f: f(True)) for n, f in fns.items()},
                                               rounds=self._rounds(), flush=self.flush)
+        self.hidden_buffers = interleaved_ms(sparse_gradient_variants(hidden, weight, ch), rounds=self._rounds(),
+                                             flush=self.flush)
+        gc.collect()
         if self.cfg.get("uniform_row", True):
             worst = channels(support_rows(T, V, k, model="uniform"), vocab_size=V)
             wrow = {"V": V, "H": H, "k": k, "model": "uniform", **self._hidden_limits(worst, T, V, H)}

@@ -111,10 +111,10 @@ class _Totals:
 def _sampled_in_rows(plan: Plan, z_eos: torch.Tensor) -> torch.Tensor:
     """(e,) the sampled id's score in each vocabulary row, 0 where another rank holds it."""
     call = plan.call
-    v_local = call.shard.size
-    s_local = call.sampled[plan.eos] - call.shard.start
     if not plan.eos.numel():
         return z_eos.new_zeros(0)
+    v_local = call.shard.size
+    s_local = call.sampled[plan.eos] - call.shard.start
     zs = z_eos.gather(1, s_local.clamp(0, v_local - 1)[:, None]).squeeze(1)
     return torch.where((s_local >= 0) & (s_local < v_local), zs, torch.zeros_like(zs))
 
@@ -131,14 +131,15 @@ def _local_support_scores(plan: Plan, compute_entropy: bool) -> _Local:
             fill=lowest, temperature=call.temperature, chunk_size=call.chunk_size, compute_dtype=call.cd,
         )
     else:
-        # One gather, temperature and fill in place, one [N, V] gradient for pairs and EOS rows.
+        # One gather, temperature and fill in place, one (N, V) gradient for pairs and EOS rows.
         z_sup, z_eos = select_scores(
             call.src, plan.sel, plan.ids, plan.local, plan.eos, vocab_start=call.shard.start,
             temperature=call.temperature, fill=lowest, compute_dtype=call.cd,
         )
         if compute_entropy:
             z_sup = z_sup.clamp_min(lowest)  # -inf source logits on members
-    z_eos = z_eos.clamp_min(lowest)  # -inf logits on masked vocab entries
+    if z_eos.numel():
+        z_eos = z_eos.clamp_min(lowest)  # -inf logits on masked vocab entries
     zs_sup = z_sup.gather(1, plan.col[:, None]).squeeze(1)
     if call.tp > 1 and plan.local is not None:
         zs_sup = torch.where(plan.local.gather(1, plan.col[:, None]).squeeze(1), zs_sup, torch.zeros_like(zs_sup))
@@ -191,25 +192,34 @@ def _finish(m, s, zs, t):
     return logp, ent
 
 
-def _mass_partials(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m, s), each (n,): this rank's row maxima of the detached full rows ``src[sel] / T`` and
-    ``sum exp(z - m)``, in ONE pass over the rows, chunk by chunk (support mass).
+def _mass_rows(call) -> int:
+    """Positions per block of the support-mass pass: about 8 MiB of compute-dtype scores (a
+    block stays in cache between its max and its exponentials), at most ``chunk_size``."""
+    width = call.src.shape[1] * torch.finfo(call.cd).bits // 8
+    return max(1, min(call.chunk_size, (8 << 20) // max(width, 1)))
 
-    Once the MAX all-reduce gives the global maxima M, ``s * exp(m - M)`` is this rank's share
-    of ``sum exp(z - M)``, so the ``[n, V_local]`` rows are read and converted once, not twice.
-    A row whose shard is all -inf gets ``m = lowest`` and ``s = 0``.
+
+def _mass_partials(plan: Plan) -> torch.Tensor:
+    """(n,) this rank's ``logsumexp`` of the detached full rows ``src[sel] / T``, in ONE pass over
+    the rows, block by block (support mass); -inf rows (a shard all -inf) give ``lowest``.
+
+    Once the MAX all-reduce gives the global maxima M of these, ``exp(lse - M)`` is this rank's
+    share of ``sum exp(z - M)``, so the ``(n, V_local)`` rows are read and converted once.
+    Every position scored (``n == N``): the blocks are slices of the source, not copies.
     """
     call, sel = plan.call, plan.sel
-    maxima, sums = [], []
-    for i in range(0, sel.numel(), call.chunk_size):
-        z = call.src[sel[i : i + call.chunk_size]].detach().to(call.cd) / call.temperature
-        m = _row_max(z).clamp_min(call.lowest)
-        maxima.append(m)
-        sums.append(torch.exp(z - m[:, None]).sum(1))
-    if not maxima:
-        empty = torch.zeros(0, dtype=call.cd, device=call.device)
-        return empty, empty
-    return torch.cat(maxima), torch.cat(sums)
+    n, step = sel.numel(), _mass_rows(call)
+    src = call.src.detach()
+    parts = []
+    for i in range(0, n, step):
+        rows = src[i : i + step] if n == call.N else src.index_select(0, sel[i : i + step])
+        z = rows.to(call.cd)
+        if call.temperature != 1.0:
+            z = z / call.temperature
+        parts.append(torch.logsumexp(z, 1))
+    if not parts:
+        return torch.zeros(0, dtype=call.cd, device=call.device)
+    return torch.cat(parts).clamp_min_(call.lowest)
 
 
 def _deferred_checks(plan: Plan, vocab_max: torch.Tensor) -> None:
@@ -230,33 +240,47 @@ def _deferred_checks(plan: Plan, vocab_max: torch.Tensor) -> None:
 
 
 def _reduce(plan: Plan, local: _Local, compute_entropy: bool, compute_support_mass: bool) -> _Totals:
-    """Phase 3: one MAX all-reduce (stabilisers), one SUM all-reduce (partial sums), then the results."""
+    """Phase 3: one MAX all-reduce (stabilisers), one SUM all-reduce (partial sums), then the results.
+
+    The synthetic-EOS rows' parts are left out when there are none (positions are replicated
+    over the TP group, so every rank leaves them out alike); one rank issues no collective
+    and concatenates nothing.
+    """
     call, group = plan.call, plan.call.shard.group
-    max_parts = [_row_max(local.z_sup), _row_max(local.z_eos)]
+    eos = plan.eos.numel() > 0
+    max_parts = [_row_max(local.z_sup), _row_max(local.z_eos) if eos else local.zs_eos]
     if compute_support_mass:
-        m_full_local, s_full_local = _mass_partials(plan)
-        max_parts.append(m_full_local)
+        lse_full_local = _mass_partials(plan)
+        max_parts.append(lse_full_local)
     if plan.vocab_size is None:  # every rank learns the global vocabulary size
         max_parts.append(torch.tensor([float(call.shard.end)], dtype=call.cd, device=call.device))
-    sizes = [p.numel() for p in max_parts]
-    maxima = all_reduce_max(torch.cat(max_parts), group).split(sizes)
-    m_sup, m_eos = maxima[0], maxima[1]
+    if call.tp > 1:
+        sizes = [p.numel() for p in max_parts]
+        max_parts = all_reduce_max(torch.cat(max_parts), group).split(sizes)
+    m_sup, m_eos = max_parts[0], max_parts[1]
     if plan.vocab_size is None:
-        _deferred_checks(plan, maxima[-1][0])
+        _deferred_checks(plan, max_parts[-1][0])
 
-    sum_parts = _sums(local.z_sup, m_sup, local.zs_sup, compute_entropy) + _sums(local.z_eos, m_eos, local.zs_eos, compute_entropy)
+    sum_parts = _sums(local.z_sup, m_sup, local.zs_sup, compute_entropy)
+    k = len(sum_parts)
+    if eos:
+        sum_parts += _sums(local.z_eos, m_eos, local.zs_eos, compute_entropy)
     if compute_support_mass:
-        sum_parts.append(s_full_local * torch.exp(m_full_local - maxima[2]))
-    sizes = [p.numel() for p in sum_parts]
-    totals = list(reduce_sum_from_shards(torch.cat(sum_parts), group).split(sizes))
-    k = 3 if compute_entropy else 2
-    sup, eos = totals[:k], totals[k : 2 * k]
+        sum_parts.append(torch.exp(lse_full_local - max_parts[2]))
+    if call.tp > 1:
+        sizes = [p.numel() for p in sum_parts]
+        sum_parts = list(reduce_sum_from_shards(torch.cat(sum_parts), group).split(sizes))
+    sup = sum_parts[:k]
     lp_sup, ent_sup = _finish(m_sup, sup[0], sup[1], sup[2] if compute_entropy else None)
-    lp_eos, ent_eos = _finish(m_eos, eos[0], eos[1], eos[2] if compute_entropy else None)
+    if eos:
+        ends = sum_parts[k : 2 * k]
+        lp_eos, ent_eos = _finish(m_eos, ends[0], ends[1], ends[2] if compute_entropy else None)
+    else:
+        lp_eos = ent_eos = local.zs_eos  # (0,)
     logmass = None
     if compute_support_mass:
-        logmass = (m_sup + torch.log(sup[0]) - maxima[2] - torch.log(totals[2 * k])).detach().clamp_max(0)
-    return _Totals(lp_sup, lp_eos, ent_sup, ent_eos, logmass)
+        logmass = (m_sup + torch.log(sup[0]) - max_parts[2] - torch.log(sum_parts[-1])).detach().clamp_max(0)
+    return _Totals(lp_sup, lp_eos, ent_sup, ent_eos if compute_entropy else None, logmass)
 
 
 # ---------------------------------------------------------------------------- scatter
@@ -267,6 +291,10 @@ def _scatter(plan: Plan, t: _Totals, compute_entropy: bool) -> SupportScores:
     call = plan.call
 
     def place(a, b):
+        if a.numel() == call.N:  # every position scored over a support: sel is arange(N)
+            return a.view(call.pos_shape)
+        if b.numel() == call.N:  # every position scored over the vocabulary: eos is arange(N)
+            return b.view(call.pos_shape)
         out = torch.zeros(call.N, dtype=call.cd, device=call.device)
         return out.index_put((plan.sel,), a).index_put((plan.eos,), b).view(call.pos_shape)
 
@@ -312,12 +340,13 @@ def score_aligned_support(
         lm_head_weight: (V_local, H), this rank's LM-head rows (hidden mode).
         temperature: divides every score (pass 1.0 for logits already scaled).
         trajectory_ids: (*,), int, -1 on padding. Default: index along dim 0 when the
-            positions have >= 2 dims ([B, T]), else a single trajectory 0.
+            positions have >= 2 dims, (B, T), else a single trajectory 0.
         compute_entropy: also return the entropy over the support (differentiable).
         compute_support_mass: also return log of the kept mass (logits mode only).
         chunk_size: hidden mode projects the present (position, id) pairs in chunks of at
             most this many pairs (default 8192; a row wider than a chunk is split); in logits
-            mode, positions per chunk of the support-mass pass.
+            mode, at most this many positions per block of the support-mass pass (fewer
+            when a block's scores would pass 8 MiB).
         validate: check the support invariants (docs/design.md §2) of rows that were not
             checked where they entered (a support records a passed check: rows from capture,
             the engine adapters, wire decode, traces and collation, and rows this function

@@ -4,8 +4,10 @@ Runs ``python -m benchmarks.run --tiny`` in a fresh process (so the page-mode se
 applied before torch loads, as in a real run) and checks that every section of the report
 was written with numbers, the correctness gate passed, the peak-memory children ran (fresh
 processes: the hidden-mode support variants, dense and sparse weight gradient), the host
-reads were counted and both whole-training-step children (Llama, megatron-core GPTModel)
-reported all four variants.
+reads were counted, both whole-training-step children (Llama, megatron-core GPTModel)
+reported all four variants, the tensor-parallel ranks reported, and the GPU section was
+left for a GPU run. Also: the plain gather+logsumexp scorer the floor tables compare with
+computes what the scorer computes, and the GPU tables' code runs (on the CPU device).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,8 +32,18 @@ def test_tiny_benchmark_writes_every_section(tmp_path):
     text = out.read_text()
     for heading in ("## Scaling", "### Machine", "### Measured rates", "### Targets", "### Logits mode, forward",
                     "### Hidden mode, T=32", "against T", "against V", "### Host reads per scorer call",
-                    "### Training step", "round-robin"):
+                    "### Training step", "round-robin", "### Logits mode against its floor, T=64",
+                    "### Logits mode at small T", "two tensor-parallel ranks", "persistent gradient buffers against",
+                    "## Profiles", "### logits support, T=16", "### hidden support-sparse", "## GPU"):
         assert heading in text, heading
+    # Floor tables: every configuration (3 extras; small T; TP) with the three times and ratios.
+    floor = [line for line in text.splitlines() if re.match(r"\| V=2048 (T=16 )?k=8 float32", line)]
+    assert len(floor) == 5 and all(re.search(r"(\| [\d.]+ ){7}\|$", r) for r in floor), floor
+    assert re.search(r"\| logits fwd T=64, one rank, vs the gather limit, worst of 2 configurations without the "
+                     r"support mass", text)
+    assert re.search(r"\| logits fwd T=32, 2 TP ranks, vs the plain gather\+logsumexp scorer", text)
+    assert re.search(r"\| hidden fwd\+bwd T=32 .* into megatron's main_grad vs filling the \(V, H\) buffer", text)
+    assert "Not measured yet: run `python -m benchmarks.run --device cuda`" in text
     assert "THP_MEM_ALLOC_ENABLE=1" in text  # the run asked for huge pages before torch loaded
     # A support row of the hidden table carries a measured time and a peak in MiB.
     row = next(line for line in text.splitlines() if line.startswith("| 2048 | 64 | 8 | zipf") and "| support |" in line)
@@ -44,3 +58,40 @@ def test_tiny_benchmark_writes_every_section(tmp_path):
         assert len(rows) == 4 and all(re.search(r"\| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", r) for r in rows), rows
     # Every target row carries measured and reference numbers.
     assert re.search(r"\| hidden fwd\+bwd T=32 .*\| [\d.]+ ms \| [\d.]+ ms \| [\d.]+ \|", text), text
+
+
+def test_plain_scorer_computes_what_the_scorer_computes():
+    """The floor tables' comparison point is a fair one: same log-probs, entropy, support mass and gradients."""
+    from benchmarks.variants import plain_scores
+    from benchmarks.workloads import channels, logits_input, support_rows
+    from nemo_replay import score_aligned_support
+
+    ch = channels(support_rows(48, 300, 9), vocab_size=300)
+    logits = logits_input(48, 300, torch.float32).requires_grad_()  # both scorers compute in float32
+    lp, ent, mass = plain_scores(logits, ch, entropy=True, mass=True)
+    out = score_aligned_support(logits, ch.sampled, ch.row_ids, ch.loss_mask, ch.support, compute_entropy=True,
+                                compute_support_mass=True)
+    for got, want in ((lp, out.logprobs), (ent, out.entropy), (mass, out.support_logmass)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    g1 = torch.autograd.grad((lp * 0.3 + ent).sum(), logits)[0]
+    g2 = torch.autograd.grad((out.logprobs * 0.3 + out.entropy).sum(), logits)[0]
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=0)
+    assert not torch.equal(lp, torch.roll(lp, 1))  # distinct rows: a swapped position would show
+
+
+def test_gpu_tables_code_runs_and_keeps_its_section(tmp_path):
+    """``--device cuda``'s code, run on the CPU device: every row measured, support equal to the plain
+    scorer (logits) and to logits mode (hidden); its section replaces a placeholder and survives a CPU rewrite."""
+    from benchmarks import gpu
+
+    out = tmp_path / "bench.md"
+    out.write_text("# CPU tables\n\n" + gpu.PLACEHOLDER + "\n## after\n")
+    assert gpu.main("tiny", out=str(out), device="cpu") == 0
+    text = out.read_text()
+    assert text.startswith("# CPU tables") and text.rstrip().endswith("## after") and "Not measured yet" not in text
+    rows = [line for line in text.splitlines() if line.startswith(("| logits |", "| hidden |"))]
+    assert len(rows) == 2 * (4 + 3), rows  # two dtypes: logits full/plain/support/gather, hidden full/support/sparse
+    checks = [float(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows if "| support |" in r]
+    assert len(checks) == 4 and max(checks[:2] + checks[2:3]) < 1e-4 and max(checks) < 0.1, checks  # bf16 hidden: rounding
+    section = gpu.section_of(text)
+    assert section and gpu.splice("# new CPU run\n", section).count("\n## GPU\n") == 1

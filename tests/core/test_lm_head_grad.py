@@ -181,8 +181,8 @@ def _megatron_worker(rank, world_size):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from nemo_replay import get_strategy
-    from tests.megatron import harness as H
-    from tests.megatron.test_strategy import ADVANTAGES, PROMPTS, RESPONSES, TEMPERATURE, TOP_K, make_batch, with_policy_inputs
+    from tests.strategies.megatron import harness as H
+    from tests.strategies.megatron.test_strategy import ADVANTAGES, PROMPTS, RESPONSES, TEMPERATURE, TOP_K, make_batch, with_policy_inputs
 
     uses = _SparseUses()
     out = {}
@@ -240,7 +240,7 @@ def _fsdp_worker(rank, world_size, batches):
     from torch.distributed.tensor import DTensor
 
     from nemo_replay.strategies.fsdp import FSDPStrategy
-    from tests.fsdp.fixtures import tiny_llama
+    from tests.strategies.fsdp.fixtures import tiny_llama
 
     uses = _SparseUses()
     model = tiny_llama(seed=3)
@@ -269,7 +269,7 @@ def _fsdp_worker(rank, world_size, batches):
 
 
 def test_fsdp2_dense_by_default_rows_under_no_sync_accumulation():
-    from tests.fsdp.fixtures import BATCH_A, BATCH_B, make_batch, plain_copy, tiny_llama, with_old_and_ref
+    from tests.strategies.fsdp.fixtures import BATCH_A, BATCH_B, make_batch, plain_copy, tiny_llama, with_old_and_ref
 
     ref = plain_copy(tiny_llama(seed=3))
     batches = [with_old_and_ref(ref, make_batch(**BATCH_A), 0.7), with_old_and_ref(ref, make_batch(**BATCH_B), 0.7)]

@@ -78,6 +78,37 @@ def test_logits_mode_matches_reference(form, temperature, eos_without_row_id):
     assert torch.all(g[~case.loss_mask] == 0)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+@pytest.mark.parametrize("every_position", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_support_mass_in_row_blocks_matches_reference(chunk_size, every_position, dtype):
+    """Logits mode reads the full rows for the support mass block by block (at most ``chunk_size``
+    positions each): blocks of 1 and 3 positions and the default, with unscored positions (the
+    scored rows picked) and with every position scored over a row (the rows sliced), in every
+    dtype, equal the float64 loop on the same rounded logits; values and gradients."""
+    case = make_case(eos=(1,), seed=12, masked_vocab=30)
+    if every_position:
+        members = [r >= 0 and len(case.sets[r]) > 0 for r in case.row_ids.flatten().tolist()]
+        keep = case.loss_mask & torch.tensor(members).view(case.row_ids.shape)
+        logits, sampled, rows = case.logits[keep], case.sampled_ids[keep], case.row_ids[keep]
+        lmask = torch.ones_like(sampled, dtype=torch.bool)
+    else:
+        logits, sampled, rows, lmask = case.logits, case.sampled_ids, case.row_ids, case.loss_mask
+    src = logits.to(dtype).requires_grad_()
+    out = score_aligned_support(src, sampled, rows, lmask, case.support, temperature=0.7, compute_entropy=True,
+                                compute_support_mass=True, chunk_size=chunk_size)
+    (g,) = torch.autograd.grad(_loss(out.logprobs, out.entropy, lmask.shape), src)
+    ref_src = src.detach().double().requires_grad_()
+    ref = reference_scores(ref_src, sampled, rows, lmask, case.sets, temperature=0.7)
+    (g_ref,) = torch.autograd.grad(_loss(ref["logprobs"], ref["entropy"], lmask.shape), ref_src)
+    tol = ATOL if dtype == torch.float64 else 1e-5  # float32 math on the rounded logits
+    assert bool(out.valid_mask.all()) == every_position
+    for got, want in ((out.logprobs, ref["logprobs"]), (out.entropy, ref["entropy"]), (out.support_logmass, ref["logmass"])):
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
+    bf16 = dtype == torch.bfloat16  # gradients rounded to bf16: relative 2**-8
+    torch.testing.assert_close(g.double(), g_ref, atol=2**-8 if bf16 else tol, rtol=2**-7 if bf16 else 0)
+
+
 @pytest.mark.parametrize("form", ["packed", "ragged"])
 @pytest.mark.parametrize("chunk_size", [None, 5])
 def test_hidden_mode_matches_reference(form, chunk_size):
