@@ -472,8 +472,8 @@ READING_TEXT = """## Reading the numbers
   only the support's rows are written, and neither grows with V. Into a buffer, the
   backward reads each pair's weight row for the hidden-state gradient, sums each distinct
   id's hidden rows block by block and adds the block to the buffer's rows (a
-  read-modify-write of U rows, which `index_add_` does on one thread near the memory
-  bandwidth); the forward reads each pair's weight row once more.
+  read-modify-write of U rows, near the memory bandwidth); the forward reads each pair's
+  weight row once more.
 - Huge pages matter on this machine: with 4 KiB pages every random logit read is a TLB
   miss as well as a cache miss, and every fresh 4 KiB page of a new gradient is a page fault
   (compare the two columns of the rates table).

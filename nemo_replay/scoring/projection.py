@@ -261,8 +261,9 @@ def _sorted_pairs(ids, flat, g) -> _SortedPairs:
 # Bytes of row sums per block of distinct ids (1024 ids at H = 2048 in float32): few enough to
 # stay in the last-level cache between the bag that sums them and the index_add_ that adds them
 # to the buffer, many enough that index_add_ runs on every thread (it runs on one below a few
-# thousand rows). Measured here, T=512 V=128k H=2048 k=64, two threads: 2, 4, 8, 16, 32 MiB
-# and one (U, H) scratch of 86 MB; 8 MiB was fastest, 10-15% under the one scratch.
+# thousand rows). Against one (U, H) scratch (86 MB at T=512 V=128k H=2048 k=64) the blocks
+# were 10-20% faster with one thread and within +-10% with two, depending on the harness
+# (2 MiB blocks: the same spread).
 _BLOCK_BYTES = 8 << 20
 
 
