@@ -370,22 +370,6 @@ def _vocab_size(model_config: Any) -> Optional[int]:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def _vllm_engine_settings(vllm_config: Any) -> dict:
-    """The engine flags :func:`check_vllm_engine` reads, from an ``AsyncLLM.vllm_config``.
-
-    vLLM releases before sampling masks (verl 0.9.1 pins vLLM 0.24) have no
-    ``return_sampling_mask`` on their model config: that reads as off.
-    """
-    model = vllm_config.model_config
-    mode = getattr(model, "logprobs_mode", None)
-    return {
-        "logprobs_mode": getattr(mode, "value", mode),  # a Literal str in vLLM 0.33, an Enum in older releases
-        "max_logprobs": model.max_logprobs,
-        "return_sampling_mask": getattr(model, "return_sampling_mask", False),
-        "use_v2_model_runner": getattr(vllm_config, "use_v2_model_runner", None),
-    }
-
-
 class _VllmServerReplay:
     """Mixed in before verl's ``vLLMHttpServer``."""
 
@@ -398,7 +382,7 @@ class _VllmServerReplay:
             return
         engine_kwargs = (_plain(_field(self.config, "engine_kwargs")) or {}).get("vllm") or {}
         path = "mask" if engine_kwargs.get("return_sampling_mask") else "logprobs"
-        check_vllm_engine(_vllm_engine_settings(engine.vllm_config), path=path, top_k=replay.top_k)
+        check_vllm_engine(engine.vllm_config, path=path, top_k=replay.top_k)
         recorder = VllmSupportRecorder(replay, path=path, vocab_size=_vocab_size(self.model_config))
         self.engine = _RecordingVllmEngine(engine, recorder, self._replay_sink)
 

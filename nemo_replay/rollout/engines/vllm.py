@@ -125,6 +125,8 @@ def check_vllm_engine(config: Any, *, path: str, top_k: Optional[int] = None) ->
         if missing:
             raise ValueError(f"check_vllm_engine: the model config has no {missing}; pass llm.llm_engine.vllm_config")
         values = {k: getattr(model, k, _VLLM_DEFAULTS[k]) for k in _VLLM_DEFAULTS}
+        mode = values["logprobs_mode"]
+        values["logprobs_mode"] = getattr(mode, "value", mode)  # a Literal str in 0.33, an Enum in older releases
         v2 = getattr(config, "use_v2_model_runner", None)
     else:
         raise ValueError(

@@ -1,6 +1,6 @@
 """vLLM adapters on outputs built field for field as vLLM 0.33.0 builds them (tests/rollout/engines/engine_outputs.py)."""
 
-import importlib
+import enum
 import logging
 
 import pytest
@@ -261,6 +261,16 @@ def test_engine_prerequisites_name_the_flag():
         model_config, use_v2_model_runner = OlderModelConfig(), True
 
     check_vllm_engine(OlderVllmConfig(), path="logprobs", top_k=64)
+
+    class LogprobsMode(enum.Enum):  # older releases hold logprobs_mode as an Enum, not a str
+        PROCESSED = "processed_logprobs"
+
+    OlderModelConfig.logprobs_mode = LogprobsMode.PROCESSED
+    check_vllm_engine(OlderVllmConfig(), path="logprobs", top_k=64)
+    OlderModelConfig.logprobs_mode = "raw_logprobs"
+    with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs'"):
+        check_vllm_engine(OlderVllmConfig(), path="logprobs", top_k=64)
+    OlderModelConfig.logprobs_mode = "processed_logprobs"
     with pytest.raises(ValueError, match=r"this vLLM has no sampling masks \(vLLM 0.33 added them\)"):
         check_vllm_engine(OlderVllmConfig(), path="mask")
 
