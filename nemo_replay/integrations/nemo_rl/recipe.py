@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional
 
+from nemo_replay.integrations.recipe_paths import get_path, is_int, is_number
+
 __all__ = ["check_nemo_rl_recipe"]
 
 # vLLM's ModelConfig.max_logprobs default; NeMo-RL never sets it (it passes vllm_kwargs through).
@@ -24,25 +26,14 @@ VLLM_DEFAULT_MAX_LOGPROBS = 20
 _ABSENT = object()
 
 
-def _get(cfg: Mapping[str, Any], path: str, default=None):
-    node: Any = cfg
-    for key in path.split("."):
-        if not isinstance(node, Mapping) or key not in node:
-            return default
-        node = node[key]
-    return node
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _size(cfg, path: str, problems: list, *, default: Optional[int] = 1, minimum: int = 1, why: str) -> Optional[int]:
     """The int at ``path`` (``default`` when absent), or None after appending its problem line."""
-    value = _get(cfg, path, _ABSENT)
+    value = get_path(cfg, path, _ABSENT)
     if value is _ABSENT:
         value = default
-    if not _is_int(value) or value < minimum:
+    if not is_int(value) or value < minimum:
         problems.append(f"{path}={value!r}: set an int >= {minimum} ({why})")
         return None
     return value
@@ -70,16 +61,14 @@ def check_nemo_rl_recipe(config: Mapping[str, Any]) -> None:
 
 
 def _check_sampling(config, problems: list) -> None:
-    top_k = _get(config, "policy.generation.top_k")
-    if not _is_int(top_k) or top_k < 2:
+    top_k = get_path(config, "policy.generation.top_k")
+    if not is_int(top_k) or top_k < 2:
         problems.append(
             f"policy.generation.top_k={top_k!r}: set an int > 1 (the recorded support is the sampler's top-k set; the "
             f"engine returns whole supports only when they are bounded)"
         )
-    temperature = _get(config, "policy.generation.temperature")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not (
-        math.isfinite(temperature) and temperature > 0
-    ):
+    temperature = get_path(config, "policy.generation.temperature")
+    if not is_number(temperature) or temperature <= 0:
         problems.append(
             f"policy.generation.temperature={temperature!r}: set a finite number > 0, e.g. 1.0 (0 is greedy decoding, "
             f"a one-token support: NeMo-RL's vLLM worker samples greedy requests with top_k=1, and the trainer divides "
@@ -88,41 +77,41 @@ def _check_sampling(config, problems: list) -> None:
 
 
 def _check_generation_engine(config, problems: list) -> None:
-    backend = _get(config, "policy.generation.backend")
+    backend = get_path(config, "policy.generation.backend")
     if backend != "vllm":
         problems.append(
             f"policy.generation.backend={backend!r}: set vllm (only NeMo-RL's vLLM worker can return each token's "
             f"support, and replay's generation worker extends it)"
         )
-    mode = _get(config, "policy.generation.vllm_cfg.logprobs_mode")
+    mode = get_path(config, "policy.generation.vllm_cfg.logprobs_mode")
     if mode != "processed_logprobs":
         problems.append(
             f"policy.generation.vllm_cfg.logprobs_mode={mode!r}: set processed_logprobs (raw log-probs never mark "
             f"the filtered candidates, so no support can be read from them)"
         )
     # VllmGeneration picks the async worker by truthiness; a string 'false' is async there too.
-    async_engine = _get(config, "policy.generation.vllm_cfg.async_engine", False)
+    async_engine = get_path(config, "policy.generation.vllm_cfg.async_engine", False)
     if async_engine:
         problems.append(
             f"policy.generation.vllm_cfg.async_engine={async_engine!r}: set false (the async worker's HTTP server "
             f"asserts top_k is unset, and replay's generation worker extends the synchronous VllmGenerationWorker)"
         )
-    quant_cfg = _get(config, "policy.generation.quant_cfg")
+    quant_cfg = get_path(config, "policy.generation.quant_cfg")
     if quant_cfg is not None:
         problems.append(
             f"policy.generation.quant_cfg={quant_cfg!r}: set null (a quant_cfg makes NeMo-RL swap in its quantized "
             f"vLLM worker, resolve_generation_worker_cls, in place of replay's)"
         )
-    top_k = _get(config, "policy.generation.top_k")
-    if not _is_int(top_k) or top_k < 2:
+    top_k = get_path(config, "policy.generation.top_k")
+    if not is_int(top_k) or top_k < 2:
         return  # the top_k line already names the fix; max_logprobs is sized from a valid top_k
     path = "policy.generation.vllm_kwargs.max_logprobs"
-    max_logprobs = _get(config, path, _ABSENT)
+    max_logprobs = get_path(config, path, _ABSENT)
     came = f"{path}={max_logprobs!r}"
     if max_logprobs is _ABSENT:
         came, max_logprobs = f"{path} absent (vLLM's default {VLLM_DEFAULT_MAX_LOGPROBS})", VLLM_DEFAULT_MAX_LOGPROBS
     # vLLM reads -1 as the whole vocabulary.
-    if not _is_int(max_logprobs) or (max_logprobs != -1 and max_logprobs < top_k + 1):
+    if not is_int(max_logprobs) or (max_logprobs != -1 and max_logprobs < top_k + 1):
         problems.append(
             f"{came}: set an int >= {top_k + 1} = top_k + 1 (each request asks logprobs=top_k+1 so every list ends "
             f"with a filtered candidate, and vLLM refuses a request above max_logprobs)"
@@ -130,13 +119,13 @@ def _check_generation_engine(config, problems: list) -> None:
 
 
 def _check_trainer(config, problems: list) -> None:
-    data_plane = _get(config, "data_plane.enabled", False)
+    data_plane = get_path(config, "data_plane.enabled", False)
     if data_plane:
         problems.append(
             f"data_plane.enabled={data_plane!r}: set false (the TransferQueue trainer, grpo_train_sync, builds its "
             f"batches outside the path that carries generation_support)"
         )
-    async_grpo = _get(config, "grpo.async_grpo.enabled", False)
+    async_grpo = get_path(config, "grpo.async_grpo.enabled", False)
     if async_grpo:
         problems.append(
             f"grpo.async_grpo.enabled={async_grpo!r}: set false (async GRPO needs the async vLLM engine, which "
@@ -145,14 +134,14 @@ def _check_trainer(config, problems: list) -> None:
 
 
 def _check_training_backend(config, problems: list) -> None:
-    quant_cfg = _get(config, "policy.quant_cfg")
+    quant_cfg = get_path(config, "policy.quant_cfg")
     if quant_cfg is not None:
         problems.append(
             f"policy.quant_cfg={quant_cfg!r}: set null (a quant_cfg makes NeMo-RL pick its quantized policy worker, "
             f"resolve_policy_worker_cls, which replay's worker extension would replace with the plain one)"
         )
-    megatron = bool(_get(config, "policy.megatron_cfg.enabled", False))
-    dtensor = bool(_get(config, "policy.dtensor_cfg.enabled", False))
+    megatron = bool(get_path(config, "policy.megatron_cfg.enabled", False))
+    dtensor = bool(get_path(config, "policy.dtensor_cfg.enabled", False))
     if megatron == dtensor:
         state = "both true" if megatron else "both false"
         problems.append(
@@ -160,13 +149,13 @@ def _check_training_backend(config, problems: list) -> None:
             f"Policy trains with one backend)"
         )
     if megatron:
-        if _get(config, "policy.megatron_cfg.use_fused_linear_logprobs", False):
+        if get_path(config, "policy.megatron_cfg.use_fused_linear_logprobs", False):
             problems.append(
                 "policy.megatron_cfg.use_fused_linear_logprobs=true: set false (the fused kernel gathers "
                 "full-vocabulary log-probs from hidden states and skips the replay hooks)"
             )
         # Only the Megatron path reads fuse_loss (nemo_rl/models/megatron/train.py); DTensor ignores it.
-        if _get(config, "policy.sequence_packing.enabled", False) and _get(
+        if get_path(config, "policy.sequence_packing.enabled", False) and get_path(
             config, "policy.sequence_packing.fuse_loss", False
         ):
             problems.append(
@@ -174,7 +163,7 @@ def _check_training_backend(config, problems: list) -> None:
                 "replay scores the policy log-probs)"
             )
     elif dtensor:
-        if not _get(config, "policy.dtensor_cfg._v2", False):
+        if not get_path(config, "policy.dtensor_cfg._v2", False):
             problems.append("policy.dtensor_cfg._v2=false: set true (replay replaces the automodel v2 post-processors)")
         cp = _size(config, "policy.dtensor_cfg.context_parallel_size", problems, why="1: no context parallelism")
         if cp is not None and cp > 1:
@@ -186,8 +175,8 @@ def _check_training_backend(config, problems: list) -> None:
 
 def _model_parallel(config, problems: list) -> Optional[tuple[int, str]]:
     """PP * CP * TP of the training backend and how it was read, or None when it cannot be."""
-    megatron = bool(_get(config, "policy.megatron_cfg.enabled", False))
-    dtensor = bool(_get(config, "policy.dtensor_cfg.enabled", False))
+    megatron = bool(get_path(config, "policy.megatron_cfg.enabled", False))
+    dtensor = bool(get_path(config, "policy.dtensor_cfg.enabled", False))
     if megatron == dtensor:
         return None  # _check_training_backend names it
     if megatron:
@@ -198,8 +187,8 @@ def _model_parallel(config, problems: list) -> Optional[tuple[int, str]]:
         section = "policy.megatron_cfg"
     else:
         pp = 1  # the DTensor worker has no pipeline parallelism
-        cp = _get(config, "policy.dtensor_cfg.context_parallel_size", 1)
-        cp = cp if _is_int(cp) and cp >= 1 else None  # _check_training_backend names a bad one
+        cp = get_path(config, "policy.dtensor_cfg.context_parallel_size", 1)
+        cp = cp if is_int(cp) and cp >= 1 else None  # _check_training_backend names a bad one
         tp = _size(config, "policy.dtensor_cfg.tensor_parallel_size", problems, why="a DTensor parallel size")
         section = "policy.dtensor_cfg"
     if pp is None or cp is None or tp is None:
@@ -210,7 +199,7 @@ def _model_parallel(config, problems: list) -> Optional[tuple[int, str]]:
 def _uses_reward_model(config) -> bool:
     # NeMo-RL's extract_necessary_env_names: the env_name of data.train / validation / default.
     for key in ("train", "validation", "default"):
-        entries = _get(config, f"data.{key}")
+        entries = get_path(config, f"data.{key}")
         for entry in entries if isinstance(entries, list) else [entries]:
             if isinstance(entry, Mapping) and entry.get("env_name") == "reward_model":
                 return True
@@ -245,7 +234,7 @@ def _training_layout(config, problems: list):
         return None
     policy_nodes = num_nodes if num_nodes == 1 else num_nodes - rm_nodes
     rm_here = rm_gpus if num_nodes == 1 else 0  # a reward model shares the node only on a 1-node cluster
-    if bool(_get(config, "policy.generation.colocated.enabled", True)):
+    if bool(get_path(config, "policy.generation.colocated.enabled", True)):
         if gpus is None:
             return None
         return (lambda g: (policy_nodes, g - rm_here)), flags, []
@@ -272,7 +261,7 @@ def _check_cluster(config, problems: list) -> None:
     if model_parallel is None or training is None:
         return
     (size, sizes), (layout, flags, follows) = model_parallel, training
-    gpus = _get(config, "cluster.gpus_per_node", 1)
+    gpus = get_path(config, "cluster.gpus_per_node", 1)
     nodes, per_node = layout(gpus)
     came = ", ".join(flags)
     if nodes < 1 or per_node < 1:

@@ -28,9 +28,10 @@ settings are served without rows (:mod:`.rollout`).
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Mapping
+
+from nemo_replay.integrations.recipe_paths import get_path, is_int, is_number
 
 __all__ = ["check_verl_config", "PLUGIN_MODULE", "ENGINE_VENDOR"]
 
@@ -61,21 +62,7 @@ def _plain(config: Any) -> Any:
     return config
 
 
-def _get(cfg: Mapping[str, Any], path: str, default: Any = None) -> Any:
-    node: Any = cfg
-    for key in path.split("."):
-        if not isinstance(node, Mapping) or key not in node:
-            return default
-        node = node[key]
-    return node
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_verl_config(config: Any) -> None:
@@ -88,7 +75,7 @@ def check_verl_config(config: Any) -> None:
         ValueError listing every problem, one line each: the flag, what came, what to set.
     """
     cfg = _plain(config)
-    if not isinstance(cfg, Mapping) or not isinstance(_get(cfg, _ROLLOUT), Mapping):
+    if not isinstance(cfg, Mapping) or not isinstance(get_path(cfg, _ROLLOUT), Mapping):
         raise ValueError("check_verl_config: expected verl's composed config, with an actor_rollout_ref.rollout section")
     problems: list[str] = []
     _check_switches(cfg, problems)
@@ -102,7 +89,7 @@ def check_verl_config(config: Any) -> None:
 
 
 def _check_switches(cfg, problems: list) -> None:
-    replay = _get(cfg, f"{_ROLLOUT}.custom.replay")
+    replay = get_path(cfg, f"{_ROLLOUT}.custom.replay")
     if not isinstance(replay, Mapping) or replay.get("enabled") is not True:
         got = None if not isinstance(replay, Mapping) else replay.get("enabled")
         problems.append(
@@ -110,8 +97,8 @@ def _check_switches(cfg, problems: list) -> None:
             f"only when it is on)"
         )
         return
-    width, top_k = replay.get("support_width"), _get(cfg, f"{_ROLLOUT}.top_k")
-    if width is not None and (not _is_int(width) or width < 2 or (_is_int(top_k) and width < top_k)):
+    width, top_k = replay.get("support_width"), get_path(cfg, f"{_ROLLOUT}.top_k")
+    if width is not None and (not is_int(width) or width < 2 or (is_int(top_k) and width < top_k)):
         problems.append(
             f"{_ROLLOUT}.custom.replay.support_width={width!r}: set null (the rollout's top_k) or an int >= top_k="
             f"{top_k!r} (a support wider than the row is left out of the loss)"
@@ -122,71 +109,71 @@ def _check_switches(cfg, problems: list) -> None:
 
 
 def _check_sampling(cfg, problems: list) -> None:
-    temperature = _get(cfg, f"{_ROLLOUT}.temperature")
-    if not _number(temperature) or temperature <= 0:
+    temperature = get_path(cfg, f"{_ROLLOUT}.temperature")
+    if not is_number(temperature) or temperature <= 0:
         problems.append(
             f"{_ROLLOUT}.temperature={temperature!r}: set a finite number > 0, e.g. 1.0 (0 is greedy decoding: no "
             f"distribution to replay; the trainer divides its logits by this temperature)"
         )
-    top_k = _get(cfg, f"{_ROLLOUT}.top_k")
-    if not _is_int(top_k) or top_k < 2:
+    top_k = get_path(cfg, f"{_ROLLOUT}.top_k")
+    if not is_int(top_k) or top_k < 2:
         problems.append(
             f"{_ROLLOUT}.top_k={top_k!r}: set an int > 1, e.g. 64 (-1 or 0 leave the support unbounded: no engine "
             f"returns it whole; top_p alone does not bound it)"
         )
-    top_p = _get(cfg, f"{_ROLLOUT}.top_p")
-    if not _number(top_p) or not 0 < top_p <= 1:
+    top_p = get_path(cfg, f"{_ROLLOUT}.top_p")
+    if not is_number(top_p) or not 0 < top_p <= 1:
         problems.append(f"{_ROLLOUT}.top_p={top_p!r}: set a number in (0, 1]")
-    if _get(cfg, f"{_ROLLOUT}.do_sample", True) is not True:
-        problems.append(f"{_ROLLOUT}.do_sample={_get(cfg, f'{_ROLLOUT}.do_sample')!r}: set true (replay needs sampled training rollouts)")
-    penalty = _get(cfg, f"{_ROLLOUT}.repetition_penalty", 1.0)
+    if get_path(cfg, f"{_ROLLOUT}.do_sample", True) is not True:
+        problems.append(f"{_ROLLOUT}.do_sample={get_path(cfg, f'{_ROLLOUT}.do_sample')!r}: set true (replay needs sampled training rollouts)")
+    penalty = get_path(cfg, f"{_ROLLOUT}.repetition_penalty", 1.0)
     if penalty != 1.0:
         problems.append(
             f"{_ROLLOUT}.repetition_penalty={penalty!r}: set 1.0 (a penalty rewrites logits from the generation "
             f"history; no trainer pass reproduces it)"
         )
-    if _get(cfg, f"{_ROLLOUT}.calculate_log_probs") is not True:
+    if get_path(cfg, f"{_ROLLOUT}.calculate_log_probs") is not True:
         problems.append(
-            f"{_ROLLOUT}.calculate_log_probs={_get(cfg, f'{_ROLLOUT}.calculate_log_probs')!r}: set true (the sampler's "
+            f"{_ROLLOUT}.calculate_log_probs={get_path(cfg, f'{_ROLLOUT}.calculate_log_probs')!r}: set true (the sampler's "
             f"log-probs, rollout_log_probs, are what the replayed ones are measured against)"
         )
 
 
 def _check_engine(cfg, problems: list) -> None:
-    name = _get(cfg, f"{_ROLLOUT}.name")
-    top_k = _get(cfg, f"{_ROLLOUT}.top_k")
+    name = get_path(cfg, f"{_ROLLOUT}.name")
+    top_k = get_path(cfg, f"{_ROLLOUT}.top_k")
     if name not in ("vllm", "sglang"):
         problems.append(
             f"{_ROLLOUT}.name={name!r}: set vllm or sglang (replay's servers extend those two; sglang needs >= 0.5.23)"
         )
     if name == "vllm":
-        mode = _get(cfg, f"{_ROLLOUT}.logprobs_mode", "processed_logprobs")
+        mode = get_path(cfg, f"{_ROLLOUT}.logprobs_mode", "processed_logprobs")
         if mode != "processed_logprobs":
             problems.append(
                 f"{_ROLLOUT}.logprobs_mode={mode!r}: set processed_logprobs (raw log-probs never mark the filtered "
                 f"candidates, so no support can be read from them)"
             )
-        vllm_kwargs = _get(cfg, f"{_ROLLOUT}.engine_kwargs.vllm") or {}
-        if vllm_kwargs.get("return_sampling_mask") is not True and _is_int(top_k) and top_k >= 2:
+        vllm_kwargs = get_path(cfg, f"{_ROLLOUT}.engine_kwargs.vllm") or {}
+        if vllm_kwargs.get("return_sampling_mask") is not True and is_int(top_k) and top_k >= 2:
             max_logprobs = vllm_kwargs.get("max_logprobs", VLLM_DEFAULT_MAX_LOGPROBS)
-            if not _is_int(max_logprobs) or (max_logprobs != -1 and max_logprobs < top_k + 1):
+            if not is_int(max_logprobs) or (max_logprobs != -1 and max_logprobs < top_k + 1):
                 problems.append(
                     f"{_ROLLOUT}.engine_kwargs.vllm.max_logprobs={max_logprobs!r}: set >= {top_k + 1} (each request asks "
                     f"top_k + 1 log-probs so a filtered entry closes each position's list; vLLM allows 20 by default)"
                 )
     if name == "sglang":
-        limit = (_get(cfg, f"{_ROLLOUT}.engine_kwargs.sglang") or {}).get("sampling_mask_max_tokens", 4096)
-        if _is_int(top_k) and _is_int(limit) and top_k > limit:
+        limit = (get_path(cfg, f"{_ROLLOUT}.engine_kwargs.sglang") or {}).get("sampling_mask_max_tokens", 4096)
+        if is_int(top_k) and is_int(limit) and top_k > limit:
             problems.append(
                 f"{_ROLLOUT}.engine_kwargs.sglang.sampling_mask_max_tokens={limit!r}: set >= top_k={top_k} (SGLang "
                 f"returns masks only for 1 < top_k <= this limit)"
             )
-    if _get(cfg, f"{_ROLLOUT}.disaggregation.enabled", False):
+    if get_path(cfg, f"{_ROLLOUT}.disaggregation.enabled", False):
         problems.append(
             f"{_ROLLOUT}.disaggregation.enabled=True: set false (prefill/decode serving returns the decode peer's output, "
             f"not the request the support was asked on)"
         )
-    mtp = _get(cfg, f"{_ROLLOUT}.mtp") or {}
+    mtp = get_path(cfg, f"{_ROLLOUT}.mtp") or {}
     if mtp.get("enable") and mtp.get("enable_rollout"):
         problems.append(
             f"{_ROLLOUT}.mtp.enable_rollout=True: set false (speculative decoding's accepted tokens are not reported "
@@ -195,14 +182,14 @@ def _check_engine(cfg, problems: list) -> None:
 
 
 def _check_agent_loop(cfg, problems: list) -> None:
-    loop = _get(cfg, f"{_ROLLOUT}.agent.default_agent_loop")
+    loop = get_path(cfg, f"{_ROLLOUT}.agent.default_agent_loop")
     if loop not in AGENT_LOOP_NAMES:
         problems.append(
             f"{_ROLLOUT}.agent.default_agent_loop={loop!r}: set replay_single_turn_agent (or replay_tool_agent with "
             f"multi_turn tools): verl's own loops drop the rows (a dataset's agent_name column must name these too)"
         )
-    manager = _get(cfg, f"{_ROLLOUT}.agent.agent_loop_manager_class")
-    use_v1 = _get(cfg, "trainer.use_v1", True)
+    manager = get_path(cfg, f"{_ROLLOUT}.agent.agent_loop_manager_class")
+    use_v1 = get_path(cfg, "trainer.use_v1", True)
     if use_v1 and manager is not None:
         problems.append(
             f"{_ROLLOUT}.agent.agent_loop_manager_class={manager!r}: set null with trainer.use_v1=true (verl's "
@@ -217,20 +204,20 @@ def _check_agent_loop(cfg, problems: list) -> None:
 
 
 def _check_trainer(cfg, problems: list) -> None:
-    mode = _get(cfg, "trainer.v1.trainer_mode", "sync")
-    if _get(cfg, "trainer.use_v1", True) and mode != "sync":
+    mode = get_path(cfg, "trainer.v1.trainer_mode", "sync")
+    if get_path(cfg, "trainer.use_v1", True) and mode != "sync":
         problems.append(
             f"trainer.v1.trainer_mode={mode!r}: set sync (the async modes' FullyAsyncLLMServerClient rebuilds each "
             f"TokenOutput across resumed requests and drops the rows in its extra_fields)"
         )
-    strategy = _get(cfg, "actor_rollout_ref.actor.strategy")
+    strategy = get_path(cfg, "actor_rollout_ref.actor.strategy")
     if strategy not in ENGINE_MODULES:
         problems.append(
             f"actor_rollout_ref.actor.strategy={strategy!r}: set fsdp, fsdp2 or megatron (replay's training engines "
             f"extend verl's FSDP and Megatron engines)"
         )
-    source = _get(cfg, f"{_ROLLOUT}.custom.replay.source", "logits")
-    if _get(cfg, "actor_rollout_ref.model.use_fused_kernels", False) and source != "hidden":
+    source = get_path(cfg, f"{_ROLLOUT}.custom.replay.source", "logits")
+    if get_path(cfg, "actor_rollout_ref.model.use_fused_kernels", False) and source != "hidden":
         problems.append(
             "actor_rollout_ref.model.use_fused_kernels=True: set false (the fused head scores the whole vocabulary from "
             f"hidden states, outside the log-probs replay scores), or {_ROLLOUT}.custom.replay.source=hidden"
@@ -238,10 +225,10 @@ def _check_trainer(cfg, problems: list) -> None:
 
 
 def _check_plugin(cfg, problems: list) -> None:
-    env = _get(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+    env = get_path(cfg, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
     modules = str(env.get("VERL_USE_EXTERNAL_MODULES", os.environ.get("VERL_USE_EXTERNAL_MODULES", "")))
     names = {m.strip() for m in modules.split(",") if m.strip()}
-    strategy = _get(cfg, "actor_rollout_ref.actor.strategy")
+    strategy = get_path(cfg, "actor_rollout_ref.actor.strategy")
     wanted = [PLUGIN_MODULE] + ([ENGINE_MODULES[strategy]] if strategy in ENGINE_MODULES else [])
     if not set(wanted) <= names:
         problems.append(
