@@ -17,6 +17,7 @@ from nemo_replay.rollout.transport.client import GenerateClient, GenerateRequest
 from nemo_replay.rollout.transport import server as server_module
 from nemo_replay.rollout.transport.server import MAX_JSON_VALUES, TOKEN_ENV, GenerateServer, read_token_file
 from nemo_replay.rollout.transport.wire import dumps
+from tests.rollout.transport.rss import reset_high_water, rss_high_water_kib
 
 V, EOS = 48, 2
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 2
@@ -224,7 +225,7 @@ def test_a_list_input_ids_over_the_value_cap_is_a_413_before_parsing():
     2.5 s, +77 MiB peak server RSS (json builds an int object per id); after, 413 in 0.07 s,
     neither waits over 0.05 s, +11 MiB (the body buffer). Here client and server share one
     process and one event loop, so the bounds are looser."""
-    if not _reset_high_water():
+    if not reset_high_water():
         pytest.skip("cannot reset the RSS high-water mark here")
     rng = random.Random(0)
     params = {"temperature": 1.0, "top_k": 4, "max_new_tokens": 2}
@@ -234,8 +235,8 @@ def test_a_list_input_ids_over_the_value_cap_is_a_413_before_parsing():
 
     async def run(server):
         await post_bytes(server.url, auth, small)  # warm up the code paths
-        _reset_high_water()
-        base = _rss_high_water_kib()
+        reset_high_water()
+        base = rss_high_water_kib()
         t0 = time.monotonic()
         big_task = asyncio.create_task(post_bytes(server.url, auth, big, timeout_s=30))
         waits = []
@@ -245,7 +246,7 @@ def test_a_list_input_ids_over_the_value_cap_is_a_413_before_parsing():
             waits.append((time.monotonic() - t1, [a[0] for a in answers]))
             await asyncio.sleep(0.01)
         status, body = await big_task
-        return status, json.loads(body), time.monotonic() - t0, waits, (_rss_high_water_kib() - base) * 1024
+        return status, json.loads(body), time.monotonic() - t0, waits, (rss_high_water_kib() - base) * 1024
 
     status, reply, answered_in, waits, extra = with_server(
         run, token="s3cret", max_body_bytes=32 << 20, logits=big_vocab_logits, vocab_size=V_BIG)
@@ -479,32 +480,18 @@ def test_full_server_answers_429_and_the_client_retries():
     assert status == 429 and "retry" in reply["error"] and retries >= 1 and result.output_ids.numel() >= 1
 
 
-def _rss_high_water_kib():
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))
-
-
-def _reset_high_water() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def test_memory_per_request_is_a_small_multiple_of_its_body():
-    if not _reset_high_water():
+    if not reset_high_water():
         pytest.skip("cannot reset the RSS high-water mark here")
     n = 4_000_000  # a 16 MB int32 prompt: about 21 MB of base64 on the wire
     body = dumps({"input_ids": torch.randint(0, V, (n,), dtype=torch.int32), "sampling_params": OK["sampling_params"]})
 
     async def run(server):
         await post_raw(server.url, edit("seed", 0))  # warm up the code paths
-        _reset_high_water()
-        base = _rss_high_water_kib()
+        reset_high_water()
+        base = rss_high_water_kib()
         status, _ = await post_raw(server.url, body)
-        return status, (_rss_high_water_kib() - base) * 1024
+        return status, (rss_high_water_kib() - base) * 1024
 
     status, extra = with_server(run, max_body_bytes=32 << 20)
     assert status == 200

@@ -1,7 +1,6 @@
 """Wire codec: round trips, memory of a 64 MiB decode, malformed and reformatted bodies."""
 
 import json
-import re
 import tracemalloc
 
 import pytest
@@ -19,6 +18,7 @@ from nemo_replay.rollout.transport.wire import (
 )
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
+from tests.rollout.transport.rss import reset_high_water, rss_high_water_kib, rss_kib
 
 MiB = 1 << 20
 
@@ -59,25 +59,6 @@ def test_support_and_routes_round_trip():
     assert torch.equal(routes_from_wire(out["routes"]), routes)
 
 
-def _rss_high_water_kib():
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))
-
-
-def _rss_kib():
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
-
-
-def _reset_high_water() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def test_64_mib_decode_peak_memory_under_twice_its_size():
     size = 64 * MiB
     array = torch.randint(-(2**31), 2**31 - 1, (size // 4,), dtype=torch.int32)
@@ -92,11 +73,11 @@ def test_64_mib_decode_peak_memory_under_twice_its_size():
     assert py_peak < 16 * MiB, f"decode built {py_peak / MiB:.1f} MiB of Python objects"
     del out
     # Process memory, which also sees the tensor buffer: reset the high-water mark, decode.
-    if not _reset_high_water():
+    if not reset_high_water():
         pytest.skip("cannot reset VmHWM here (/proc/self/clear_refs); the tracemalloc bound above held")
-    base = _rss_kib()
+    base = rss_kib()
     out = loads(body)
-    extra = (_rss_high_water_kib() - base) * 1024
+    extra = (rss_high_water_kib() - base) * 1024
     assert torch.equal(out["routes"][:1000], array[:1000])
     assert extra < 2 * size, f"peak extra memory {extra / MiB:.1f} MiB for a {size / MiB:.0f} MiB array"
 
