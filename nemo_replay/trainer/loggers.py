@@ -216,9 +216,10 @@ class _Csv(_RunLogger):
         path = Path(self.logger.log_dir) / "metrics.csv"
         # Fabric's writer deletes a metrics.csv it finds when it opens: the file is held aside (one
         # rename) while it opens, then replaced by the checkpoint's rows. A crash in between leaves
-        # the held file, which the next start takes back.
+        # the held file, which the next start takes back (over an empty file the writer may have
+        # started, never over rows).
         held = path.with_name(f".{path.name}.held")
-        if held.exists() and not path.exists():
+        if held.exists() and (not path.exists() or path.stat().st_size == 0):
             os.replace(held, path)
         text, side = restore_csv(path, rows)  # the lines past the checkpoint are in ``side`` first
         if path.exists():

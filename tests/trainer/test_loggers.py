@@ -302,3 +302,22 @@ def test_a_logger_whose_package_is_missing_is_a_config_error_naming_the_extra(na
     with pytest.raises(ValueError, match=rf'pip install "nemo_replay\[{name}\]"'):
         RunLoggers(["jsonl", name], tmp_path, active=True).start("new")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_csv_taken_back_from_a_start_killed_between_its_hold_and_its_rewrite(tmp_path):
+    """A start killed after holding metrics.csv aside (and after the writer began an empty file):
+    the next start takes the held rows back, moving the step past the checkpoint aside."""
+    pytest.importorskip("lightning")
+    from nemo_replay.trainer.loggers import _Csv
+
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    (folder / ".metrics.csv.held").write_text("reward,step\n0.5,0\n0.25,1\n0.75,2\n")
+    (folder / "metrics.csv").write_text("")  # the writer's empty file
+    rows = [{"step": 0, "reward": 0.5}, {"step": 1, "reward": 0.25}]
+    note = _Csv(tmp_path).start("resume", rows, {}, {}, [])
+    with open(folder / "metrics.csv", newline="") as f:
+        assert [(r["step"], r["reward"]) for r in csv.DictReader(f)] == [("0", "0.5"), ("1", "0.25")]
+    (aside,) = folder.glob("metrics.after-step-1-*.csv")
+    assert aside.read_text().splitlines() == ["reward,step", "0.75,2"]
+    assert not (folder / ".metrics.csv.held").exists() and "moved to" in note
