@@ -39,6 +39,7 @@ from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.validate import validate_support_rows
 
 __all__ = [
+    "ReplayEngineMixin",
     "VENDOR",
     "SAMPLE_INDEX_KEY",
     "FULL_VOCAB_KEY",
@@ -406,3 +407,23 @@ def with_replay_metrics(loss_function: Optional[Callable]) -> Optional[Callable]
         return loss, metrics
 
     return loss_with_replay_metrics
+
+
+class ReplayEngineMixin:
+    """What both replay engines add to verl's LM-head engines, mixed in before them: the fused-kernel
+    refusal at construction, and the whole-batch check (:func:`prepare_replay_batch`, every rank alike)
+    before verl splits the batch into micro-batches."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.engine_config.use_fused_kernels:
+            raise ValueError(FUSED_KERNELS_FIX)
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        from verl.utils.device import get_device_id, get_device_name
+
+        name = get_device_name()
+        device = torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+        vocab = getattr(self.model_config.hf_config, "vocab_size", None)
+        prepare_replay_batch(data, vocab_size=vocab, group=dist.group.WORLD, device=device)
+        return super().forward_backward_batch(data, loss_function, forward_only)

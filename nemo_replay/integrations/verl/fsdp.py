@@ -39,7 +39,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import verl.utils.torch_functional as verl_F
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
-from verl.utils.device import get_device_id, get_device_name
 from verl.utils.ulysses import get_ulysses_sequence_parallel_group, ulysses_pad_and_slice_inputs
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -49,8 +48,8 @@ from nemo_replay.integrations.verl.engine import (
     FULL_VOCAB_KEY,
     FUSED_KERNELS_FIX,
     VENDOR,
+    ReplayEngineMixin,
     micro_batch_layout,
-    prepare_replay_batch,
     scalar_temperature,
     score_slots,
     with_replay_metrics,
@@ -109,20 +108,8 @@ def _refuse_unsupported(micro_batch) -> None:
 
 
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device=["cuda", "npu", "cpu"], vendor=VENDOR)
-class ReplayFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+class ReplayFSDPEngineWithLMHead(ReplayEngineMixin, FSDPEngineWithLMHead):
     """verl's FSDP actor/reference engine, scoring every pass over the recorded supports."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.engine_config.use_fused_kernels:
-            raise ValueError(FUSED_KERNELS_FIX)
-
-    # ------------------------------------------------------------------ the batch
-    def forward_backward_batch(self, data, loss_function, forward_only=False):
-        vocab = getattr(self.model_config.hf_config, "vocab_size", None)
-        device = torch.device(get_device_name(), get_device_id()) if get_device_name() != "cpu" else torch.device("cpu")
-        prepare_replay_batch(data, vocab_size=vocab, group=dist.group.WORLD, device=device)
-        return super().forward_backward_batch(data, loss_function, forward_only)
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         return super().forward_step(micro_batch, with_replay_metrics(loss_function), forward_only)

@@ -37,10 +37,9 @@ import torch.distributed as dist
 
 from nemo_replay.integrations.verl.engine import (
     FULL_VOCAB_KEY,
-    FUSED_KERNELS_FIX,
     VENDOR,
+    ReplayEngineMixin,
     micro_batch_layout,
-    prepare_replay_batch,
     scalar_temperature,
     score_slots,
     with_replay_metrics,
@@ -180,7 +179,6 @@ def replay_logits(
 try:
     from megatron.core import parallel_state as mpu
     from verl.utils import tensordict_utils as tu
-    from verl.utils.device import get_device_id, get_device_name
     from verl.utils.megatron_utils import unwrap_model
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
@@ -189,19 +187,8 @@ except ImportError:  # verl's Megatron engine needs megatron-core (and mbridge t
 else:
 
     @EngineRegistry.register(model_type="language_model", backend="megatron", device=["cuda", "cpu"], vendor=VENDOR)
-    class ReplayMegatronEngineWithLMHead(MegatronEngineWithLMHead):
+    class ReplayMegatronEngineWithLMHead(ReplayEngineMixin, MegatronEngineWithLMHead):
         """verl's Megatron actor/reference engine, scoring every pass over the recorded supports."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            if self.engine_config.use_fused_kernels:
-                raise ValueError(FUSED_KERNELS_FIX)
-
-        def forward_backward_batch(self, data, loss_function, forward_only=False):
-            vocab = getattr(self.model_config.hf_config, "vocab_size", None)
-            device = torch.device(get_device_name(), get_device_id()) if get_device_name() != "cpu" else torch.device("cpu")
-            prepare_replay_batch(data, vocab_size=vocab, group=dist.group.WORLD, device=device)
-            return super().forward_backward_batch(data, loss_function, forward_only)
 
         def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
             unwrapped = unwrap_model(model)
