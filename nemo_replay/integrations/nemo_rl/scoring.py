@@ -197,7 +197,8 @@ def next_token_logprobs(
     if not full_vocab:  # on whole sequences, before the CP split; every rank alike
         check_canonical(canonical, support, hint=f"{support_key} must be token-aligned like generation_logprobs: the row "
                         f"of token t at column t")
-    slots = local_slots(padded, cp, cp_rank, packed=packed).logit_slots(lengths, W)
+    host_lengths = lengths.to(torch.int64).cpu()  # slots are host index arithmetic: one copy serves every rank's
+    slots = local_slots(padded, cp, cp_rank, packed=packed).logit_slots(host_lengths, W)
     ch = slots.channels(canonical, local.device)
     flat = lambda t: t.reshape(-1)  # noqa: E731
     source = local.reshape(-1, local.shape[-1])
@@ -209,7 +210,7 @@ def next_token_logprobs(
             trajectory_ids=flat(ch.trajectory_ids), validate=validate, token_positions=flat(ch.token_positions),
         ), context_parallel_group, device=local.device, name="CP")
     indices = [  # where every CP rank's slots land in (N, W - 1)
-        (slots if r == cp_rank else local_slots(padded, cp, r, packed=packed).logit_slots(lengths, W)).canonical_index().to(local.device)
+        (slots if r == cp_rank else local_slots(padded, cp, r, packed=packed).logit_slots(host_lengths, W)).canonical_index().to(local.device)
         for r in range(cp)
     ]
     out_shape = (N, W - 1)
