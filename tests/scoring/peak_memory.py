@@ -1,6 +1,6 @@
 """Peak resident memory of one scorer forward + backward, measured in a fresh process.
 
-    python -m tests.core.peak_memory {support|full} TOKENS VOCAB HIDDEN K
+    python -m tests.scoring.peak_memory {support|full} TOKENS VOCAB HIDDEN K
 
 prints one JSON line: ``peak_delta`` (bytes above the resident set once the inputs exist,
 from the kernel's VmHWM after resetting it through /proc/self/clear_refs), ``input_bytes``,
@@ -30,7 +30,7 @@ def _status_kib(field: str) -> int:
 
 def measure(variant: str, tokens: int, vocab: int, hidden_size: int, k: int) -> dict:
     from nemo_replay import PackedTensor, score_aligned_support
-    from tests.core.batches import distinct_rows
+    from tests.scoring.batches import distinct_rows
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=g).requires_grad_()

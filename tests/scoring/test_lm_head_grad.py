@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nemo_replay.scoring.projection as projection
 from nemo_replay import score_aligned_support
 from nemo_replay.strategies.base import RoleSettings
-from tests.core.batches import make_case
+from tests.scoring.batches import make_case
 from tests.spawn import run_workers
 
 

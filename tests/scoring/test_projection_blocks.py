@@ -4,7 +4,7 @@
 The backward sorts the present pairs by id, cuts them into runs of one id and the runs
 into blocks of a few ids whose row sums stay in cache, and adds each block to the
 trainer's buffer (a kept ``.grad``, megatron's ``main_grad``) or writes it into the dense
-gradient. Checked against the float64 dense loop (tests/core/reference.py) on ragged
+gradient. Checked against the float64 dense loop (tests/scoring/reference.py) on ragged
 batches with distinct ids and synthetic-EOS rows, for blocks of 1, 2 and 3 ids and the
 default size, forward and backward; the runs' worked example; and the one host read of
 the backward.
@@ -18,8 +18,8 @@ import torch
 import nemo_replay.scoring.projection as projection
 from benchmarks.syncs import HostReads, ProfiledReads
 from nemo_replay import score_aligned_support
-from tests.core.batches import make_case
-from tests.core.reference import reference_scores
+from tests.scoring.batches import make_case
+from tests.scoring.reference import reference_scores
 
 TEMPERATURE = 0.8
 

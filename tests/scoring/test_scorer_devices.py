@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay import VocabShard, score_aligned_support
-from tests.core.batches import make_case
-from tests.core.reference import reference_scores
+from tests.scoring.batches import make_case
+from tests.scoring.reference import reference_scores
 from tests.spawn import devices, run_workers
 
 SPLIT = (0, 200, 423)  # uneven TP=2 vocabulary split

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_replay import PackedTensor, RaggedSupport, VocabShard, score_aligned_support, score_full_vocabulary
-from tests.core.batches import make_case
+from tests.scoring.batches import make_case
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ rows cut to 1-3 members of a width of 24, a width (9) larger than the vocabulary
 {TP 1, TP 2 over uneven splits, each shape with a one-row shard}. Every case scores a
 ragged batch with a synthetic EOS, values and gradients (hidden states and this rank's
 LM-head rows), against the float64 dense loop on the same rounded inputs
-(tests/core/reference.py). Low precision gets ml-cross-entropy's budget: the naive loop run
+(tests/scoring/reference.py). Low precision gets ml-cross-entropy's budget: the naive loop run
 in that dtype, its error against float64, plus a tolerance.
 
 The cut rows and the narrow shards are what broke ``torch.sparse.sampled_addmm``: a chunk
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay import PackedTensor, VocabShard, score_aligned_support
-from tests.core.reference import reference_scores
+from tests.scoring.reference import reference_scores
 from tests.spawn import run_workers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,6 +1,6 @@
 """Hidden mode never builds [tokens, V] logits: peak memory of forward + backward.
 
-Each variant runs in a fresh process (tests/core/peak_memory.py) that reports its peak
+Each variant runs in a fresh process (tests/scoring/peak_memory.py) that reports its peak
 resident set above the inputs. Measured on the development machine (2 CPU cores):
 
     tokens=4096 V=131072 H=1024 k=64 fp32   support 0.6-0.75 GiB (2-6 s)   full logits 6.0 GiB (79 s)
@@ -29,7 +29,7 @@ def _measure(variant: str, tokens: int, vocab: int, hidden: int, k: int) -> dict
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("peak-memory measurement reads /proc (Linux only)")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.core.peak_memory", variant, str(tokens), str(vocab), str(hidden), str(k)],
+        [sys.executable, "-m", "tests.scoring.peak_memory", variant, str(tokens), str(vocab), str(hidden), str(k)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

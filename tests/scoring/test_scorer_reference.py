@@ -1,4 +1,4 @@
-"""score_aligned_support against the float64 dense-loop reference (tests/core/reference.py).
+"""score_aligned_support against the float64 dense-loop reference (tests/scoring/reference.py).
 
 Odd, ragged batches (B=3, T=37, V=423, k=7, rows of 1..7 distinct ids, observation rows,
 a synthetic EOS), both source modes, both support forms, forward and backward.
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support, score_full_vocabulary
-from tests.core.batches import make_case
-from tests.core.reference import reference_scores
+from tests.scoring.batches import make_case
+from tests.scoring.reference import reference_scores
 
 ATOL = 1e-10  # float64 scorer vs float64 loop: both exact up to a few ulps of O(10) numbers
 

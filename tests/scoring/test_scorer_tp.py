@@ -17,7 +17,7 @@ from benchmarks.syncs import HostReads
 from nemo_replay import PackedTensor, RaggedSupport, score_aligned_support, score_full_vocabulary
 from nemo_replay.layout.checks import has_support_row
 from nemo_replay.scoring.shard import VocabShard
-from tests.core.batches import make_case
+from tests.scoring.batches import make_case
 from tests.spawn import run_workers
 
 V = 423

@@ -16,7 +16,7 @@ from nemo_replay import PackedTensor, RaggedSupport, capture, score_aligned_supp
 from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.rollout.collate import collate_support
 from nemo_replay.support.checked import Checked, checked
-from tests.core.batches import make_case
+from tests.scoring.batches import make_case
 
 ROWS = torch.tensor([[3, 1, -1], [7, 0, 2], [-1, -1, -1], [4, -1, -1], [8, 6, 5]], dtype=torch.int32)
 CU = [0, 2, 5]
