@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import math
 import shutil
 import struct
@@ -150,6 +151,14 @@ def _wandb_records(path: Path):
             pieces = b""
 
 
+def _wandb_folder_order(folder: Path) -> tuple[str, str, int]:
+    """(start second, run id, suffix) of ``offline-run-<YYYYmmdd_HHMMSS>-<id>[-<n>]``: W&B adds
+    ``-<n>`` when a process of the same run already made a folder in the same second."""
+    found = re.fullmatch(r"offline-run-(\d{8}_\d{6})-([^-]+)(?:-(\d+))?", folder.name)
+    assert found, folder.name
+    return found[1], found[2], int(found[3] or 0)
+
+
 def _written(file: Path, timeout_s: float = 30.0) -> Path:
     """``file`` once W&B's writer (its own service process) has written the run's exit record:
     ``finish()`` returns before the last records of an offline run are always on disk."""
@@ -163,8 +172,8 @@ def _written(file: Path, timeout_s: float = 30.0) -> Path:
 def test_wandb_keeps_one_offline_run_whose_steps_go_on(run):
     out, stale = run
     run_id = json.loads((out / IDS_FILE).read_text())["wandb"]
-    folders = sorted((out / "wandb").glob("offline-run-*"))
-    assert [f.name.rsplit("-", 1)[1] for f in folders] == [run_id] * 3  # one per process, one run id
+    folders = sorted((out / "wandb").glob("offline-run-*"), key=_wandb_folder_order)
+    assert [_wandb_folder_order(f)[1] for f in folders] == [run_id] * 3  # one per process, one run id
     logged, config = [], {}  # (folder, step, row) in logging order; the run's config
     for n, folder in enumerate(folders):
         (file,) = folder.glob(f"run-{run_id}.wandb")
