@@ -3,9 +3,9 @@
 :func:`prepare` checks the arguments on the host (types, shapes, the shard, the
 temperature) and flattens the four channels (docs/design.md §3). :func:`plan_support`
 then computes every guard of :mod:`nemo_replay.scoring.guards` as a device flag, together
-with the sizes the later phases need (scored positions, synthetic-EOS positions, present
+with the sizes the later phases need (positions scored over a row, synthetic-EOS positions, present
 pairs, hidden-mode chunk bounds), and reads them all with ONE host read. Only then does
-it select the scored positions, whose count it now knows.
+it select the positions scored over a row, whose count it now knows.
 
 The row of every position (``ids_all``, ``(N, w)``) is read before the selection, so the
 membership guard runs over all N positions; positions that are not scored are masked
@@ -81,7 +81,9 @@ class Call:
 class Plan:
     """What the local-score phase needs, all selections done.
 
-    sel: (n,) int64 and eos: (e,) int64 positions; scored, fallback: (N,) bool.
+    support_pos: (n,) int64 positions scored over their support row; full_pos: (e,) int64 positions
+    scored over the full vocabulary (a synthetic EOS; every one with replay off). valid, fallback:
+    (N,) bool masks of the same positions (``SupportScores.valid_mask`` / ``fallback_mask``).
     ids: (n, w) global ids of each scored row; col: (n,) int64 the sampled member's column.
     local: (n, w) bool (present and held by this rank) or None when every entry is.
     flat, chunks: hidden mode's present pairs (indices into the n * w grid) and chunk bounds.
@@ -89,9 +91,9 @@ class Plan:
     """
 
     call: Call
-    sel: torch.Tensor
-    eos: torch.Tensor
-    scored: torch.Tensor
+    support_pos: torch.Tensor
+    full_pos: torch.Tensor
+    valid: torch.Tensor
     fallback: torch.Tensor
     ids: Optional[torch.Tensor] = None
     col: Optional[torch.Tensor] = None
@@ -303,7 +305,7 @@ def raise_support(support, vocab_size: Optional[int]) -> None:
     support.validate(vocab_size=vocab_size, where="scorer support")
 
 
-def _chunk_rows(local_all: torch.Tensor, scored: torch.Tensor, chunk_size: int):
+def _chunk_rows(local_all: torch.Tensor, valid: torch.Tensor, chunk_size: int):
     """(pairs per position (N,), scored-row bounds (2, K)) of hidden mode's pair chunks.
 
     Chunk c holds the present pairs ``[c C, (c + 1) C)`` in row-major order; its rows run
@@ -313,11 +315,11 @@ def _chunk_rows(local_all: torch.Tensor, scored: torch.Tensor, chunk_size: int):
     [1, 3, 5] in rows [0, 1, 2] -> chunks rows [0, 1), [0, 2), [2, 3).
     """
     N, w = local_all.shape
-    counts = (local_all & scored[:, None]).sum(1)
+    counts = (local_all & valid[:, None]).sum(1)
     cum = torch.cumsum(counts, 0)
     K = -(-(N * w) // chunk_size)
     starts = torch.arange(K, device=cum.device, dtype=torch.int64) * chunk_size
-    rank = torch.cumsum(scored, 0) - 1  # scored-row index of each position
+    rank = torch.cumsum(valid, 0) - 1  # scored-row index of each position
     first = torch.searchsorted(cum, starts, right=True).clamp_(max=max(N - 1, 0))
     last = torch.searchsorted(cum, starts + (chunk_size - 1), right=True).clamp_(max=max(N - 1, 0))
     bounds = torch.stack([rank[first], rank[last]]) if N else torch.zeros(2, K, dtype=torch.int64, device=cum.device)
@@ -353,7 +355,7 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     shard, N = call.shard, call.N
     vocab = shard.vocab_size  # None under TP when the shard does not know it
     ids_all, has_row = _rows_of_positions(call, support)
-    scored, fallback = call.lmask & has_row, call.lmask & ~has_row
+    valid, fallback = call.lmask & has_row, call.lmask & ~has_row
     member, col_all = row_membership(ids_all, call.sampled)
     local_all = ids_all >= 0 if call.tp == 1 else (ids_all >= shard.start) & (ids_all < shard.end)
 
@@ -362,21 +364,21 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     # Memory safety on every path: the kernels read logits / LM-head rows at these ids. Under
     # TP without the global size only ids inside this shard are read, so only < -1 is known bad.
     outside = ids_all < -1 if vocab is None else (ids_all < -1) | (ids_all >= vocab)
-    bad_ids = scored[:, None] & outside
+    bad_ids = valid[:, None] & outside
     reads.add("id_range", bad_ids.any())
     support_flag, record = _support_flag(support, vocab, validate)
     if support_flag is not None:
         reads.add("support", support_flag)
     reads.add("synthetic_eos", synthetic_eos_flag(fallback, call.lmask, call.traj))
-    missing = scored & ~member
+    missing = valid & ~member
     reads.add("membership", missing.any())
     bad_sampled = fallback & ((call.sampled < 0) | (call.sampled >= (vocab if vocab is not None else 2**62)))
     reads.add("sampled_vocab", bad_sampled.any())
-    reads.add("n", scored.sum())
+    reads.add("n", valid.sum())
     reads.add("e", fallback.sum())
-    reads.add("absent", (scored[:, None] & ~local_all).sum())
+    reads.add("absent", (valid[:, None] & ~local_all).sum())
     if hidden:
-        cum, bounds = _chunk_rows(local_all, scored, call.chunk_size)
+        cum, bounds = _chunk_rows(local_all, valid, call.chunk_size)
         reads.add("pairs", cum[-1] if N else 0)
         reads.add("bounds", bounds)
     got = reads.read()  # THE host read of this call's guards and sizes
@@ -392,10 +394,11 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     if record or got.get("support"):  # got here: the rows passed, recorded now or again (a stale record)
         record_checked(support, vocab)
     n, e = got["n"], got["e"]
-    sel, eos = nonzero(scored, n), nonzero(fallback, e)
+    support_pos, full_pos = nonzero(valid, n), nonzero(fallback, e)
     every = n == N
-    ids, col, local = (ids_all, col_all, local_all) if every else (ids_all[sel], col_all[sel], local_all[sel])
-    plan = Plan(call, sel, eos, scored, fallback, ids=ids, col=col, local=None if got["absent"] == 0 else local,
+    pick = lambda t: t if every else t[support_pos]  # noqa: E731
+    ids, col, local = pick(ids_all), pick(col_all), pick(local_all)
+    plan = Plan(call, support_pos, full_pos, valid, fallback, ids=ids, col=col, local=None if got["absent"] == 0 else local,
                 vocab_size=vocab, support=support, deferred_support_check=validate and vocab is None)
     if hidden:
         P = got["pairs"]

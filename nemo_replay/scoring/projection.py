@@ -5,13 +5,13 @@ positions, w support width, P present pairs (the members this rank holds), e pos
 scored over the whole (local) vocabulary (synthetic EOS), U distinct ids among the pairs.
 
     z[i, j]  = hidden[pos[i]] . weight[ids[i, j]] / T      for present pairs, else ``fill``
-    ze[i, v] = hidden[eos[i]] . weight[v] / T
+    ze[i, v] = hidden[full_pos[i]] . weight[v] / T
 
 (``fill`` is written after the division, so a fill of the dtype's lowest value never
 overflows to -inf.)
 
 Naive equivalent (what it never builds): ``full = hidden @ weight.T`` (an ``(N, V)``
-matrix), ``z = torch.where(present, full[pos[:, None], ids], fill)``, ``ze = full[eos]``.
+matrix), ``z = torch.where(present, full[pos[:, None], ids], fill)``, ``ze = full[full_pos]``.
 
 Pairs. Only present pairs are projected: ``flat`` lists them as indices into the
 ``n * w`` grid, row-major, so their rows never decrease. Rows cut by top-p / min-p (a few
@@ -45,7 +45,7 @@ Backward, recomputing from ``hidden`` and ``weight`` (nothing ``[pairs, H]`` is 
         cache, go straight into the buffer's rows (:func:`_block_sums`). Every gradient row
         is summed completely in the compute dtype before it is written: a bf16 weight
         gradient is rounded once;
-    plus ``ge.T @ hidden[eos]`` for the full-vocabulary rows, all written into ONE
+    plus ``ge.T @ hidden[full_pos]`` for the full-vocabulary rows, all written into ONE
     weight-sized gradient in the weight's dtype (vocabulary chunk by vocabulary chunk when
     the weight is not in the compute dtype or full-vocabulary rows exist).
 
@@ -160,7 +160,7 @@ def _chunk_pairs(weight, ids, flat, c: PairChunk, cd):
 
 class _SupportProjection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, pos, ids, flat, eos, chunks, fill, temperature, chunk_size, compute_dtype):
+    def forward(ctx, hidden, weight, pos, ids, flat, full_pos, chunks, fill, temperature, chunk_size, compute_dtype):
         cd = compute_dtype
         n, w = ids.shape
         values = torch.empty(flat.numel(), dtype=cd, device=hidden.device)
@@ -170,32 +170,32 @@ class _SupportProjection(torch.autograd.Function):
         if temperature != 1.0:
             values.div_(temperature)
         out = torch.full((n * w,), fill, dtype=cd, device=hidden.device).index_copy_(0, flat, values).view(n, w)
-        ctx.save_for_backward(hidden, weight, pos, ids, flat, eos)
+        ctx.save_for_backward(hidden, weight, pos, ids, flat, full_pos)
         ctx.chunks, ctx.chunk_size, ctx.compute_dtype, ctx.temperature = chunks, chunk_size, cd, temperature
-        ze = _full_rows(hidden[eos].to(cd), weight, chunk_size, cd)
+        ze = _full_rows(hidden[full_pos].to(cd), weight, chunk_size, cd)
         return out, ze.div_(temperature) if temperature != 1.0 else ze
 
     @staticmethod
     @once_differentiable  # a first-order gradient (also under create_graph); no double backward
     def backward(ctx, grad_out, grad_eos):
-        hidden, weight, pos, ids, flat, eos = ctx.saved_tensors
+        hidden, weight, pos, ids, flat, full_pos = ctx.saved_tensors
         cd, chunk_size = ctx.compute_dtype, ctx.chunk_size
         g = grad_out.reshape(-1)[flat].to(cd) / ctx.temperature  # (P,): absent entries get no gradient
         ge = grad_eos.to(cd) / ctx.temperature
         grad_h = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_h = _hidden_grad(hidden, weight, pos, ids, flat, eos, g, ge, ctx.chunks, chunk_size, cd)
+            grad_h = _hidden_grad(hidden, weight, pos, ids, flat, full_pos, g, ge, ctx.chunks, chunk_size, cd)
         if ctx.needs_input_grad[1]:
             buffer = persistent_grad_buffer(weight)
             if buffer is None:
-                grad_w = _weight_grad(hidden, weight, pos, ids, flat, g, hidden[eos].to(cd), ge, chunk_size, cd)
+                grad_w = _weight_grad(hidden, weight, pos, ids, flat, g, hidden[full_pos].to(cd), ge, chunk_size, cd)
             else:
-                _accumulate_rows(buffer, hidden, pos, ids, flat, g, hidden[eos].to(cd), ge, chunk_size, cd)
+                _accumulate_rows(buffer, hidden, pos, ids, flat, g, hidden[full_pos].to(cd), ge, chunk_size, cd)
                 grad_w = _handed_to_autograd(weight, buffer)
         return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
-def _hidden_grad(hidden, weight, pos, ids, flat, eos, g, ge, chunks, chunk_size, cd) -> torch.Tensor:
+def _hidden_grad(hidden, weight, pos, ids, flat, full_pos, g, ge, chunks, chunk_size, cd) -> torch.Tensor:
     """(N, H) in the hidden states' dtype: the pairs' weight rows weighted by g, plus the EOS rows'."""
     grad_h = torch.zeros(hidden.shape, dtype=cd, device=hidden.device)
     for c in chunks:
@@ -206,8 +206,8 @@ def _hidden_grad(hidden, weight, pos, ids, flat, eos, g, ge, chunks, chunk_size,
             grad_h.index_add_(0, pos[c.r0 : c.r1], bags)
         else:
             grad_h.index_add_(0, pos[c.r0 : c.r1][rows], table[idx].to(cd) * gc[:, None])
-    if eos.numel():
-        grad_h.index_add_(0, eos, _rows_times_weight(ge, weight, chunk_size, cd))
+    if full_pos.numel():
+        grad_h.index_add_(0, full_pos, _rows_times_weight(ge, weight, chunk_size, cd))
     return grad_h.to(hidden.dtype)
 
 
@@ -444,7 +444,7 @@ def project_support(
     pos: torch.Tensor,
     ids: torch.Tensor,
     flat: torch.Tensor,
-    eos: torch.Tensor,
+    full_pos: torch.Tensor,
     chunks: Sequence[PairChunk],
     *,
     fill: float,
@@ -460,7 +460,7 @@ def project_support(
         pos: (n,), int64 rows of ``hidden`` scored over a support, increasing.
         ids: (n, w), int64 local rows of ``weight`` (anything where not present).
         flat: (P,), int64 increasing indices into the ``n * w`` grid: the present pairs.
-        eos: (e,), int64 rows of ``hidden`` scored over the whole local vocabulary.
+        full_pos: (e,), int64 rows of ``hidden`` scored over the whole local vocabulary.
         chunks: host-side bounds covering ``flat`` in order, each at most ``chunk_size``
             pairs (see :class:`PairChunk`).
         fill: the score of an absent pair.
@@ -473,5 +473,5 @@ def project_support(
         ze: (e, V), compute_dtype.
     """
     return _SupportProjection.apply(
-        hidden, weight, pos, ids, flat, eos, tuple(chunks), float(fill), float(temperature), int(chunk_size), compute_dtype
+        hidden, weight, pos, ids, flat, full_pos, tuple(chunks), float(fill), float(temperature), int(chunk_size), compute_dtype
     )

@@ -87,35 +87,35 @@ class SupportScores:
 
 @dataclass
 class _Local:
-    """This rank's scores z/T. sup: (n, w) support entries (``lowest`` where absent), eos: (e, V_local)
+    """This rank's scores z/T. z_sup: (n, w) support entries (``lowest`` where absent), z_full: (e, V_local)
     vocabulary rows; zs_*: the sampled entry's score, 0 where this rank does not hold it."""
 
     z_sup: torch.Tensor
     zs_sup: torch.Tensor
-    z_eos: torch.Tensor
-    zs_eos: torch.Tensor
+    z_full: torch.Tensor
+    zs_full: torch.Tensor
 
 
 @dataclass
 class _Totals:
     lp_sup: torch.Tensor
-    lp_eos: torch.Tensor
+    lp_full: torch.Tensor
     ent_sup: Optional[torch.Tensor]
-    ent_eos: Optional[torch.Tensor]
+    ent_full: Optional[torch.Tensor]
     logmass: Optional[torch.Tensor]
 
 
 # ---------------------------------------------------------------------------- local scores
 
 
-def _sampled_in_rows(plan: Plan, z_eos: torch.Tensor) -> torch.Tensor:
+def _sampled_in_rows(plan: Plan, z_full: torch.Tensor) -> torch.Tensor:
     """(e,) the sampled id's score in each vocabulary row, 0 where another rank holds it."""
     call = plan.call
-    if not plan.eos.numel():
-        return z_eos.new_zeros(0)
+    if not plan.full_pos.numel():
+        return z_full.new_zeros(0)
     v_local = call.shard.size
-    s_local = call.sampled[plan.eos] - call.shard.start
-    zs = z_eos.gather(1, s_local.clamp(0, v_local - 1)[:, None]).squeeze(1)
+    s_local = call.sampled[plan.full_pos] - call.shard.start
+    zs = z_full.gather(1, s_local.clamp(0, v_local - 1)[:, None]).squeeze(1)
     return torch.where((s_local >= 0) & (s_local < v_local), zs, torch.zeros_like(zs))
 
 
@@ -126,24 +126,24 @@ def _local_support_scores(plan: Plan, compute_entropy: bool) -> _Local:
         h = copy_to_shards(call.src, call.shard.group)
         lid = plan.ids.to(torch.int64) - call.shard.start
         # Support pairs and the few full-vocabulary rows in one function: one weight-sized gradient.
-        z_sup, z_eos = project_support(
-            h, call.weight, plan.sel, lid, plan.flat, plan.eos, plan.chunks,
+        z_sup, z_full = project_support(
+            h, call.weight, plan.support_pos, lid, plan.flat, plan.full_pos, plan.chunks,
             fill=lowest, temperature=call.temperature, chunk_size=call.chunk_size, compute_dtype=call.cd,
         )
     else:
         # One gather, temperature and fill in place, one (N, V) gradient for pairs and EOS rows.
-        z_sup, z_eos = select_scores(
-            call.src, plan.sel, plan.ids, plan.local, plan.eos, vocab_start=call.shard.start,
+        z_sup, z_full = select_scores(
+            call.src, plan.support_pos, plan.ids, plan.local, plan.full_pos, vocab_start=call.shard.start,
             temperature=call.temperature, fill=lowest, compute_dtype=call.cd,
         )
         if compute_entropy:
             z_sup = z_sup.clamp_min(lowest)  # -inf source logits on members
-    if z_eos.numel():
-        z_eos = z_eos.clamp_min(lowest)  # -inf logits on masked vocab entries
+    if z_full.numel():
+        z_full = z_full.clamp_min(lowest)  # -inf logits on masked vocab entries
     zs_sup = z_sup.gather(1, plan.col[:, None]).squeeze(1)
     if call.tp > 1 and plan.local is not None:
         zs_sup = torch.where(plan.local.gather(1, plan.col[:, None]).squeeze(1), zs_sup, torch.zeros_like(zs_sup))
-    return _Local(z_sup, zs_sup, z_eos, _sampled_in_rows(plan, z_eos))
+    return _Local(z_sup, zs_sup, z_full, _sampled_in_rows(plan, z_full))
 
 
 def _local_full_scores(plan: Plan) -> _Local:
@@ -152,11 +152,11 @@ def _local_full_scores(plan: Plan) -> _Local:
     if call.weight is not None:
         # The LM head's own product, in the weight's dtype (float64 when either side is).
         mm = torch.float64 if call.cd == torch.float64 else call.weight.dtype
-        h = copy_to_shards(call.src, call.shard.group)[plan.eos]
+        h = copy_to_shards(call.src, call.shard.group)[plan.full_pos]
         z = (h.to(mm) @ call.weight.to(mm).t()).to(call.cd) / call.temperature
     else:
         empty = torch.zeros(0, 0, dtype=torch.int64, device=call.device)
-        _, z = select_scores(call.src, plan.sel, empty, None, plan.eos, vocab_start=call.shard.start,
+        _, z = select_scores(call.src, plan.support_pos, empty, None, plan.full_pos, vocab_start=call.shard.start,
                              temperature=call.temperature, fill=call.lowest, compute_dtype=call.cd)
     z = z.clamp_min(call.lowest)  # -inf logits (masked vocab entries): exp gives 0, gradients stay finite
     empty = z.new_zeros(0, 0)
@@ -200,19 +200,19 @@ def _mass_rows(call) -> int:
 
 
 def _mass_partials(plan: Plan) -> torch.Tensor:
-    """(n,) this rank's ``logsumexp`` of the detached full rows ``src[sel] / T``, in ONE pass over
+    """(n,) this rank's ``logsumexp`` of the detached full rows ``src[support_pos] / T``, in ONE pass over
     the rows, block by block (support mass); -inf rows (a shard all -inf) give ``lowest``.
 
     Once the MAX all-reduce gives the global maxima M of these, ``exp(lse - M)`` is this rank's
     share of ``sum exp(z - M)``, so the ``(n, V_local)`` rows are read and converted once.
     Every position scored (``n == N``): the blocks are slices of the source, not copies.
     """
-    call, sel = plan.call, plan.sel
-    n, step = sel.numel(), _mass_rows(call)
+    call, pos = plan.call, plan.support_pos
+    n, step = pos.numel(), _mass_rows(call)
     src = call.src.detach()
     parts = []
     for i in range(0, n, step):
-        rows = src[i : i + step] if n == call.N else src.index_select(0, sel[i : i + step])
+        rows = src[i : i + step] if n == call.N else src.index_select(0, pos[i : i + step])
         z = rows.to(call.cd)
         if call.temperature != 1.0:
             z = z / call.temperature
@@ -247,8 +247,8 @@ def _reduce(plan: Plan, local: _Local, compute_entropy: bool, compute_support_ma
     and concatenates nothing.
     """
     call, group = plan.call, plan.call.shard.group
-    eos = plan.eos.numel() > 0
-    max_parts = [_row_max(local.z_sup), _row_max(local.z_eos) if eos else local.zs_eos]
+    full = plan.full_pos.numel() > 0
+    max_parts = [_row_max(local.z_sup), _row_max(local.z_full) if full else local.zs_full]
     if compute_support_mass:
         lse_full_local = _mass_partials(plan)
         max_parts.append(lse_full_local)
@@ -257,14 +257,14 @@ def _reduce(plan: Plan, local: _Local, compute_entropy: bool, compute_support_ma
     if call.tp > 1:
         sizes = [p.numel() for p in max_parts]
         max_parts = all_reduce_max(torch.cat(max_parts), group).split(sizes)
-    m_sup, m_eos = max_parts[0], max_parts[1]
+    m_sup, m_full = max_parts[0], max_parts[1]
     if plan.vocab_size is None:
         _deferred_checks(plan, max_parts[-1][0])
 
     sum_parts = _sums(local.z_sup, m_sup, local.zs_sup, compute_entropy)
     k = len(sum_parts)
-    if eos:
-        sum_parts += _sums(local.z_eos, m_eos, local.zs_eos, compute_entropy)
+    if full:
+        sum_parts += _sums(local.z_full, m_full, local.zs_full, compute_entropy)
     if compute_support_mass:
         sum_parts.append(torch.exp(lse_full_local - max_parts[2]))
     if call.tp > 1:
@@ -272,15 +272,15 @@ def _reduce(plan: Plan, local: _Local, compute_entropy: bool, compute_support_ma
         sum_parts = list(reduce_sum_from_shards(torch.cat(sum_parts), group).split(sizes))
     sup = sum_parts[:k]
     lp_sup, ent_sup = _finish(m_sup, sup[0], sup[1], sup[2] if compute_entropy else None)
-    if eos:
+    if full:
         ends = sum_parts[k : 2 * k]
-        lp_eos, ent_eos = _finish(m_eos, ends[0], ends[1], ends[2] if compute_entropy else None)
+        lp_full, ent_full = _finish(m_full, ends[0], ends[1], ends[2] if compute_entropy else None)
     else:
-        lp_eos = ent_eos = local.zs_eos  # (0,)
+        lp_full = ent_full = local.zs_full  # (0,)
     logmass = None
     if compute_support_mass:
         logmass = (m_sup + torch.log(sup[0]) - max_parts[2] - torch.log(sum_parts[-1])).detach().clamp_max(0)
-    return _Totals(lp_sup, lp_eos, ent_sup, ent_eos if compute_entropy else None, logmass)
+    return _Totals(lp_sup, lp_full, ent_sup, ent_full if compute_entropy else None, logmass)
 
 
 # ---------------------------------------------------------------------------- scatter
@@ -291,19 +291,19 @@ def _scatter(plan: Plan, t: _Totals, compute_entropy: bool) -> SupportScores:
     call = plan.call
 
     def place(a, b):
-        if a.numel() == call.N:  # every position scored over a support: sel is arange(N)
+        if a.numel() == call.N:  # every position scored over a support: support_pos is arange(N)
             return a.view(call.pos_shape)
-        if b.numel() == call.N:  # every position scored over the vocabulary: eos is arange(N)
+        if b.numel() == call.N:  # every position scored over the vocabulary: full_pos is arange(N)
             return b.view(call.pos_shape)
         out = torch.zeros(call.N, dtype=call.cd, device=call.device)
-        return out.index_put((plan.sel,), a).index_put((plan.eos,), b).view(call.pos_shape)
+        return out.index_put((plan.support_pos,), a).index_put((plan.full_pos,), b).view(call.pos_shape)
 
     return SupportScores(
-        logprobs=place(t.lp_sup, t.lp_eos),
-        valid_mask=plan.scored.view(call.pos_shape),
+        logprobs=place(t.lp_sup, t.lp_full),
+        valid_mask=plan.valid.view(call.pos_shape),
         fallback_mask=plan.fallback.view(call.pos_shape),
-        entropy=place(t.ent_sup, t.ent_eos) if compute_entropy else None,
-        support_logmass=None if t.logmass is None else place(t.logmass, torch.zeros_like(t.lp_eos.detach())),
+        entropy=place(t.ent_sup, t.ent_full) if compute_entropy else None,
+        support_logmass=None if t.logmass is None else place(t.logmass, torch.zeros_like(t.lp_full.detach())),
     )
 
 

@@ -4,10 +4,10 @@ Legend: N positions, V vocabulary entries held by this rank, n positions scored 
 support, w support width, e positions scored over the whole (local) vocabulary.
 
     z[i, j]  = src[pos[i], ids[i, j] - vocab_start] / T     for present[i, j], else ``fill``
-    ze[i, :] = src[eos[i], :] / T
+    ze[i, :] = src[full_pos[i], :] / T
 
 Naive equivalent: ``torch.where(present, src[pos[:, None], ids], fill) / T`` and
-``src[eos] / T`` as two autograd graphs, whose backward builds two ``(N, V)`` gradients
+``src[full_pos] / T`` as two autograd graphs, whose backward builds two ``(N, V)`` gradients
 and adds them. Here the backward allocates ONE zero ``(N, V)`` gradient in the source's
 dtype and adds the pair gradients and the row gradients into it (the two sets are
 disjoint: a position is scored over a support or over the vocabulary, never both).
@@ -80,12 +80,12 @@ def _scatter_rows(grad: torch.Tensor, pos: torch.Tensor, local: torch.Tensor, g:
 
 class _SelectScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, src, pos, ids, present, eos, vocab_start, temperature, fill, compute_dtype):
+    def forward(ctx, src, pos, ids, present, full_pos, vocab_start, temperature, fill, compute_dtype):
         N, V = src.shape
         local = _local_ids(ids, present, vocab_start, V)
         z = _gather_rows(src, pos, local).to(compute_dtype)  # a new tensor: modified in place below
-        if eos.numel():
-            ze = src.index_select(0, eos).to(compute_dtype)
+        if full_pos.numel():
+            ze = src.index_select(0, full_pos).to(compute_dtype)
         else:
             ze = z.new_empty(0, V)
         if temperature != 1.0:
@@ -93,13 +93,13 @@ class _SelectScores(torch.autograd.Function):
             ze.div_(temperature)
         if present is not None:
             z.masked_fill_(~present, fill)
-        ctx.save_for_backward(pos, local, present, eos)
+        ctx.save_for_backward(pos, local, present, full_pos)
         ctx.shape, ctx.dtype, ctx.temperature = (N, V), src.dtype, temperature
         return z, ze
 
     @staticmethod
     def backward(ctx, grad_z, grad_ze):
-        pos, local, present, eos = ctx.saved_tensors
+        pos, local, present, full_pos = ctx.saved_tensors
         N, V = ctx.shape
         grad = torch.zeros(N, V, dtype=ctx.dtype, device=local.device)
         g = grad_z if present is None else grad_z.masked_fill(~present, 0)
@@ -107,9 +107,9 @@ class _SelectScores(torch.autograd.Function):
             g = g / ctx.temperature
         if local.numel():
             _scatter_rows(grad, pos, local, g.to(ctx.dtype))
-        if eos.numel():
+        if full_pos.numel():
             ge = grad_ze / ctx.temperature if ctx.temperature != 1.0 else grad_ze
-            grad.index_add_(0, eos, ge.to(ctx.dtype))
+            grad.index_add_(0, full_pos, ge.to(ctx.dtype))
         return grad, None, None, None, None, None, None, None, None
 
 
@@ -118,7 +118,7 @@ def select_scores(
     pos: torch.Tensor,
     ids: torch.Tensor,
     present: torch.Tensor,
-    eos: torch.Tensor,
+    full_pos: torch.Tensor,
     *,
     vocab_start: int,
     temperature: float,
@@ -133,7 +133,7 @@ def select_scores(
         ids: (n, w), int (int32 support rows as they come) global vocabulary ids; anything
             where not present (-1 padding, another shard's ids).
         present: (n, w), bool, or None when every entry is present.
-        eos: (e,), int64 rows scored over the whole local vocabulary (disjoint from ``pos``).
+        full_pos: (e,), int64 rows scored over the whole local vocabulary (disjoint from ``pos``).
         vocab_start: first global id of this rank's shard.
         temperature: divides every score.
         fill: score where not present (the compute dtype's lowest value: ``exp`` gives 0).
@@ -143,4 +143,4 @@ def select_scores(
         z: (n, w), compute_dtype.
         ze: (e, V), compute_dtype.
     """
-    return _SelectScores.apply(src, pos, ids, present, eos, int(vocab_start), float(temperature), float(fill), compute_dtype)
+    return _SelectScores.apply(src, pos, ids, present, full_pos, int(vocab_start), float(temperature), float(fill), compute_dtype)
