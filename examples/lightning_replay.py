@@ -27,7 +27,7 @@ from nemo_replay.integrations.lightning import ReplayCallback
 from nemo_replay.objectives import group_advantages
 from nemo_replay.rollout.capture.hf import generate_with_support
 from nemo_replay.trainer.generation import replay_batches_from_generation
-from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.objectives import TokenRatioObjective
 from nemo_replay.trainer.tasks import SuccessorTask
 from nemo_replay.trainer.generation import left_pad
 
@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
         do_sample=True, temperature=1.0, top_k=8, top_p=0.95, max_new_tokens=NEW_TOKENS, pad_token_id=0,
     )
     task = SuccessorTask(V, 2, 5, NEW_TOKENS)
-    callback = ReplayCallback("fsdp", settings=RoleSettings(kl_coef=0.01), enabled=not args.no_replay)
+    callback = ReplayCallback("fsdp", loss_fn=TokenRatioObjective(kl_coef=0.01), enabled=not args.no_replay)
     trainer = lightning.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],

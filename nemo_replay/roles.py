@@ -2,7 +2,8 @@
 
 For a hand-written megatron-core or FSDP2 loop (and behind :class:`ReplayCallback`)::
 
-    roles = ReplayRoles("fsdp", settings=RoleSettings(temperature=0.7, kl_coef=0.01))
+    roles = ReplayRoles("fsdp", settings=RoleSettings(temperature=0.7),
+                        loss_fn=TokenRatioObjective(clip_eps=0.2, kl_coef=0.01))
     roles.recompute(policy, micro_batches)   # stores batch.old_logprobs, measures the mismatch
     roles.reference(ref_model, micro_batches)  # stores batch.ref_logprobs
     optimizer.zero_grad()
@@ -36,7 +37,7 @@ class ReplayRoles:
     Args:
         strategy: a registered strategy name, or a built :class:`ReplayStrategy`.
         settings: scoring settings shared by the roles (default ``RoleSettings()``: replay on).
-        loss_fn: the policy objective (default: the clipped token-ratio objective of ``settings``).
+        loss_fn: the policy objective (default ``TokenRatioObjective()``: clipped token ratios, no KL).
         **strategy_options: passed to the strategy's factory when ``strategy`` is a name.
 
     Attributes:

@@ -84,8 +84,8 @@ class ReplayCallback(Callback):
     Args:
         strategy: registered strategy name (``fsdp``, ``megatron``, a plugin) or a built strategy.
         settings: role settings; ``replay`` is overridden by ``enabled``.
-        loss_fn: the policy objective (:mod:`nemo_replay.objectives`; default the clipped
-            token-ratio objective of ``settings``).
+        loss_fn: the policy objective (:mod:`nemo_replay.objectives`; default
+            ``TokenRatioObjective()``: clipped token ratios, no KL term).
         enabled: score over the recorded support (True) or the full vocabulary (False).
         attribute: the module attribute that receives the role callbacks.
         **strategy_options: forwarded to the strategy's factory.

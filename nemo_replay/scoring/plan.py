@@ -30,14 +30,13 @@ from nemo_replay.scoring.collectives import group_size
 from nemo_replay.scoring.guards import GUARDS, raise_id_range, raise_membership, raise_row_range, raise_sampled_vocab
 from nemo_replay.scoring.projection import PairChunk
 from nemo_replay.scoring.shard import VocabShard
-from nemo_replay.support.checked import checked, record_checked, stale_flag
+from nemo_replay.support.checked import SupportCheck
 from nemo_replay.support.membership import row_membership
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["Call", "Plan", "prepare", "plan_support", "plan_full", "nonzero", "check_guards"]
 
-SupportArg = Union[PackedTensor, RaggedSupport, torch.Tensor]
 DEFAULT_CHUNK_SIZE = 8192
 
 
@@ -222,27 +221,6 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
     )
 
 
-def normalise_support(support: SupportArg, device) -> Union[PackedTensor, RaggedSupport]:
-    """A PackedTensor of int32/int64 (rows, k) rows or a RaggedSupport, on ``device``."""
-    if isinstance(support, torch.Tensor):
-        if support.dim() != 2:
-            raise ValueError(f"support rows must be (rows, k), got shape {tuple(support.shape)}")
-        support = PackedTensor(support, [0, support.shape[0]])
-    if not isinstance(support, (PackedTensor, RaggedSupport)):
-        raise ValueError(
-            f"support must be a PackedTensor of (rows, k) int rows, a RaggedSupport or a (rows, k) tensor, got "
-            f"{type(support).__name__}"
-        )
-    ids = support.all_ids  # RaggedSupport checked its members' dtype when it was built
-    if ids.dim() != 2 and isinstance(support, PackedTensor):
-        raise ValueError(f"fixed-width support values must be (rows, k), got {tuple(ids.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"support rows must be integer (int32), got {ids.dtype}")
-    if ids.dtype not in (torch.int32, torch.int64):
-        support = support.to(torch.int64)  # narrow ids would wrap in comparisons (uint8: -1 is 255)
-    return support if support.device == device else support.to(device)
-
-
 # ---------------------------------------------------------------------------- the one host read
 
 
@@ -278,31 +256,6 @@ def _rows_of_positions(call: Call, support) -> tuple[torch.Tensor, torch.Tensor]
     valid = (rows >= 0) & (rows < R)
     r = rows.clamp(0, R - 1)
     return support.gather_padded(r, width), valid & support.nonempty_rows()[r]
-
-
-def _support_flag(support, vocab_size: Optional[int], validate: bool):
-    """(flag or None, record afterwards?) for the support invariants.
-
-    Rows recorded as checked against a vocabulary at most ``vocab_size`` skip everything;
-    rows checked without one (or against a larger one) only get the cheap id bound;
-    anything else gets the full check (a sort of every row).
-    """
-    if not validate:
-        return None, False
-    rec = checked(support)
-    if rec is None:
-        return support.invalid_flag(vocab_size=vocab_size), True
-    # Invariants held at the check; the rows may have changed behind the version counter.
-    flag, ids = stale_flag(support), support.all_ids
-    if not rec.covers(vocab_size) and ids.numel():  # and the vocabulary bound is new
-        flag = flag | (ids.amax() >= vocab_size)
-    return flag, not rec.covers(vocab_size)  # a tighter bound is recorded once it passed
-
-
-def raise_support(support, vocab_size: Optional[int]) -> None:
-    """Name the first row that breaks the §2 invariants; rows that pass (a record whose rows changed
-    behind the version counter but are still valid) are recorded again and the call goes on."""
-    support.validate(vocab_size=vocab_size, where="scorer support")
 
 
 def _chunk_rows(local_all: torch.Tensor, valid: torch.Tensor, chunk_size: int):
@@ -366,9 +319,9 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     outside = ids_all < -1 if vocab is None else (ids_all < -1) | (ids_all >= vocab)
     bad_ids = valid[:, None] & outside
     reads.add("id_range", bad_ids.any())
-    support_flag, record = _support_flag(support, vocab, validate)
-    if support_flag is not None:
-        reads.add("support", support_flag)
+    check = SupportCheck.begin(support, vocab, validate)
+    if check.flag is not None:
+        reads.add("support", check.flag)
     reads.add("synthetic_eos", synthetic_eos_flag(fallback, call.lmask, call.traj))
     missing = valid & ~member
     reads.add("membership", missing.any())
@@ -386,13 +339,12 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     check_guards(got, {
         "row_range": lambda: raise_row_range(call.rows, support.num_rows, call.where),
         "id_range": lambda: raise_id_range(bad_ids, ids_all, call.rows, vocab, call.where),
-        "support": lambda: raise_support(support, vocab),
+        "support": check.raise_first_bad_row,
         "synthetic_eos": lambda: check_synthetic_eos(fallback, call.lmask, call.traj, call.pos_shape, call.where),
         "membership": lambda: raise_membership(missing, ids_all, call.sampled, call.rows, call.where),
         "sampled_vocab": lambda: raise_sampled_vocab(bad_sampled, call.sampled, vocab, call.where),
     })
-    if record or got.get("support"):  # got here: the rows passed, recorded now or again (a stale record)
-        record_checked(support, vocab)
+    check.passed(again=bool(got.get("support")))  # got here: the rows passed
     n, e = got["n"], got["e"]
     support_pos, full_pos = nonzero(valid, n), nonzero(fallback, e)
     every = n == N

@@ -41,13 +41,13 @@ import torch
 from nemo_replay.scoring.collectives import all_reduce_max, copy_to_shards, reduce_sum_from_shards
 from nemo_replay.layout.checks import check_synthetic_eos, has_support_row
 from nemo_replay.scoring.guards import raise_sampled_vocab
-from nemo_replay.scoring.plan import Plan, normalise_support, plan_full, plan_support, prepare, raise_support
+from nemo_replay.scoring.plan import Plan, plan_full, plan_support, prepare
 from nemo_replay.scoring.projection import project_support
 from nemo_replay.scoring.selection import select_scores
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
-from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.ragged import RaggedSupport, as_support
 
 __all__ = [
     "SupportScores",
@@ -234,7 +234,7 @@ def _deferred_checks(plan: Plan, vocab_max: torch.Tensor) -> None:
     got = torch.stack(flags).tolist()
     vocab = got[0]
     if len(got) > 2 and got[2]:
-        raise_support(plan.support, vocab)
+        plan.support.validate(vocab_size=vocab, where="scorer support")
     if got[1]:
         raise_sampled_vocab(bad, call.sampled, vocab, call.where)
 
@@ -380,7 +380,7 @@ def score_aligned_support(
             "compute_support_mass needs full logits; in hidden mode (lm_head_weight given) the scorer never builds "
             "them. Pass logits as source, or set compute_support_mass=False"
         )
-    plan = plan_support(call, normalise_support(support, call.device), validate=validate, hidden=hidden)
+    plan = plan_support(call, as_support(support, call.device), validate=validate, hidden=hidden)
     local = _local_support_scores(plan, compute_entropy)
     totals = _reduce(plan, local, compute_entropy, compute_support_mass)
     return _scatter(plan, totals, compute_entropy)

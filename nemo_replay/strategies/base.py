@@ -7,8 +7,8 @@ for each of the three roles:
 
 - ``policy``: the trained forward. Scores with gradients, hands the log-probs in the
   caller's ``(B, A)`` columns to the loss (``loss_fn``, a
-  :class:`~nemo_replay.objectives.PolicyLoss`; default the clipped token-ratio objective
-  built from ``RoleSettings.clip_eps`` / ``kl_coef``) and runs backward. The caller steps
+  :class:`~nemo_replay.objectives.PolicyLoss`; default ``TokenRatioObjective()``, the clipped
+  token-ratio objective without a KL term) and runs backward. The caller steps
   the optimizer. The strategy owns the scoring, the coordinates and the CP/SP
   normalisation; the loss owns only the objective.
 - ``recompute``: old-policy log-probs, forward only, no grad.
@@ -41,9 +41,11 @@ __all__ = [
     "RoleOutput",
     "ReplayStrategy",
     "check_role",
+    "check_settings",
+    "start_role",
     "role_replays",
     "score_role",
-    "policy_loss",
+    "policy_objective",
     "check_policy_batches",
 ]
 
@@ -72,8 +74,9 @@ class RoleSettings:
         compute_entropy: also return the entropy over the support.
         compute_support_mass: also return log of the kept probability mass (logits mode).
         reference_full_vocab: the reference role scores the full vocabulary even with replay on.
-        clip_eps: PPO clip range of the default objective (``policy`` role without ``loss_fn``).
-        kl_coef: weight of the default objective's KL-to-reference term (needs ``ref_logprobs``).
+
+    The objective is not a scoring setting: it is the ``loss_fn`` of the policy role
+    (:mod:`nemo_replay.objectives`, e.g. ``TokenRatioObjective(clip_eps=0.2, kl_coef=0.01)``).
     """
 
     replay: bool = True
@@ -83,8 +86,6 @@ class RoleSettings:
     compute_entropy: bool = False
     compute_support_mass: bool = False
     reference_full_vocab: bool = False
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -94,10 +95,6 @@ class RoleSettings:
             problems.append(f"source must be 'logits' or 'hidden', got {self.source!r}")
         if not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
             problems.append(f"chunk_size must be a positive int, got {self.chunk_size!r}")
-        if not self.clip_eps > 0:
-            problems.append(f"clip_eps must be > 0, got {self.clip_eps}")
-        if self.kl_coef < 0:
-            problems.append(f"kl_coef must be >= 0, got {self.kl_coef}")
         if problems:
             raise ValueError("invalid RoleSettings: " + "; ".join(problems))
 
@@ -179,16 +176,41 @@ class RoleOutput:
         )
 
 
-def policy_loss(settings: RoleSettings, loss_fn: Optional[PolicyLoss] = None) -> PolicyLoss:
-    """``loss_fn``, or the default objective of ``settings``: the clipped token-ratio objective."""
-    if loss_fn is not None:
-        if not callable(loss_fn):
-            raise ValueError(
-                f"loss_fn must be callable as loss_fn(logprobs (B, A), batch, mask (B, A)) -> (loss, metrics), got "
-                f"{type(loss_fn).__name__}; see nemo_replay.objectives"
-            )
-        return loss_fn
-    return TokenRatioObjective(clip_eps=settings.clip_eps, kl_coef=settings.kl_coef)
+def policy_objective(loss_fn: Optional[PolicyLoss] = None) -> PolicyLoss:
+    """``loss_fn``, or the default objective: ``TokenRatioObjective()`` (clip 0.2, no KL term)."""
+    if loss_fn is None:
+        return TokenRatioObjective()
+    if not callable(loss_fn):
+        raise ValueError(
+            f"loss_fn must be callable as loss_fn(logprobs (B, A), batch, mask (B, A)) -> (loss, metrics), got "
+            f"{type(loss_fn).__name__}; see nemo_replay.objectives"
+        )
+    return loss_fn
+
+
+def check_settings(settings) -> None:
+    """Refuse settings that are not a :class:`RoleSettings` (a dict or the recipe's section, say)."""
+    if not isinstance(settings, RoleSettings):
+        raise ValueError(
+            f"settings must be a RoleSettings, got {type(settings).__name__}; build one with "
+            f"nemo_replay.strategies.base.RoleSettings(...)"
+        )
+
+
+def start_role(role: str, batches: Sequence[ReplayBatch], settings, loss_fn: Optional[PolicyLoss] = None):
+    """Every strategy's checks before a role's first forward; the policy role's objective, else None.
+
+    Refuses an unknown role, a ``loss_fn`` given to a forward-only role, settings that are not a
+    :class:`RoleSettings`, and (policy role) a micro-batch the objective cannot read
+    (:func:`check_policy_batches`).
+    """
+    check_role(role, loss_fn)
+    check_settings(settings)
+    if role != "policy":
+        return None
+    objective = policy_objective(loss_fn)
+    check_policy_batches(batches, objective)
+    return objective
 
 
 def check_policy_batches(batches: Sequence[ReplayBatch], loss_fn: PolicyLoss) -> None:
@@ -232,8 +254,7 @@ class ReplayStrategy(abc.ABC):
     ) -> list[RoleOutput]:
         """Run ``role`` over micro-batches and return one output per micro-batch.
 
-        The ``policy`` role also runs backward of ``loss_fn`` (default :func:`policy_loss`
-        of ``settings``): gradients accumulate over micro-batches, the loss of each is
+        The ``policy`` role also runs backward of ``loss_fn`` (default :func:`policy_objective`): gradients accumulate over micro-batches, the loss of each is
         scaled by ``1 / len(batches)``; the caller steps the optimizer. Its outputs carry
         the loss and the objective's metrics. Forward-only roles run under
         ``torch.no_grad`` and refuse a ``loss_fn``.

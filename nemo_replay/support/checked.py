@@ -37,7 +37,9 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["Checked", "checked", "record_checked", "carry_checked", "tensor_version", "fingerprint", "stale_flag"]
+__all__ = [
+    "Checked", "checked", "record_checked", "carry_checked", "tensor_version", "fingerprint", "stale_flag", "SupportCheck",
+]
 
 _ATTR = "_nemo_replay_checked"
 
@@ -183,3 +185,44 @@ def carry_checked(sources: Sequence, result):
     sizes = [c.vocab_size for c in checks]
     record_checked(result, None if any(v is None for v in sizes) else max(sizes))
     return result
+
+
+@dataclass
+class SupportCheck:
+    """The scorer's §2 check of a support batch, split around the call's one host read.
+
+    :meth:`begin` builds the device flag: nothing for ``validate=False``; for rows recorded as
+    checked against a vocabulary at most ``vocab_size``, only the fingerprint (rows edited
+    behind the version counter); for rows checked without one (or against a larger one), that
+    plus the id bound; for anything else the full check (a sort of every row). After the read,
+    :meth:`raise_first_bad_row` names the first row that breaks an invariant when the flag was
+    set, and :meth:`passed` records rows that got through.
+    """
+
+    support: object
+    vocab_size: Optional[int]
+    flag: Optional[torch.Tensor]
+    record: bool
+
+    @classmethod
+    def begin(cls, support, vocab_size: Optional[int], validate: bool) -> "SupportCheck":
+        if not validate:
+            return cls(support, vocab_size, None, False)
+        rec = checked(support)
+        if rec is None:
+            return cls(support, vocab_size, support.invalid_flag(vocab_size=vocab_size), True)
+        flag, ids = stale_flag(support), support.all_ids
+        if not rec.covers(vocab_size) and ids.numel():  # the vocabulary bound is new
+            flag = flag | (ids.amax() >= vocab_size)
+        return cls(support, vocab_size, flag, not rec.covers(vocab_size))  # a tighter bound is recorded once it passed
+
+    def raise_first_bad_row(self) -> None:
+        """Raise naming the first row that breaks the §2 invariants. Rows that pass (a record whose
+        rows changed behind the version counter but are still valid) return: see :meth:`passed`."""
+        self.support.validate(vocab_size=self.vocab_size, where="scorer support")
+
+    def passed(self, *, again: bool = False) -> None:
+        """The call's guards passed: record the rows when they were newly checked, or ``again``
+        (the flag was set but :meth:`raise_first_bad_row` found every row valid)."""
+        if self.record or again:
+            record_checked(self.support, self.vocab_size)

@@ -31,7 +31,7 @@ from nemo_replay.support.membership import csr_membership
 from nemo_replay.support.packed import PackedTensor, Segmented, lengths_to_cu_seqlens, segment_row_index
 from nemo_replay.support.validate import check_cu_seqlens, describe_row
 
-__all__ = ["RaggedSupport"]
+__all__ = ["RaggedSupport", "as_support"]
 
 
 class RaggedSupport(Segmented):
@@ -355,3 +355,25 @@ def _positive(n: int) -> int:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"repeat count must be a positive int, got {n!r}")
     return n
+
+
+def as_support(support, device) -> "PackedTensor | RaggedSupport":
+    """The scorer's support argument as a PackedTensor of int32/int64 ``(rows, k)`` rows or a
+    RaggedSupport, on ``device``. A bare ``(rows, k)`` tensor becomes one segment."""
+    if isinstance(support, torch.Tensor):
+        if support.dim() != 2:
+            raise ValueError(f"support rows must be (rows, k), got shape {tuple(support.shape)}")
+        support = PackedTensor(support, [0, support.shape[0]])
+    if not isinstance(support, (PackedTensor, RaggedSupport)):
+        raise ValueError(
+            f"support must be a PackedTensor of (rows, k) int rows, a RaggedSupport or a (rows, k) tensor, got "
+            f"{type(support).__name__}"
+        )
+    ids = support.all_ids  # RaggedSupport checked its members' dtype when it was built
+    if ids.dim() != 2 and isinstance(support, PackedTensor):
+        raise ValueError(f"fixed-width support values must be (rows, k), got {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"support rows must be integer (int32), got {ids.dtype}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        support = support.to(torch.int64)  # narrow ids would wrap in comparisons (uint8: -1 is 255)
+    return support if support.device == device else support.to(device)

@@ -41,8 +41,8 @@ import torch
 from nemo_replay.trainer.config.loading import to_yaml
 from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.batch import ReplayBatch
-from nemo_replay.objectives import group_advantages
-from nemo_replay.strategies.base import RoleSettings, policy_loss
+from nemo_replay.objectives import TokenRatioObjective, group_advantages
+from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.trainer.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings, generate
@@ -92,8 +92,6 @@ def role_settings(cfg: RecipeConfig) -> RoleSettings:
         chunk_size=cfg.replay.scorer.chunk_size,
         compute_entropy=cfg.replay.scorer.compute_entropy,
         reference_full_vocab=cfg.replay.reference_full_vocab,
-        clip_eps=cfg.trainer.clip_eps,
-        kl_coef=cfg.trainer.kl_coef,
     )
 
 
@@ -155,7 +153,7 @@ class GRPOTrainer:
             max_prompt_len=cfg.task.max_prompt_len, response_len=cfg.generation.max_new_tokens,
         )
         self.settings = role_settings(cfg)
-        self.objective = policy_loss(self.settings)
+        self.objective = TokenRatioObjective(clip_eps=cfg.trainer.clip_eps, kl_coef=cfg.trainer.kl_coef)
         # Support mass needs full logits: logits mode with replay on.
         self.recompute_settings = dataclasses.replace(
             self.settings, compute_support_mass=cfg.replay.enabled and cfg.replay.scorer.source == "logits"

@@ -23,7 +23,7 @@ import lightning
 import torch
 
 from nemo_replay.integrations.lightning import ReplayCallback
-from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.objectives import TokenRatioObjective
 from tests.integrations.test_lightning import TinyRL, _policy, _rollouts
 
 
@@ -52,7 +52,7 @@ def main(out: Path) -> None:
     batches = _rollouts(policy, 4)
     before = [p.detach().clone() for p in policy.parameters()]
     module = RecordingRL(policy)
-    callback = ReplayCallback("fsdp", settings=RoleSettings(kl_coef=0.1))
+    callback = ReplayCallback("fsdp", loss_fn=TokenRatioObjective(kl_coef=0.1))
     trainer = lightning.Trainer(
         strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],

@@ -8,8 +8,7 @@ import lightning
 import pytest
 import torch
 
-from nemo_replay.objectives import group_advantages
-from nemo_replay.strategies.base import RoleSettings
+from nemo_replay.objectives import TokenRatioObjective, group_advantages
 from nemo_replay.layout.canonical import position_ids
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.integrations.lightning import ReplayCallback
@@ -82,7 +81,7 @@ def test_callback_runs_the_roles_inside_lightning(enabled):
     policy = _policy()
     batches = _rollouts(policy, 2)
     module = TinyRL(policy)
-    trainer = _fit(module, batches, ReplayCallback("fsdp", settings=RoleSettings(kl_coef=0.1), enabled=enabled))
+    trainer = _fit(module, batches, ReplayCallback("fsdp", loss_fn=TokenRatioObjective(kl_coef=0.1), enabled=enabled))
     first, second = module.records
     if enabled:
         assert first["mismatch_max"] < 1e-5 and first["ratio_max_dev"] < 1e-5
@@ -123,7 +122,7 @@ def test_callback_hands_the_policy_role_the_modules_objective():
     policy = _policy()
     batches = _rollouts(policy, 1)
     module = TinyRL(policy)
-    _fit(module, batches, ReplayCallback("fsdp", settings=RoleSettings(kl_coef=0.1), loss_fn=Recorded()))
+    _fit(module, batches, ReplayCallback("fsdp", loss_fn=Recorded()))
     assert len(calls) == 2  # one call per micro-batch
     assert all(shape == mask_shape and grad and active for shape, mask_shape, grad, active in calls)
     assert module.records[0]["kl"] >= 0 and module.records[0]["mismatch_max"] < 1e-5

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nemo_replay.scoring.projection as projection
 from nemo_replay import score_aligned_support
+from nemo_replay.objectives import TokenRatioObjective
 from nemo_replay.strategies.base import RoleSettings
 from tests.scoring.batches import make_case
 from tests.spawn import run_workers
@@ -206,7 +207,8 @@ def _megatron_worker(rank, world_size):
         for source in ("logits", "hidden"):
             ddp.zero_grad_buffer()
             uses.n = 0
-            strategy.run_role("policy", ddp, policy, RoleSettings(temperature=TEMPERATURE, kl_coef=0.1, source=source))
+            strategy.run_role("policy", ddp, policy, RoleSettings(temperature=TEMPERATURE, source=source),
+                              loss_fn=TokenRatioObjective(kl_coef=0.1))
             ddp.finish_grad_sync()
             out[(tp, share, source)] = {
                 "main_grad": {n: p.main_grad.clone() for n, p in model.named_parameters()},
@@ -254,14 +256,14 @@ def _fsdp_worker(rank, world_size, batches):
     for regime in ("default", "no_sync"):
         for source in ("logits", "hidden"):
             uses.n = 0
-            settings = RoleSettings(temperature=0.7, kl_coef=0.1, source=source)
+            settings, objective = RoleSettings(temperature=0.7, source=source), TokenRatioObjective(kl_coef=0.1)
             if regime == "default":
-                strategy.run_role("policy", model, batches, settings)
+                strategy.run_role("policy", model, batches, settings, loss_fn=objective)
             else:  # gradient accumulation without a reduce-scatter per micro-batch
                 model.set_requires_gradient_sync(False)
-                strategy.run_role("policy", model, batches[:1], settings)
+                strategy.run_role("policy", model, batches[:1], settings, loss_fn=objective)
                 model.set_requires_gradient_sync(True)
-                strategy.run_role("policy", model, batches[1:], settings)
+                strategy.run_role("policy", model, batches[1:], settings, loss_fn=objective)
             grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
             model.zero_grad(set_to_none=True)
             out[(regime, source)] = {"grads": grads, "sparse_uses": uses.n}

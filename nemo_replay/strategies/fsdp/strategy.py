@@ -37,11 +37,11 @@ from nemo_replay.strategies.base import (
     ReplayStrategy,
     RoleOutput,
     RoleSettings,
-    check_policy_batches,
     check_role,
-    policy_loss,
+    check_settings,
     role_replays,
     score_role,
+    start_role,
 )
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
 from nemo_replay.strategies.fsdp.head import hidden_mode_problems
@@ -153,20 +153,21 @@ class FSDPStrategy(ReplayStrategy):
     def run_role(
         self, role, model, batches: Sequence[ReplayBatch], settings: RoleSettings, *, loss_fn: Optional[PolicyLoss] = None
     ) -> list[RoleOutput]:
-        check_role(role, loss_fn)
-        self._check_settings(settings)
-        if role == "policy":
-            loss_fn = policy_loss(settings, loss_fn)
-            check_policy_batches(batches, loss_fn)
+        loss_fn = start_role(role, batches, settings, loss_fn)
+        # Every micro-batch is refused before the first forward runs.
+        replays = []
+        for i, batch in enumerate(batches):
+            replays.append(role_replays(batch, role, settings, where=f"micro-batch {i}"))
         if self.sp_size > 1:
             use_ulysses_attention(model)
         outputs = []
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            replay = replays[i]
             if role == "policy":
-                outputs.append(self._policy(model, batch, settings, 1.0 / len(batches), loss_fn))
+                outputs.append(self._policy(model, batch, settings, replay, 1.0 / len(batches), loss_fn))
             else:
                 with torch.no_grad():
-                    outputs.append(self._forward(model, batch, settings, role, grad=False)[0])
+                    outputs.append(self._forward(model, batch, settings, replay, grad=False)[0])
         return outputs
 
     def score(self, model, batch: ReplayBatch, settings: RoleSettings, *, role="policy") -> RoleOutput:
@@ -177,24 +178,19 @@ class FSDPStrategy(ReplayStrategy):
         under ``torch.no_grad``.
         """
         check_role(role)
-        self._check_settings(settings)
+        check_settings(settings)
         if self.sp_size > 1:
             use_ulysses_attention(model)
+        replay = role_replays(batch, role, settings)
         if role == "policy":
-            return self._forward(model, batch, settings, role, grad=True)[0]
+            return self._forward(model, batch, settings, replay, grad=True)[0]
         with torch.no_grad():
-            return self._forward(model, batch, settings, role, grad=False)[0]
+            return self._forward(model, batch, settings, replay, grad=False)[0]
 
-    @staticmethod
-    def _check_settings(settings) -> None:
-        if not isinstance(settings, RoleSettings):
-            raise ValueError(
-                f"settings must be a RoleSettings, got {type(settings).__name__}; build one with "
-                f"nemo_replay.strategies.base.RoleSettings(...)"
-            )
-
-    def _policy(self, model, batch: ReplayBatch, settings: RoleSettings, scale: float, loss_fn: PolicyLoss) -> RoleOutput:
-        out, _ = self._forward(model, batch, settings, "policy", grad=True)
+    def _policy(
+        self, model, batch: ReplayBatch, settings: RoleSettings, replay: bool, scale: float, loss_fn: PolicyLoss
+    ) -> RoleOutput:
+        out, _ = self._forward(model, batch, settings, replay, grad=True)
         view = out.response(batch.response_width)
         mask = batch.loss_mask.to(view.logprobs.device) != 0
         loss, metrics = loss_fn(view.logprobs, batch, mask)
@@ -209,8 +205,7 @@ class FSDPStrategy(ReplayStrategy):
         )
 
     # ------------------------------------------------------------------ one forward
-    def _forward(self, model, batch: ReplayBatch, settings: RoleSettings, role: str, *, grad: bool):
-        replay = role_replays(batch, role, settings)
+    def _forward(self, model, batch: ReplayBatch, settings: RoleSettings, replay: bool, *, grad: bool):
         layout = build_layout(batch, remove_padding=self.remove_padding, sp_group=self.sp_group)
         if replay and self.sp_size > 1:  # a slice cannot see its trajectory's other slices
             check_canonical(layout.canonical, batch.support)

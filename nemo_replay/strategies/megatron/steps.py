@@ -9,8 +9,8 @@ divides it by the number of micro-batches and (unless ``forward_only``) back-pro
 
 - ``policy``: scores with gradients, brings the log-probs to the caller's ``(B, A)``
   columns (a differentiable gather over CP) and returns the loss of the step's
-  ``loss_fn`` (a :class:`~nemo_replay.objectives.PolicyLoss`; default the clipped
-  token-ratio objective of the settings);
+  ``loss_fn`` (a :class:`~nemo_replay.objectives.PolicyLoss`; default
+  ``TokenRatioObjective()``, the clipped token-ratio objective);
 - ``recompute`` / ``reference``: score under ``torch.no_grad`` (the caller runs the schedule
   with ``forward_only=True``) and return a zero loss.
 
@@ -42,7 +42,7 @@ import torch
 from nemo_replay.layout.canonical import to_caller_columns
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.collectives import agree
-from nemo_replay.strategies.base import RoleSettings, policy_loss, score_role
+from nemo_replay.strategies.base import RoleSettings, policy_objective, score_role
 from nemo_replay.strategies.megatron.batch import PreparedMicroBatch
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
@@ -144,8 +144,8 @@ class RoleForwardStep:
         parallel: explicit process groups (never read from ``parallel_state`` here).
         config: the model's TransformerConfig.
         routers: routers for MoE route replay, or None.
-        loss_fn: the ``policy`` role's objective (default :func:`~nemo_replay.strategies.base.policy_loss`
-            of ``settings``); forward-only roles ignore it.
+        loss_fn: the ``policy`` role's objective (default :func:`~nemo_replay.strategies.base.policy_objective`,
+            ``TokenRatioObjective()``); forward-only roles ignore it.
 
     Attributes:
         results: micro-batch index -> dict of RoleOutput fields in canonical coordinates
@@ -158,7 +158,7 @@ class RoleForwardStep:
     ):
         self.role = role
         self.settings = settings
-        self.loss_fn = policy_loss(settings, loss_fn) if role == "policy" else None
+        self.loss_fn = policy_objective(loss_fn) if role == "policy" else None
         self.parallel = parallel
         self.config = config
         self.routers = routers

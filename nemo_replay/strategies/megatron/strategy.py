@@ -29,9 +29,7 @@ from nemo_replay.strategies.base import (
     ReplayStrategy,
     RoleOutput,
     RoleSettings,
-    check_policy_batches,
-    check_role,
-    policy_loss,
+    start_role,
 )
 from nemo_replay.strategies.megatron.batch import prepare_micro_batch
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
@@ -75,15 +73,10 @@ class MegatronReplayStrategy(ReplayStrategy):
     def run_role(
         self, role, model, batches: Sequence[ReplayBatch], settings: RoleSettings, *, loss_fn: Optional[PolicyLoss] = None
     ) -> list[RoleOutput]:
-        check_role(role, loss_fn)
-        if not isinstance(settings, RoleSettings):
-            raise ValueError(f"settings must be a RoleSettings, got {type(settings).__name__}")
         batches = list(batches)
+        loss_fn = start_role(role, batches, settings, loss_fn)
         if not batches:
             return []
-        if role == "policy":
-            loss_fn = policy_loss(settings, loss_fn)
-            check_policy_batches(batches, loss_fn)
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_model_config
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_replay.batch import ReplayBatch
-from nemo_replay.objectives import clipped_policy_loss
+from nemo_replay.objectives import TokenRatioObjective, clipped_policy_loss
 from nemo_replay.support.packed import PackedTensor
 
 VOCAB = 96
@@ -215,14 +215,17 @@ def with_old_and_ref(model, batch: ReplayBatch, temperature: float) -> ReplayBat
     return batch
 
 
-def reference_policy_grads(model, batches, settings) -> dict[str, torch.Tensor]:
+OBJECTIVE = TokenRatioObjective(clip_eps=0.2, kl_coef=0.1)  # the policy role's loss_fn in these tests
+
+
+def reference_policy_grads(model, batches, temperature: float, objective=OBJECTIVE) -> dict[str, torch.Tensor]:
     """Gradients of the mean over micro-batches of the clipped objective, naive scores."""
     model.zero_grad(set_to_none=True)
     for batch in batches:
-        lp, _, _ = reference_scores(model, batch, temperature=settings.temperature)
+        lp, _, _ = reference_scores(model, batch, temperature=temperature)
         loss, _ = clipped_policy_loss(
             lp, batch.old_logprobs, batch.advantages, batch.loss_mask,
-            clip_eps=settings.clip_eps, kl_coef=settings.kl_coef, ref_logprobs=batch.ref_logprobs,
+            clip_eps=objective.clip_eps, kl_coef=objective.kl_coef, ref_logprobs=batch.ref_logprobs,
         )
         (loss / len(batches)).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -16,6 +16,7 @@ from tests.strategies.fsdp.fixtures import (
     make_batch,
     reference_entropy_and_mass,
     reference_full_positions,
+    OBJECTIVE,
     reference_policy_grads,
     reference_scores,
     tiny_llama,
@@ -51,10 +52,10 @@ def test_registry_builds_the_strategy():
 def test_roles_match_reference_hidden_equals_logits(model, reference_model, remove_padding):
     batches = _batches(reference_model)
     strategy = FSDPStrategy(remove_padding=remove_padding)
-    want_grads = reference_policy_grads(reference_model, batches, RoleSettings(temperature=TEMPERATURE, kl_coef=0.1))
+    want_grads = reference_policy_grads(reference_model, batches, TEMPERATURE)
     got = {}
     for source in ("logits", "hidden"):
-        settings = RoleSettings(temperature=TEMPERATURE, source=source, kl_coef=0.1)
+        settings = RoleSettings(temperature=TEMPERATURE, source=source)
         for role in ("recompute", "reference"):
             outs = strategy.run_role(role, model, batches, settings)
             for batch, out in zip(batches, outs):
@@ -79,7 +80,7 @@ def test_roles_match_reference_hidden_equals_logits(model, reference_model, remo
             else:
                 assert out.support_logmass is None
         model.zero_grad(set_to_none=True)
-        outs = strategy.run_role("policy", model, batches, settings)
+        outs = strategy.run_role("policy", model, batches, settings, loss_fn=OBJECTIVE)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         for name, g in want_grads.items():
@@ -140,6 +141,15 @@ def test_replay_needs_support_and_policy_needs_advantages(model):
     batch.support = None
     with pytest.raises(ValueError, match="carries none"):
         FSDPStrategy().run_role("recompute", model, [batch], RoleSettings())
+    # A later micro-batch without rows is refused, by index, before the first one's forward runs.
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"^micro-batch 1: role 'recompute' replays .* carries none"):
+            FSDPStrategy().run_role("recompute", model, [make_batch(**BATCH_B), batch], RoleSettings())
+    finally:
+        hook.remove()
+    assert forwards == []
     batch = make_batch(**BATCH_B)
     batch.advantages = None
     with pytest.raises(ValueError, match="advantages"):
@@ -260,15 +270,15 @@ def test_an_empty_response_contributes_nothing_and_trains_on(model, reference_mo
                         batch.loss_mask[kept], support=batch.support.gather(kept), advantages=batch.advantages[kept],
                         old_logprobs=batch.old_logprobs[kept], ref_logprobs=batch.ref_logprobs[kept])
     strategy = FSDPStrategy()
-    settings = RoleSettings(temperature=TEMPERATURE, kl_coef=0.1)
+    settings = RoleSettings(temperature=TEMPERATURE)
     got, want = strategy.run_role("recompute", model, [batch, alone], settings)
     assert not got.valid_mask[1].any() and not got.fallback_mask[1].any() and (got.logprobs[1] == 0).all()
     torch.testing.assert_close(got.logprobs[kept], want.logprobs, **TOL)
     model.zero_grad(set_to_none=True)
-    with_empty = strategy.run_role("policy", model, [batch], settings)[0]
+    with_empty = strategy.run_role("policy", model, [batch], settings, loss_fn=OBJECTIVE)[0]
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    without = strategy.run_role("policy", model, [alone], settings)[0]
+    without = strategy.run_role("policy", model, [alone], settings, loss_fn=OBJECTIVE)[0]
     torch.testing.assert_close(with_empty.loss, without.loss, **TOL)
     for n, p in model.named_parameters():
         assert torch.isfinite(grads[n]).all()

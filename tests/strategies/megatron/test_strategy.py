@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from nemo_replay.batch import ReplayBatch
-from nemo_replay.objectives import SequenceRatioObjective, clipped_policy_loss
+from nemo_replay.objectives import SequenceRatioObjective, TokenRatioObjective, clipped_policy_loss
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.support.packed import PackedTensor
 from tests.strategies.megatron.batches import (
@@ -45,7 +45,8 @@ TOP_K = 8
 PROMPTS = [3, 5, 4, 2]
 RESPONSES = [4, 3, 5, 6]
 ADVANTAGES = [torch.tensor([0.5, -1.0]), torch.tensor([1.5, -0.25])]
-POLICY = RoleSettings(temperature=TEMPERATURE, kl_coef=0.1, clip_eps=0.2)
+POLICY = RoleSettings(temperature=TEMPERATURE)
+OBJECTIVE = TokenRatioObjective(clip_eps=0.2, kl_coef=0.1)  # the policy role's loss_fn
 GSPO = SequenceRatioObjective(clip_eps=0.05, clip_eps_high=0.08, kl_coef=0.1)
 
 
@@ -93,13 +94,13 @@ def _phase_tp1(out):
     ]
     out["policy_batches"] = policy_batches
     _zero_grads(model)
-    out["tp1_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, POLICY), policy_batches)
+    out["tp1_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, POLICY, loss_fn=OBJECTIVE), policy_batches)
     out["tp1_grads"] = H.full_grads(model, 1, None)
     # Autograd reference of the same objective: plain forwards, float64 scoring, 1/num_microbatches.
     _zero_grads(model)
     for b in policy_batches:
         loss, _ = clipped_policy_loss(naive_policy_logprobs(model, b), b.old_logprobs, b.advantages, b.loss_mask,
-                                      clip_eps=POLICY.clip_eps, kl_coef=POLICY.kl_coef, ref_logprobs=b.ref_logprobs)
+                                      clip_eps=OBJECTIVE.clip_eps, kl_coef=OBJECTIVE.kl_coef, ref_logprobs=b.ref_logprobs)
         (loss / len(policy_batches)).backward()
     out["naive_grads"] = H.full_grads(model, 1, None)
     # A caller-supplied objective (GSPO) on the same trajectories right-padded, token-aligned.
@@ -135,8 +136,10 @@ def _phase_tp2(out, rank, batches, policy_batches):
         recompute = RoleSettings(temperature=TEMPERATURE, source=source, compute_entropy=True)
         out[f"tp2_{source}_recompute"] = _outputs(strategy.run_role("recompute", model, batches, recompute), batches)
         _zero_grads(model)
-        policy = RoleSettings(temperature=TEMPERATURE, kl_coef=POLICY.kl_coef, clip_eps=POLICY.clip_eps, source=source)
-        out[f"tp2_{source}_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, policy), policy_batches)
+        policy = RoleSettings(temperature=TEMPERATURE, source=source)
+        out[f"tp2_{source}_policy"] = _outputs(
+            strategy.run_role("policy", model, policy_batches, policy, loss_fn=OBJECTIVE), policy_batches
+        )
         out[f"tp2_{source}_grads"] = H.full_grads(model, 2, ps.get_tensor_model_parallel_group())
     _zero_grads(model)
     right = [right_padded(b) for b in policy_batches]
@@ -269,7 +272,7 @@ def _phase_pp2(out, batches, policy_batches):
     strategy = get_strategy("megatron").factory()
     out["pp2_recompute"] = _outputs(strategy.run_role("recompute", model, batches, RoleSettings(temperature=TEMPERATURE)), batches)
     _zero_grads(model)
-    out["pp2_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, POLICY), policy_batches)
+    out["pp2_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, POLICY, loss_fn=OBJECTIVE), policy_batches)
     out["pp2_grads"] = H.full_grads(model, 1, None)
 
 
@@ -584,7 +587,7 @@ def test_moe_route_replay_reproduces_the_recording_forward(ranks):
 
 
 def test_missing_support_and_policy_inputs_are_refused():
-    from nemo_replay.strategies.base import check_policy_batches, policy_loss
+    from nemo_replay.strategies.base import check_policy_batches
     from nemo_replay.strategies.megatron.batch import prepare_micro_batch
 
     seq = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
@@ -600,7 +603,7 @@ def test_missing_support_and_policy_inputs_are_refused():
     # The objective names what it reads, before any forward (run_role calls this first).
     with pytest.raises(ValueError, match=r"micro-batch 0: the policy objective TokenRatioObjective needs advantages, "
                                          r"ref_logprobs on the batch"):
-        check_policy_batches([batch], policy_loss(RoleSettings(replay=False, kl_coef=0.1)))
+        check_policy_batches([batch], TokenRatioObjective(kl_coef=0.1))
     prepare_micro_batch(0, batch, role="policy", settings=RoleSettings(replay=False), **common)
     with pytest.raises(ValueError, match="route replay is on but the batch carries no routes"):
         prepare_micro_batch(0, batch, role="recompute", settings=RoleSettings(replay=False), with_routes=True, **common)
