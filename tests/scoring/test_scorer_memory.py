@@ -6,9 +6,10 @@ resident set above the inputs. Measured on the development machine (2 CPU cores)
     tokens=4096 V=131072 H=1024 k=64 fp32   support 0.6-0.75 GiB (2-6 s)   full logits 6.0 GiB (79 s)
     tokens=1024 V=32768  H=256  k=64 fp32   support 0.09 GiB         full logits 0.39 GiB
 
-The full-size full-logits run is marked ``slow`` (run with ``-m slow``); the default run
-measures the full-size hidden-mode path against fixed bounds and compares both paths,
-measured, at a quarter of the size.
+The default run compares both paths, measured, at a quarter of the size. The full-size runs
+are marked ``slow`` (run with ``-m slow``): the full-size peak is a memory target, and those
+live in ``benchmarks/`` (its Targets table: "hidden training peak, dense gradient, vs two
+projections + two dense weight grads" and "hidden fwd+bwd peak above the inputs").
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _measure(variant: str, tokens: int, vocab: int, hidden: int, k: int) -> dict
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_hidden_mode_full_size_stays_near_one_weight_gradient():
     tokens, vocab, hidden, k = 4096, 131072, 1024, 64
     res = _measure("support", tokens, vocab, hidden, k)
