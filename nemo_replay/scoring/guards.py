@@ -50,11 +50,13 @@ def raise_row_range(rows: torch.Tensor, num_rows: int, where: Where) -> None:
 
 
 def raise_id_range(bad: torch.Tensor, ids: torch.Tensor, rows, vocab_size, where: Where) -> None:
-    """Name the first scored position whose row holds an id outside ``[-1, vocab_size)``.
+    """Name the first scored position whose row holds an id outside ``[-1, vocab_size)``, and the id.
 
-    ``bad``: (N, w) bool; ``ids``: (N, w) the row of every position.
+    ``bad``: (N,) bool, the scored positions whose row holds one; ``ids``: (N, w) the row of every position.
     """
-    p, c = (int(i) for i in torch.nonzero(bad)[0])
+    p = int(torch.nonzero(bad)[0])
+    row = ids[p].to(torch.int64)
+    c = int(torch.nonzero((row < -1) | (row >= (2**62 if vocab_size is None else vocab_size)))[0])
     vocab = "V" if vocab_size is None else vocab_size
     raise ValueError(
         f"{where(p)}: its support row {int(rows[p])} holds id "

@@ -258,6 +258,11 @@ def _rows_of_positions(call: Call, support) -> tuple[torch.Tensor, torch.Tensor]
     return support.gather_padded(r, width), valid & support.nonempty_rows()[r]
 
 
+def _held(ids: torch.Tensor, call: Call) -> torch.Tensor:
+    """(N, w) bool: the entries this rank holds (present, and inside its vocabulary shard)."""
+    return ids >= 0 if call.tp == 1 else (ids >= call.shard.start) & (ids < call.shard.end)
+
+
 def _chunk_rows(local_all: torch.Tensor, valid: torch.Tensor, chunk_size: int):
     """(pairs per position (N,), scored-row bounds (2, K)) of hidden mode's pair chunks.
 
@@ -310,15 +315,17 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     ids_all, has_row = _rows_of_positions(call, support)
     valid, fallback = call.lmask & has_row, call.lmask & ~has_row
     member, col_all = row_membership(ids_all, call.sampled)
-    local_all = ids_all >= 0 if call.tp == 1 else (ids_all >= shard.start) & (ids_all < shard.end)
+    # Each row's least and greatest id (two cheap reductions) answer the id bound and, on one
+    # rank, whether a scored row holds padding, without an (N, w) mask of either.
+    low, high = (ids_all.amin(1), ids_all.amax(1)) if ids_all.shape[1] else (call.rows.new_zeros(N),) * 2
+    local_all = None if call.tp == 1 and not hidden else _held(ids_all, call)
 
     reads = _Reads(call.device)
     reads.add("row_range", ((call.rows < -1) | (call.rows >= support.num_rows)).any())
     # Memory safety on every path: the kernels read logits / LM-head rows at these ids. Under
     # TP without the global size only ids inside this shard are read, so only < -1 is known bad.
-    outside = ids_all < -1 if vocab is None else (ids_all < -1) | (ids_all >= vocab)
-    bad_ids = valid[:, None] & outside
-    reads.add("id_range", bad_ids.any())
+    bad_rows = valid & ((low < -1) if vocab is None else (low < -1) | (high >= vocab))
+    reads.add("id_range", bad_rows.any())
     check = SupportCheck.begin(support, vocab, validate)
     if check.flag is not None:
         reads.add("support", check.flag)
@@ -329,7 +336,8 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     reads.add("sampled_vocab", bad_sampled.any())
     reads.add("n", valid.sum())
     reads.add("e", fallback.sum())
-    reads.add("absent", (valid[:, None] & ~local_all).sum())
+    # An absent entry: padding (-1) in a scored row, or under TP an id another rank holds.
+    reads.add("absent", (valid & (low < 0)).any() if call.tp == 1 else (valid[:, None] & ~local_all).any())
     if hidden:
         cum, bounds = _chunk_rows(local_all, valid, call.chunk_size)
         reads.add("pairs", cum[-1] if N else 0)
@@ -338,7 +346,7 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
 
     check_guards(got, {
         "row_range": lambda: raise_row_range(call.rows, support.num_rows, call.where),
-        "id_range": lambda: raise_id_range(bad_ids, ids_all, call.rows, vocab, call.where),
+        "id_range": lambda: raise_id_range(bad_rows, ids_all, call.rows, vocab, call.where),
         "support": check.raise_first_bad_row,
         "synthetic_eos": lambda: check_synthetic_eos(fallback, call.lmask, call.traj, call.pos_shape, call.where),
         "membership": lambda: raise_membership(missing, ids_all, call.sampled, call.rows, call.where),
@@ -346,16 +354,20 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     })
     check.passed(again=bool(got.get("support")))  # got here: the rows passed
     n, e = got["n"], got["e"]
-    support_pos, full_pos = nonzero(valid, n), nonzero(fallback, e)
     every = n == N
+    support_pos = torch.arange(N, device=call.device) if every else nonzero(valid, n)
+    full_pos = nonzero(fallback, e) if e else support_pos.new_zeros(0)
     pick = lambda t: t if every else t[support_pos]  # noqa: E731
-    ids, col, local = pick(ids_all), pick(col_all), pick(local_all)
-    plan = Plan(call, support_pos, full_pos, valid, fallback, ids=ids, col=col, local=None if got["absent"] == 0 else local,
+    ids, col = pick(ids_all), pick(col_all)
+    local = None
+    if got["absent"]:
+        local = pick(_held(ids_all, call) if local_all is None else local_all)
+    plan = Plan(call, support_pos, full_pos, valid, fallback, ids=ids, col=col, local=local,
                 vocab_size=vocab, support=support, deferred_support_check=validate and vocab is None)
     if hidden:
         P = got["pairs"]
         w = ids.shape[1]
-        plan.flat = torch.arange(n * w, device=call.device) if plan.local is None else nonzero(local.reshape(-1), P)
+        plan.flat = torch.arange(n * w, device=call.device) if local is None else nonzero(local.reshape(-1), P)
         bounds = got["bounds"]
         K = len(bounds) // 2
         plan.chunks = _chunks_from([bounds[:K], bounds[K:]], P, call.chunk_size, n)

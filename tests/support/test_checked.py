@@ -186,6 +186,15 @@ def test_no_path_reads_outside_the_vocabulary(hidden):
             vals[row, 0] = int(case.sampled_ids.reshape(-1)[p])
         for validate in (False, True):
             sup = PackedTensor(vals.clone(), case.support.cu_seqlens)
-            match = r"holds id \d+, outside \[-1, 61\)" if not validate else r"holds an id >= vocab_size=61"
+            match = rf"holds id {bad}, outside \[-1, 61\)" if not validate else r"holds an id >= vocab_size=61"
             with pytest.raises(ValueError, match=match):
                 score_aligned_support(src, case.sampled_ids, case.row_ids, case.loss_mask, sup, validate=validate, **kw)
+        # A row no scored position reads is never indexed: the same row behind a masked position passes
+        # unchecked (validate=False), and the scored positions' results are those of the clean rows.
+        mask = case.loss_mask.clone().reshape(-1)
+        mask[case.row_ids.reshape(-1) == row] = False
+        mask = mask.view_as(case.loss_mask)
+        args = (src, case.sampled_ids, case.row_ids, mask)
+        got = score_aligned_support(*args, PackedTensor(vals.clone(), case.support.cu_seqlens), validate=False, **kw)
+        want = score_aligned_support(*args, PackedTensor(case.support.values.clone(), case.support.cu_seqlens), **kw)
+        assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.valid_mask, want.valid_mask)
