@@ -293,19 +293,31 @@ def _chunks_from(bounds: list, num_pairs: int, chunk_size: int, n: int) -> tuple
 
 
 class _Reads:
-    """Device scalars and vectors gathered into one int64 tensor, read with one ``tolist()``."""
+    """Device scalars and vectors gathered into one int64 tensor, read with one ``tolist()``.
+
+    0-d flags and counts are stacked as they come (one cast, at the read); vectors are
+    appended after them.
+    """
 
     def __init__(self, device):
-        self.device, self.parts, self.where = device, [], {}
+        self.device, self.scalars, self.vectors = device, {}, {}
 
     def add(self, name: str, t) -> None:
-        t = torch.as_tensor(t, device=self.device).reshape(-1).to(torch.int64)
-        self.where[name] = (sum(p.numel() for p in self.parts), t.numel())
-        self.parts.append(t)
+        t = torch.as_tensor(t, device=self.device)
+        (self.scalars if t.dim() == 0 else self.vectors)[name] = t
 
     def read(self) -> dict:
-        flat = torch.cat(self.parts).tolist() if self.parts else []
-        return {k: flat[a] if n == 1 else flat[a : a + n] for k, (a, n) in self.where.items()}
+        by_dtype: dict = {}  # one stack and one cast per dtype (the flags are bool, the counts int64)
+        for name, t in self.scalars.items():
+            by_dtype.setdefault(t.dtype, {})[name] = t
+        names = [name for group in by_dtype.values() for name in group]
+        parts = [torch.stack(list(group.values())).to(torch.int64) for group in by_dtype.values()]
+        parts += [t.reshape(-1).to(torch.int64) for t in self.vectors.values()]
+        flat = torch.cat(parts).tolist() if parts else []
+        got, a = dict(zip(names, flat)), len(names)
+        for name, t in self.vectors.items():
+            got[name], a = flat[a : a + t.numel()], a + t.numel()
+        return got
 
 
 def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
