@@ -314,7 +314,7 @@ def bf16_logits(n, vocab, seed):
 
 @pytest.mark.parametrize("top_k, top_p", [(50, 1.0), (50, 0.9), (200, 0.95), (None, 0.9)])
 def test_each_tie_rule_matches_its_engine_path_on_tied_bf16_logits(top_k, top_p):
-    n, vocab = 240, 32000
+    n, vocab = 120, 32000  # each row is checked against three naive per-row references
     x = bf16_logits(n, vocab, seed=top_k or 7)
     if top_k is not None:
         ranked = torch.sort(x, dim=1, descending=True).values
