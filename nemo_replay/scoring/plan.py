@@ -369,7 +369,7 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     every = n == N
     support_pos = torch.arange(N, device=call.device) if every else nonzero(valid, n)
     full_pos = nonzero(fallback, e) if e else support_pos.new_zeros(0)
-    pick = lambda t: t if every else t[support_pos]  # noqa: E731
+    pick = lambda t: t if every else t.index_select(0, support_pos)  # noqa: E731
     ids, col = pick(ids_all), pick(col_all)
     local = None
     if got["absent"]:

@@ -279,7 +279,7 @@ class PackedTensor(Segmented):
         ``[[2, -1, -1], [4, 9, -1]]``."""
         values = self.values
         k = values.shape[1]
-        out = values[rows] if values.shape[0] else values.new_full((rows.numel(), k), -1)
+        out = values.index_select(0, rows) if values.shape[0] else values.new_full((rows.numel(), k), -1)
         if width > k:
             out = torch.cat([out, out.new_full((out.shape[0], width - k), -1)], 1)
         return out
