@@ -24,9 +24,9 @@ from typing import Sequence
 import torch
 
 from nemo_replay.support.checked import Checked, carry_checked, checked
-from nemo_replay.support.validate import check_cu_seqlens, support_row_flags, validate_support_rows
+from nemo_replay.support.validate import support_row_flags, validate_support_rows
 
-__all__ = ["PackedTensor", "Segmented", "lengths_to_cu_seqlens", "segment_row_index"]
+__all__ = ["PackedTensor", "Segmented", "check_cu_seqlens", "lengths_to_cu_seqlens", "segment_row_index"]
 
 
 def lengths_to_cu_seqlens(lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -63,6 +63,39 @@ def segment_row_index(cu_seqlens: torch.Tensor, segments: torch.Tensor) -> tuple
     seg_of_row = torch.repeat_interleave(torch.arange(segments.numel()), lengths)
     within = torch.arange(total) - out_starts[seg_of_row]
     return starts[seg_of_row] + within, lengths
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, num_rows: int, *, name: str = "cu_seqlens") -> None:
+    """Check segment offsets.
+
+    Args:
+        cu_seqlens: (batch_size + 1,), integer. Must start at 0, be non-decreasing and end
+            at ``num_rows``.
+        num_rows: number of rows in the packed buffer the offsets index.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with batch_size + 1 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {cu_seqlens.dtype}")
+    if int(cu_seqlens[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(cu_seqlens[0])}")
+    if cu_seqlens.numel() > 1:
+        wide = cu_seqlens.to(torch.int64)  # uint8 differences wrap: 3 - 5 would read 254
+        steps = wide[1:] - wide[:-1]
+        bad = torch.nonzero(steps < 0)
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"{name} must be non-decreasing: segment {i} has offsets "
+                f"{int(cu_seqlens[i])} -> {int(cu_seqlens[i + 1])}"
+            )
+    if int(cu_seqlens[-1]) != num_rows:
+        raise ValueError(
+            f"{name} ends at {int(cu_seqlens[-1])} but the buffer holds {num_rows} rows; "
+            f"the last offset must equal the number of rows"
+        )
 
 
 class Segmented:

@@ -28,8 +28,8 @@ import torch
 from nemo_replay.support.checked import Checked, carry_checked, checked, tensor_version
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.membership import csr_membership
-from nemo_replay.support.packed import PackedTensor, Segmented, lengths_to_cu_seqlens, segment_row_index
-from nemo_replay.support.validate import check_cu_seqlens, describe_row
+from nemo_replay.support.packed import PackedTensor, Segmented, check_cu_seqlens, lengths_to_cu_seqlens, segment_row_index
+from nemo_replay.support.validate import describe_row
 
 __all__ = ["RaggedSupport", "as_support"]
 

@@ -16,7 +16,7 @@ import torch
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.membership import row_membership
 
-__all__ = ["check_cu_seqlens", "validate_support_rows", "support_row_flags", "describe_row", "SORT_BLOCK"]
+__all__ = ["validate_support_rows", "support_row_flags", "describe_row", "SORT_BLOCK"]
 
 # Duplicate members are found by sorting each row and comparing neighbours. Blocks of
 # 2**17 entries bound the sort's temporaries (values and int64 indices) at 1 MiB while
@@ -60,39 +60,6 @@ def support_row_flags(values: torch.Tensor, *, vocab_size: int | torch.Tensor | 
             ordered, _ = torch.sort(values[start : start + block], dim=1)
             bad = bad | ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
     return bad
-
-
-def check_cu_seqlens(cu_seqlens: torch.Tensor, num_rows: int, *, name: str = "cu_seqlens") -> None:
-    """Check segment offsets.
-
-    Args:
-        cu_seqlens: (batch_size + 1,), integer. Must start at 0, be non-decreasing and end
-            at ``num_rows``.
-        num_rows: number of rows in the packed buffer the offsets index.
-    """
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"{name} must be 1-D with batch_size + 1 entries, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {cu_seqlens.dtype}")
-    if int(cu_seqlens[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(cu_seqlens[0])}")
-    if cu_seqlens.numel() > 1:
-        wide = cu_seqlens.to(torch.int64)  # uint8 differences wrap: 3 - 5 would read 254
-        steps = wide[1:] - wide[:-1]
-        bad = torch.nonzero(steps < 0)
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(
-                f"{name} must be non-decreasing: segment {i} has offsets "
-                f"{int(cu_seqlens[i])} -> {int(cu_seqlens[i + 1])}"
-            )
-    if int(cu_seqlens[-1]) != num_rows:
-        raise ValueError(
-            f"{name} ends at {int(cu_seqlens[-1])} but the buffer holds {num_rows} rows; "
-            f"the last offset must equal the number of rows"
-        )
 
 
 def describe_row(cu_seqlens: torch.Tensor | None, row: int) -> str:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemo_replay import PackedTensor
-from nemo_replay.support.packed import lengths_to_cu_seqlens, segment_row_index
+from nemo_replay.support.packed import check_cu_seqlens, lengths_to_cu_seqlens, segment_row_index
 
 
 def _example() -> PackedTensor:
@@ -182,3 +182,19 @@ def test_batch_ops_address_whole_segments(segs, data):
     other = _pack(data.draw(segment_lists))
     assert _segs(PackedTensor.cat([pt, other])) == as_lists + _segs(other)
     assert PackedTensor.cat([pt, other]).num_rows == pt.num_rows + other.num_rows
+
+
+def test_check_cu_seqlens():
+    check_cu_seqlens(torch.tensor([0, 0, 3, 3]), 3)
+    check_cu_seqlens(torch.tensor([0]), 0)
+    with pytest.raises(ValueError, match=r"offsets must be a torch.Tensor, got list"):
+        check_cu_seqlens([0, 3], 3, name="offsets")
+    with pytest.raises(ValueError, match=r"cu_seqlens ends at 3 but the buffer holds 4 rows"):
+        check_cu_seqlens(torch.tensor([0, 3]), 4)
+
+
+def test_uint8_offsets_are_compared_widened():
+    """uint8 offsets [0, 5, 3]: 3 - 5 wraps to 254 in uint8; the decrease must still be caught."""
+    with pytest.raises(ValueError, match=r"must be non-decreasing: segment 1 has offsets 5 -> 3"):
+        check_cu_seqlens(torch.tensor([0, 5, 3], dtype=torch.uint8), 3)
+    check_cu_seqlens(torch.tensor([0, 2, 3], dtype=torch.uint8), 3)

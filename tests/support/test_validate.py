@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_replay.support.validate import check_cu_seqlens, describe_row, validate_support_rows
+from nemo_replay.support.validate import describe_row, validate_support_rows
 
 CU = torch.tensor([0, 2, 5], dtype=torch.int32)  # trajectory 0: rows 0-1, trajectory 1: rows 2-4
 
@@ -77,15 +77,6 @@ def test_bad_types(values, match):
         validate_support_rows(values)
 
 
-def test_check_cu_seqlens():
-    check_cu_seqlens(torch.tensor([0, 0, 3, 3]), 3)
-    check_cu_seqlens(torch.tensor([0]), 0)
-    with pytest.raises(ValueError, match=r"offsets must be a torch.Tensor, got list"):
-        check_cu_seqlens([0, 3], 3, name="offsets")
-    with pytest.raises(ValueError, match=r"cu_seqlens ends at 3 but the buffer holds 4 rows"):
-        check_cu_seqlens(torch.tensor([0, 3]), 4)
-
-
 @settings(max_examples=80, deadline=None)
 @given(
     rows=st.lists(st.lists(st.integers(0, 11), unique=True, min_size=0, max_size=5), min_size=1, max_size=8),
@@ -114,13 +105,6 @@ def test_valid_rows_pass_and_one_corruption_fails(rows, data):
         bad[r, len(members)] = members[0]
     with pytest.raises(ValueError, match=rf"row {r} "):
         validate_support_rows(bad, vocab_size=12)
-
-
-def test_uint8_offsets_are_compared_widened():
-    """uint8 offsets [0, 5, 3]: 3 - 5 wraps to 254 in uint8; the decrease must still be caught."""
-    with pytest.raises(ValueError, match=r"must be non-decreasing: segment 1 has offsets 5 -> 3"):
-        check_cu_seqlens(torch.tensor([0, 5, 3], dtype=torch.uint8), 3)
-    check_cu_seqlens(torch.tensor([0, 2, 3], dtype=torch.uint8), 3)
 
 
 def test_narrow_rows_and_sampled_ids_are_compared_widened():
