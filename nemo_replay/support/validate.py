@@ -1,4 +1,4 @@
-"""Invariant checks for support rows and segment offsets (docs/design.md §2).
+"""Invariant checks for support rows (docs/design.md §2); segment offsets are checked in packed.py.
 
 Every boundary where support data enters the package (capture, wire decode, collation,
 the scorer) calls these. They are vectorised: one pass over the buffer, no Python loop
