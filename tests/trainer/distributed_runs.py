@@ -1,10 +1,9 @@
 """The reference trainer on spawned gloo ranks: every multi-rank run the trainer tests read, in one spawn.
 
 Starting a rank (torch, transformers, Lightning, megatron-core) costs more than the tiny runs
-themselves, so the two-rank runs of ``test_grpo_fsdp.py``, ``test_long_runs_distributed.py``
-and ``test_grpo_megatron.py`` are phases of one spawn (the session fixture ``two_ranks`` of
-``tests/trainer/conftest.py``), and the one-rank megatron runs go in a spawn of their own
-started alongside it. A phase that raises records its traceback under its name; the test that
+themselves, so every two-rank run the trainer tests read is a phase of one spawn (the fixture
+``spawned_runs`` of ``tests/trainer/test_spawned_runs.py``, the one file of the tests that
+read them), and the one-rank megatron runs go in a spawn of their own started alongside it. A phase that raises records its traceback under its name; the test that
 reads that phase fails with it, the others still get their results.
 
 Phases run in order on every rank; the fsdp ones come first, then the megatron CPU shims

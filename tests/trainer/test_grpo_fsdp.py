@@ -1,16 +1,14 @@
-"""GRPO trainer steps with the fsdp strategy: single process here, FSDP2 / Ulysses in spawned ranks."""
+"""GRPO trainer steps with the fsdp strategy in one process (FSDP2 / Ulysses ranks: tests/trainer/test_spawned_runs.py)."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from nemo_replay.trainer.config import load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.tasks import SuccessorTask
-from tests.trainer.distributed_runs import phase
 from tests.trainer.tiny import tiny
 
 DIAGNOSTICS = {"reward", "mismatch_mean", "mismatch_max", "ratio_mean", "ratio_max_dev", "kl", "clip_fraction", "loss", "grad_norm"}
@@ -46,21 +44,3 @@ def test_replay_off_shows_the_mismatch(tmp_path):
     assert "support_mass" not in first
     # old log-probs from the rollout: the PPO ratio itself is off from the first step.
     assert first["ratio_old_max_dev"] > 1e-2
-
-
-def test_fsdp2_data_parallel_and_ulysses_sp(spawned_runs, tmp_path):
-    # FSDP2 data parallel 2 and Ulysses SP 2: phases of the shared two-rank spawn (tests/trainer/distributed_runs.py).
-    ranks = [{name: phase(rank, name) for name in ("dp2", "sp2")} for rank in spawned_runs["two"]]
-    for name in ("dp2", "sp2"):
-        h0, h1 = ranks[0][name], ranks[1][name]
-        assert h0 == h1  # every metric is reduced over the ranks
-        assert h0[0]["ratio_max_dev"] < 1e-5 and h0[0]["mismatch_max"] < 1e-5
-        assert h0[1]["ratio_max_dev"] < 1e-5
-    # SP = 2 holds one data-parallel replica: the rollouts of a single process with the same seed.
-    cfg = load_config(overrides=tiny(tmp_path / "sp1", "trainer.prompts_per_step=2", steps=2))
-    single = GRPOTrainer(cfg).fit().history
-    sp2 = ranks[0]["sp2"]
-    for a, b in zip(single, sp2):
-        assert a["reward"] == b["reward"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-        assert a["kl"] == pytest.approx(b["kl"], abs=1e-6)
