@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -23,16 +22,12 @@ import sys
 __all__ = ["measure_in_subprocess"]
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
-
-
 def _worker(spec: dict) -> dict:
     import torch
 
     from benchmarks.variants import hidden_variant, logits_variant
     from benchmarks.workloads import channels, hidden_inputs, logits_input, support_rows
+    from tests.rss import reset_high_water, rss_high_water_kib, rss_kib  # the one /proc reader (tests/rss.py)
 
     torch.set_num_threads(int(spec.get("threads", 2)))
     dtype = getattr(torch, spec["dtype"])
@@ -45,16 +40,12 @@ def _worker(spec: dict) -> dict:
     else:
         logits = logits_input(spec["T"], spec["V"], dtype).requires_grad_()
         fn = logits_variant(spec["variant"], logits, ch)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current resident set
-        method = "VmHWM"
-        base = _status_kib("VmRSS")
-    except OSError:
-        method = "ru_maxrss"
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if reset_high_water():
+        method, base = "VmHWM", rss_kib()
+    else:
+        method, base = "ru_maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     grads = fn(backward=bool(spec.get("backward", True)))
-    peak = _status_kib("VmHWM") if method == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = rss_high_water_kib() if method == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     del grads
     return {"peak_bytes": (peak - base) * 1024, "method": method}
 

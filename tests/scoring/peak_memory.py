@@ -16,16 +16,12 @@ per token, every token loss-active, gradients for hidden and weight):
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 
 import torch
 
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+from tests.rss import reset_high_water, rss_high_water_kib, rss_kib
 
 
 def measure(variant: str, tokens: int, vocab: int, hidden_size: int, k: int) -> dict:
@@ -42,9 +38,9 @@ def measure(variant: str, tokens: int, vocab: int, hidden_size: int, k: int) -> 
     loss_mask = torch.ones(tokens, dtype=torch.bool)
     input_bytes = sum(t.numel() * t.element_size() for t in (hidden, weight, rows))
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident set
-    base = _status_kib("VmRSS")
+    if not reset_high_water():
+        raise OSError("cannot reset VmHWM here (/proc/self/clear_refs)")
+    base = rss_kib()
     start = time.perf_counter()
     if variant == "support":
         out = score_aligned_support(hidden, sampled, row_ids, loss_mask, support, lm_head_weight=weight)
@@ -55,7 +51,7 @@ def measure(variant: str, tokens: int, vocab: int, hidden_size: int, k: int) -> 
         raise ValueError(f"variant must be 'support' or 'full', got {variant!r}")
     out.logprobs.sum().backward()
     seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM")
+    peak = rss_high_water_kib()
     with torch.no_grad():
         logits64 = hidden.double() @ weight.double().T
         reference = logits64.gather(1, sampled[:, None]).squeeze(1) - logits64.gather(1, rows.long()).logsumexp(1)

@@ -22,17 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-import re
 import tempfile
 
 import pytest
 
+from tests.rss import reset_high_water, rss_high_water_kib, rss_kib
+
 B, C, P, V, H, K = 8, 96, 8, 32000, 64, 64
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
 def measure(variants=("hidden", "logits", "trl")) -> dict:
@@ -90,12 +86,11 @@ def measure(variants=("hidden", "logits", "trl")) -> dict:
         run(variant).sum().backward()  # warm-up: allocator pools, lazy initialisation
         model.zero_grad(set_to_none=False)
         libc.malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        base = _kib("VmRSS")
+        assert reset_high_water(), "cannot reset VmHWM here (/proc/self/clear_refs)"
+        base = rss_kib()
         logps = run(variant)
         logps.sum().backward()
-        out[variant] = (_kib("VmHWM") - base) * 1024
+        out[variant] = (rss_high_water_kib() - base) * 1024
         out[f"{variant}_checksum"] = float(logps.detach().double().sum())
         del logps
         model.zero_grad(set_to_none=False)
