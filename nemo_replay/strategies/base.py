@@ -254,8 +254,9 @@ class ReplayStrategy(abc.ABC):
     ) -> list[RoleOutput]:
         """Run ``role`` over micro-batches and return one output per micro-batch.
 
-        The ``policy`` role also runs backward of ``loss_fn`` (default :func:`policy_objective`): gradients accumulate over micro-batches, the loss of each is
-        scaled by ``1 / len(batches)``; the caller steps the optimizer. Its outputs carry
+        The ``policy`` role also runs backward of ``loss_fn`` (default :func:`policy_objective`):
+        gradients accumulate over micro-batches, the loss of each is scaled by
+        ``1 / len(batches)``; the caller steps the optimizer. Its outputs carry
         the loss and the objective's metrics. Forward-only roles run under
         ``torch.no_grad`` and refuse a ``loss_fn``.
         """

@@ -1,6 +1,6 @@
 """The Fabric logger behind ``metrics.jsonl`` (docs/design.md §10): one JSON object per step.
 
-Non-finite values are written as ``null`` (:func:`nemo_replay.trainer.metrics.clean`), so
+Non-finite values are written as ``null`` (:func:`nemo_replay.trainer.metrics.row_text`), so
 every line is strict JSON. Kept apart from :mod:`nemo_replay.trainer.metrics` because it
 imports Lightning, which the readers of the rows do not need.
 """
@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from lightning.fabric.loggers import Logger
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from nemo_replay.trainer.metrics import clean
+from nemo_replay.trainer.metrics import row_text
 
 __all__ = ["JsonlLogger"]
 
@@ -51,10 +51,9 @@ class JsonlLogger(Logger):
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         self._root.mkdir(parents=True, exist_ok=True)
-        row = {"step": step} if step is not None else {}
-        row.update({k: clean(v) for k, v in metrics.items()})
+        row = {"step": step, **metrics} if step is not None else dict(metrics)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(row_text(row) + "\n")
 
     @rank_zero_only
     def log_hyperparams(self, params: Union[dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:

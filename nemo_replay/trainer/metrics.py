@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 
-__all__ = ["clean", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
+__all__ = ["clean", "row_text", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
 
 # (metric, title, log scale) in plot order.
 PLOTTED = (
@@ -58,7 +58,8 @@ def read_jsonl(path: Union[str, os.PathLike]) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _row_text(row: dict) -> str:
+def row_text(row: dict) -> str:
+    """One line of ``metrics.jsonl`` (no newline): strict JSON, non-finite values as null."""
     return json.dumps({k: clean(v) for k, v in row.items()})
 
 
@@ -105,7 +106,7 @@ def restore_rows(path: Union[str, os.PathLike], rows: Sequence[dict]) -> Optiona
     if extra:
         side = path.with_name(f"{path.stem}.after-step-{last}-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
         write_atomic(side, "".join(extra))
-    write_atomic(path, "".join(_row_text(r) + "\n" for r in rows))
+    write_atomic(path, "".join(row_text(r) + "\n" for r in rows))
     return side
 
 

@@ -26,8 +26,6 @@ VLLM_DEFAULT_MAX_LOGPROBS = 20
 _ABSENT = object()
 
 
-
-
 def _size(cfg, path: str, problems: list, *, default: Optional[int] = 1, minimum: int = 1, why: str) -> Optional[int]:
     """The int at ``path`` (``default`` when absent), or None after appending its problem line."""
     value = get_path(cfg, path, _ABSENT)

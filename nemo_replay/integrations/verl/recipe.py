@@ -62,9 +62,6 @@ def _plain(config: Any) -> Any:
     return config
 
 
-
-
-
 def check_verl_config(config: Any) -> None:
     """Refuse a verl config under which replay cannot run or would be bypassed.
 

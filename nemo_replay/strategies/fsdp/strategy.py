@@ -155,14 +155,11 @@ class FSDPStrategy(ReplayStrategy):
     ) -> list[RoleOutput]:
         loss_fn = start_role(role, batches, settings, loss_fn)
         # Every micro-batch is refused before the first forward runs.
-        replays = []
-        for i, batch in enumerate(batches):
-            replays.append(role_replays(batch, role, settings, where=f"micro-batch {i}"))
+        replays = [role_replays(b, role, settings, where=f"micro-batch {i}") for i, b in enumerate(batches)]
         if self.sp_size > 1:
             use_ulysses_attention(model)
         outputs = []
-        for i, batch in enumerate(batches):
-            replay = replays[i]
+        for batch, replay in zip(batches, replays):
             if role == "policy":
                 outputs.append(self._policy(model, batch, settings, replay, 1.0 / len(batches), loss_fn))
             else:
