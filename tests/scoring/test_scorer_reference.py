@@ -135,6 +135,39 @@ def test_hidden_mode_matches_reference(form, chunk_size):
     torch.testing.assert_close(gw, gw_ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("hidden", [False, True])
+def test_full_rows_skip_the_padding_mask_and_still_match_reference(hidden):
+    """When no scored row holds padding (each row's least id >= 0) the plan drops the presence mask
+    and gathers the ids as they are; scored here: the full-width rows only, among masked positions
+    whose rows are padded, so only the scored rows decide. Values and gradients, both modes."""
+    case = make_case(eos=(), seed=5, k=4)
+    full = torch.tensor([r >= 0 and len(case.sets[r]) == 4 for r in case.row_ids.flatten().tolist()])
+    lmask = case.loss_mask & full.view(case.row_ids.shape)
+    assert int(lmask.sum()) >= 5 and bool((case.loss_mask & ~lmask).any())  # padded rows stay, unscored
+    shape, temperature = lmask.shape, 0.9
+    if hidden:
+        h, w = case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
+        out = score_aligned_support(h, case.sampled_ids, case.row_ids, lmask, case.support, lm_head_weight=w,
+                                    temperature=temperature, compute_entropy=True)
+        got = torch.autograd.grad(_loss(out.logprobs, out.entropy, shape), (h, w))
+        h_ref, w_ref = case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
+        ref_inputs, ref_src = (h_ref, w_ref), h_ref @ w_ref.T
+    else:
+        src = case.logits.clone().requires_grad_()
+        out = score_aligned_support(src, case.sampled_ids, case.row_ids, lmask, case.support,
+                                    temperature=temperature, compute_entropy=True)
+        got = torch.autograd.grad(_loss(out.logprobs, out.entropy, shape), src)
+        ref_src = case.logits.clone().requires_grad_()
+        ref_inputs = (ref_src,)
+    ref = reference_scores(ref_src, case.sampled_ids, case.row_ids, lmask, case.sets, temperature=temperature)
+    want = torch.autograd.grad(_loss(ref["logprobs"], ref["entropy"], shape), ref_inputs)
+    assert torch.equal(out.valid_mask, lmask) and not out.fallback_mask.any()
+    torch.testing.assert_close(out.logprobs, ref["logprobs"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.entropy, ref["entropy"], atol=ATOL, rtol=0)
+    for g, g_ref in zip(got, want):
+        torch.testing.assert_close(g, g_ref, atol=ATOL, rtol=0)
+
+
 def test_fixed_width_and_ragged_give_identical_scores_and_grads():
     case = make_case(eos=(2,), seed=3, k=9)
     results = []
