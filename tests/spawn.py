@@ -1,9 +1,12 @@
-"""Run a function in real spawned processes joined by a process group.
+"""Run a function in real processes joined by a process group.
 
     results = run_workers(fn, world_size, *args)                  # gloo, CPU tensors
     results = run_workers(fn, world_size, *args, device="cuda")   # NCCL, one GPU per rank
+    a, b = start_workers(f, 1), start_workers(g, 2)               # two groups side by side
+    ra, rb = a.results(), b.results()
 
-``fn(rank, world_size, *args)`` must be a module-level function (it is pickled by name).
+CPU ranks are forked from the test process, GPU ranks spawned (``fn(rank, world_size, *args)``
+must then be a module-level function: it is pickled by name).
 Its return value is saved with ``torch.save`` and loaded back, so return tensors or plain
 containers of them (CUDA tensors come back on the CPU). A free TCP port on loopback is
 picked at run time.
@@ -27,6 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# CPU ranks are forked: they start with this process's imports (torch, transformers, megatron-core)
+# instead of importing them again. CUDA cannot be initialised in a forked child, so GPU ranks spawn.
+START_METHODS = {"cpu": "fork", "cuda": "spawn"}
 
 
 def devices(min_gpus: int = 1) -> list:
@@ -75,20 +81,42 @@ def _worker(rank, fn, world_size, port, out_dir, args, device):
         dist.destroy_process_group()
 
 
-def run_workers(fn, world_size: int, *args, device: str = "cpu"):
-    """Spawn ``world_size`` ranks running ``fn`` (gloo on CPU, NCCL on CUDA); return their results by rank."""
-    if device not in BACKENDS:
-        raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {device!r}")
-    if device == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"{world_size} NCCL ranks need {world_size} CUDA devices, found {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as out_dir:
+class Workers:
+    """Ranks started by :func:`start_workers`; :meth:`results` waits for them."""
+
+    def __init__(self, fn, world_size: int, args: tuple, device: str):
+        if device not in BACKENDS:
+            raise ValueError(f"device must be one of {sorted(BACKENDS)}, got {device!r}")
+        if device == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"{world_size} NCCL ranks need {world_size} CUDA devices, found {torch.cuda.device_count()}")
+        self.world_size, self._dir = world_size, tempfile.TemporaryDirectory()
+        self._ranks = mp.start_processes(_worker, args=(fn, world_size, free_port(), self._dir.name, args, device),
+                                         nprocs=world_size, join=False, start_method=START_METHODS[device])
+
+    def results(self) -> list:
+        """Each rank's return value, by rank; a ``RuntimeError`` carrying the ranks' tracebacks if one failed."""
+        out_dir = self._dir.name
         try:
-            mp.spawn(_worker, args=(fn, world_size, free_port(), out_dir, args, device), nprocs=world_size, join=True)
-        except Exception as exc:
-            errs = [
-                open(os.path.join(out_dir, name)).read()
-                for name in sorted(os.listdir(out_dir))
-                if name.endswith(".err")
-            ]
-            raise RuntimeError("distributed worker failed:\n" + "\n".join(errs)) from exc
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+            try:
+                while not self._ranks.join():
+                    pass
+            except Exception as exc:
+                errs = [open(os.path.join(out_dir, n)).read() for n in sorted(os.listdir(out_dir)) if n.endswith(".err")]
+                raise RuntimeError("distributed worker failed:\n" + "\n".join(errs)) from exc
+            return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(self.world_size)]
+        finally:
+            self._dir.cleanup()
+
+
+def start_workers(fn, world_size: int, *args, device: str = "cpu") -> Workers:
+    """Start ``world_size`` ranks running ``fn`` (gloo on CPU, NCCL on CUDA) without waiting for them.
+
+    Start every group from the main thread, then wait: a fork from a second thread while the
+    first forks can leave a child holding a lock no thread of it will release.
+    """
+    return Workers(fn, world_size, args, device)
+
+
+def run_workers(fn, world_size: int, *args, device: str = "cpu"):
+    """Run ``world_size`` ranks of ``fn`` (gloo on CPU, NCCL on CUDA); return their results by rank."""
+    return start_workers(fn, world_size, *args, device=device).results()

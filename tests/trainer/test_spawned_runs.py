@@ -15,13 +15,11 @@ megatron-core's own. FSDP2 checkpoints go through Lightning Fabric's
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from nemo_replay.trainer.config import load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
-from tests.spawn import run_workers
+from tests.spawn import start_workers
 from tests.trainer.distributed_runs import one_rank_megatron, phase, two_rank_phases
 from tests.trainer.tiny import tiny
 
@@ -30,10 +28,9 @@ from tests.trainer.tiny import tiny
 def spawned_runs(tmp_path_factory):
     """``{"two": [rank 0, rank 1] phase results, "one": [tp1, moe]}``; the two spawns run side by side."""
     out = tmp_path_factory.mktemp("spawned_runs")
-    with ThreadPoolExecutor(2) as pool:
-        one = pool.submit(run_workers, one_rank_megatron, 1, str(out / "one"))
-        two = pool.submit(run_workers, two_rank_phases, 2, str(out / "two"))
-        return {"two": two.result(), "one": one.result()[0]}
+    one = start_workers(one_rank_megatron, 1, str(out / "one"))
+    two = start_workers(two_rank_phases, 2, str(out / "two"))
+    return {"two": two.results(), "one": one.results()[0]}
 
 
 def test_fsdp2_data_parallel_and_ulysses_sp(spawned_runs, tmp_path):
