@@ -1,13 +1,13 @@
 """Hidden mode's LM-head weight gradient, summed block by block of distinct ids
-(nemo_replay/scoring/projection.py: ``_runs``, ``_block_sums``).
+(nemo_replay/scoring/projection.py: ``runs_before_read``, ``runs_after_read``, ``_block_sums``).
 
-The backward sorts the present pairs by id, cuts them into runs of one id and the runs
+The plan sorts the present pairs by id, cuts them into runs of one id and the runs
 into blocks of a few ids whose row sums stay in cache, and adds each block to the
 trainer's buffer (a kept ``.grad``, megatron's ``main_grad``) or writes it into the dense
 gradient. Checked against the float64 dense loop (tests/scoring/reference.py) on ragged
 batches with distinct ids and synthetic-EOS rows, for blocks of 1, 2 and 3 ids and the
-default size, forward and backward; the runs' worked example; and the one host read of
-the backward.
+default size, forward and backward; the runs' worked example; and the host reads: the
+runs' sizes go with the plan's one read, the backward makes none.
 """
 
 from __future__ import annotations
@@ -56,33 +56,49 @@ class _Blocks:
         self.sizes = []
         real = projection._block_sums
 
-        def observed(runs, table, rows):
-            for ids, sums in real(runs, table, rows):
+        def observed(runs, g, table, rows):
+            for ids, sums in real(runs, g, table, rows):
                 self.sizes.append(ids.numel())
                 yield ids, sums
 
         monkeypatch.setattr(projection, "_block_sums", observed)
 
 
-def test_runs_worked_example():
-    """The example of ``_runs``' docstring, with vocabulary bounds, in one host read."""
-    ids = torch.tensor([[4, 1, 7], [2, 4, -1]])  # row-major pairs: ids 4, 1, 7, 2, 4
-    flat = torch.tensor([0, 1, 2, 3, 4])
-    g = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5], dtype=torch.float64)
+def _runs(keys, valid, block, vocab_edges):
+    """runs_before_read, the read the plan makes (one ``tolist`` per value), runs_after_read."""
     with HostReads() as reads:
-        runs = projection._runs(ids, flat, g, 2, vocab_edges=[0, 3, 5, 8])
-    assert reads.total == 1, dict(reads.where)
-    assert runs.pairs.ids.tolist() == [1, 2, 4, 4, 7]
-    assert runs.pairs.rows.tolist() == [0, 1, 0, 1, 0]  # stable: the two 4s keep their order
-    assert runs.pairs.g.tolist() == [0.2, 0.4, 0.1, 0.5, 0.3]
+        state, values = projection.runs_before_read(keys, torch.cumsum(valid, 0) - 1, block, vocab_edges)
+    assert reads.total == 0, dict(reads.where)  # sizes only; the plan reads them with its own guards
+    got = {name: t.tolist() for name, t in values.items()}
+    num_pairs = int((keys < vocab_edges[-1]).sum())
+    with HostReads() as reads:
+        runs = projection.runs_after_read(state, got, num_pairs)
+    assert reads.total == 0, dict(reads.where)
+    return runs
+
+
+def test_runs_worked_example():
+    """The example of ``runs_before_read``'s docstring, with an unscored position between the rows."""
+    V = 8
+    keys = torch.tensor([[4, 1, 7], [V, V, V], [2, 4, V]])  # row-major pairs: ids 4, 1, 7, then 2, 4
+    runs = _runs(keys, torch.tensor([True, False, True]), 2, vocab_edges=[0, 3, 5, V])
+    assert runs.ids.tolist() == [1, 2, 4, 4, 7]
+    assert runs.rows.tolist() == [0, 1, 0, 1, 0]  # rows of pos: the unscored position has none; stable
+    assert runs.grid.tolist() == [1, 3, 0, 4, 2]  # where each sorted pair's gradient is in the (2, 3) grid
     assert runs.uniq.tolist() == [1, 2, 4, 7] and runs.starts.tolist() == [0, 1, 2, 4]
     assert runs.edges == [0, 2, 5]  # blocks: ids {1, 2} = pairs [0, 2), ids {4, 7} = pairs [2, 5)
     assert runs.vocab == [0, 2, 3, 4]  # first run with id >= 0, 3, 5, 8
 
 
 def test_runs_of_no_pairs():
-    runs = projection._runs(torch.full((2, 3), -1), torch.zeros(0, dtype=torch.int64), torch.zeros(0), 4, [0, 9])
+    runs = _runs(torch.full((2, 3), 9), torch.tensor([True, True]), 4, [0, 9])
     assert runs.uniq.numel() == 0 and runs.edges == [0] and runs.vocab == [0, 0]
+
+
+def test_runs_of_pairs_filling_every_entry():
+    """No key past the pairs: the vocabulary's end maps to U and the last mark to P."""
+    runs = _runs(torch.tensor([[3, 0], [3, 5]]), torch.tensor([True, True]), 1, [0, 4, 6])
+    assert runs.ids.tolist() == [0, 3, 3, 5] and runs.edges == [0, 1, 3, 4] and runs.vocab == [0, 2, 3]
 
 
 @pytest.mark.parametrize("ids_per_block", [1, 2, 3, None])
@@ -159,19 +175,21 @@ def test_bf16_buffer_gets_each_row_sum_rounded_once(monkeypatch):
 
 
 @pytest.mark.parametrize("buffer", [True, False])
-def test_backward_makes_one_host_read(buffer):
-    """Rows into a buffer, or a dense gradient with synthetic-EOS rows: the runs' bounds, read once."""
+def test_forward_makes_one_host_read_and_the_backward_none(buffer):
+    """Rows into a buffer, or a dense gradient with synthetic-EOS rows: the runs' sizes are read
+    with the plan's guards, so the backward never waits for the device."""
     case = make_case(eos=(1,), seed=24)
     h = case.hidden.clone().requires_grad_()
     w = case.weight.clone().requires_grad_()
     if buffer:
         w.grad = torch.zeros_like(w)
-    out = score_aligned_support(h, *case.channels(), lm_head_weight=w, temperature=TEMPERATURE)
+    with ProfiledReads() as reads:
+        out = score_aligned_support(h, *case.channels(), lm_head_weight=w, temperature=TEMPERATURE)
+    assert reads.total == 1, dict(reads.where)
     loss = out.logprobs.sum()
     with ProfiledReads() as reads:
         if buffer:
             loss.backward()
         else:
             torch.autograd.grad(loss, (h, w))
-    assert reads.total == 1, dict(reads.where)
-    assert all("scoring/projection.py" in where for where in reads.where), dict(reads.where)
+    assert reads.total == 0, dict(reads.where)
