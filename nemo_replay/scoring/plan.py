@@ -28,7 +28,7 @@ import torch
 from nemo_replay.layout.checks import Where, check_synthetic_eos, synthetic_eos_flag
 from nemo_replay.scoring.collectives import group_size
 from nemo_replay.scoring.guards import GUARDS, raise_id_range, raise_membership, raise_row_range, raise_sampled_vocab
-from nemo_replay.scoring.projection import PairChunk, PairRuns, runs_after_read, runs_before_read, weight_grad_sizes
+from nemo_replay.scoring.projection import PairChunk, RunSizes, run_sizes_after_read, run_sizes_before_read, weight_grad_sizes
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.checked import SupportCheck
 from nemo_replay.support.membership import row_membership
@@ -86,8 +86,8 @@ class Plan:
     ids: (n, w) global ids of each scored row; col: (n,) int64 the sampled member's column.
     local: (n, w) bool (present and held by this rank) or None when every entry is.
     flat, chunks: hidden mode's present pairs (indices into the n * w grid) and chunk bounds.
-    runs: hidden mode's pairs sorted by id for the weight gradient, sized by the plan's host
-    read (None when no weight gradient can be asked for: grad mode off, or a frozen head).
+    sizes: hidden mode's weight-gradient run sizes, read with the guards (None when no weight
+    gradient can be asked for: grad mode off, or a frozen LM head).
     vocab_size: the global vocabulary size, None under TP until the MAX all-reduce says.
     """
 
@@ -101,7 +101,7 @@ class Plan:
     local: Optional[torch.Tensor] = None
     flat: Optional[torch.Tensor] = None
     chunks: tuple = ()
-    runs: Optional[PairRuns] = None
+    sizes: Optional[RunSizes] = None
     vocab_size: Optional[int] = None
     support: Optional[Union[PackedTensor, RaggedSupport]] = None
     deferred_support_check: bool = False
@@ -323,15 +323,13 @@ class _Reads:
         return got
 
 
-def _sort_pairs(call: Call, ids_all, valid, local_all, reads: _Reads):
-    """Hidden mode's pairs sorted by local id for the weight gradient; their sizes join ``reads``."""
+def _weight_grad_sizes(call: Call, ids_all, valid, local_all, reads: _Reads) -> int:
+    """Add the weight gradient's run sizes (hidden mode) to ``reads``; returns the ids per block."""
     block, edges = weight_grad_sizes(call.weight, call.chunk_size, call.cd)
-    present = valid[:, None] & local_all
-    keys = torch.where(present, ids_all.to(torch.int64) - call.shard.start, edges[-1])
-    state, values = runs_before_read(keys, torch.cumsum(valid, 0) - 1, block, edges)
-    for name, t in values.items():
+    keys = torch.where(valid[:, None] & local_all, ids_all.to(torch.int64) - call.shard.start, edges[-1])
+    for name, t in run_sizes_before_read(keys, block, edges).items():
         reads.add(name, t)
-    return state
+    return block
 
 
 def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
@@ -364,13 +362,13 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     reads.add("e", fallback.sum())
     # An absent entry: padding (-1) in a scored row, or under TP an id another rank holds.
     reads.add("absent", (valid & (low < 0)).any() if call.tp == 1 else (valid[:, None] & ~local_all).any())
-    sorted_pairs = None
+    block = None
     if hidden:
         cum, bounds = _chunk_rows(local_all, valid, call.chunk_size)
         reads.add("pairs", cum[-1] if N else 0)
         reads.add("bounds", bounds)
         if torch.is_grad_enabled() and call.weight.requires_grad:  # the backward's sizes, read here
-            sorted_pairs = _sort_pairs(call, ids_all, valid, local_all, reads)
+            block = _weight_grad_sizes(call, ids_all, valid, local_all, reads)
     got = reads.read()  # THE host read of this call's guards and sizes
 
     check_guards(got, {
@@ -400,8 +398,8 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
         bounds = got["bounds"]
         K = len(bounds) // 2
         plan.chunks = _chunks_from([bounds[:K], bounds[K:]], P, call.chunk_size, n)
-        if sorted_pairs is not None:
-            plan.runs = runs_after_read(sorted_pairs, got, P)
+        if block is not None:
+            plan.sizes = run_sizes_after_read(got, block)
     return plan
 
 

@@ -39,9 +39,9 @@ Backward, recomputing from ``hidden`` and ``weight`` (nothing ``[pairs, H]`` is 
     grad hidden[pos[i]] = sum_j g[i, j] weight[ids[i, j]]
         per chunk an ``embedding_bag`` with per-sample weights ``g`` (one bag per row);
     grad weight[u] = sum over pairs (i, j) with ids[i, j] = u of g[i, j] hidden[pos[i]]
-        pairs sorted by id and cut into runs of one id, the runs into blocks of about a
-        thousand ids (:class:`PairRuns`: sorted before the plan's one host read, which also
-        reads their sizes, so the backward reads nothing); per block one
+        pairs sorted by id and cut into runs of one id (:func:`_runs`), the runs into blocks
+        of about a thousand ids, sized by the plan's host read (:class:`RunSizes`, counted
+        from a histogram of the ids: the backward reads nothing); per block one
         ``embedding_bag`` over hidden rows (one bag per distinct id) whose sums, still in
         cache, go straight into the buffer's rows (:func:`_block_sums`). Every gradient row
         is summed completely in the compute dtype before it is written: a bf16 weight
@@ -96,8 +96,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 __all__ = [
-    "PairChunk", "PairRuns", "project_support", "persistent_grad_buffer", "runs_after_read", "runs_before_read",
-    "weight_grad_sizes",
+    "PairChunk", "RunSizes", "project_support", "persistent_grad_buffer", "run_sizes_after_read",
+    "run_sizes_before_read", "weight_grad_sizes",
 ]
 
 
@@ -164,7 +164,7 @@ def _chunk_pairs(weight, ids, flat, c: PairChunk, cd):
 
 class _SupportProjection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, pos, ids, flat, full_pos, chunks, runs, fill, temperature, chunk_size, compute_dtype):
+    def forward(ctx, hidden, weight, pos, ids, flat, full_pos, chunks, sizes, fill, temperature, chunk_size, compute_dtype):
         cd = compute_dtype
         n, w = ids.shape
         values = torch.empty(flat.numel(), dtype=cd, device=hidden.device)
@@ -176,7 +176,7 @@ class _SupportProjection(torch.autograd.Function):
         out = torch.full((n * w,), fill, dtype=cd, device=hidden.device).index_copy_(0, flat, values).view(n, w)
         ctx.save_for_backward(hidden, weight, pos, ids, flat, full_pos)
         ctx.chunks, ctx.chunk_size, ctx.compute_dtype, ctx.temperature = chunks, chunk_size, cd, temperature
-        ctx.runs = runs
+        ctx.sizes = sizes
         ze = _full_rows(hidden[full_pos].to(cd), weight, chunk_size, cd)
         return out, ze.div_(temperature) if temperature != 1.0 else ze
 
@@ -185,23 +185,21 @@ class _SupportProjection(torch.autograd.Function):
     def backward(ctx, grad_out, grad_eos):
         hidden, weight, pos, ids, flat, full_pos = ctx.saved_tensors
         cd, chunk_size = ctx.compute_dtype, ctx.chunk_size
+        g = grad_out.reshape(-1)[flat].to(cd) / ctx.temperature  # (P,): absent entries get no gradient
         ge = grad_eos.to(cd) / ctx.temperature
-        grad_out = grad_out.reshape(-1)  # absent entries get no gradient
         grad_h = grad_w = None
         if ctx.needs_input_grad[0]:
-            g = grad_out[flat].to(cd) / ctx.temperature  # (P,) in pair order
             grad_h = _hidden_grad(hidden, weight, pos, ids, flat, full_pos, g, ge, ctx.chunks, chunk_size, cd)
         if ctx.needs_input_grad[1]:
-            runs = ctx.runs
-            if runs is None:
-                raise RuntimeError("project_support: the LM-head weight needs a gradient but no PairRuns were given "
-                                   "(the plan sorts them when grad mode is on and the weight requires grad)")
-            g = grad_out[runs.grid].to(cd) / ctx.temperature  # (P,) in sorted order
+            if ctx.sizes is None:
+                raise RuntimeError("project_support: the LM-head weight needs a gradient but no RunSizes were given "
+                                   "(the plan reads them when grad mode is on and the weight requires grad)")
             buffer = persistent_grad_buffer(weight)
             if buffer is None:
-                grad_w = _weight_grad(hidden, weight, pos, runs, g, hidden[full_pos].to(cd), ge, chunk_size, cd)
+                grad_w = _weight_grad(hidden, weight, pos, ids, flat, g, hidden[full_pos].to(cd), ge, ctx.sizes,
+                                      chunk_size, cd)
             else:
-                _accumulate_rows(buffer, hidden, pos, runs, g, hidden[full_pos].to(cd), ge, chunk_size, cd)
+                _accumulate_rows(buffer, hidden, pos, ids, flat, g, hidden[full_pos].to(cd), ge, ctx.sizes, chunk_size, cd)
                 grad_w = _handed_to_autograd(weight, buffer)
         return grad_h, grad_w, None, None, None, None, None, None, None, None, None, None
 
@@ -253,6 +251,22 @@ def _rows_times_weight(ge: torch.Tensor, weight: torch.Tensor, chunk_size: int, 
     return acc
 
 
+class _SortedPairs(NamedTuple):
+    """The present pairs sorted by id: ids (P,) int64, their row in ``pos`` (P,), g (P,) in cd."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    g: torch.Tensor
+
+
+def _sorted_pairs(ids, flat, g) -> _SortedPairs:
+    """Sort the pairs by id (stable), keeping each pair's row in ``pos`` and its gradient."""
+    w = ids.shape[1]
+    pair_ids = ids.reshape(-1)[flat]
+    order = torch.argsort(pair_ids, stable=True)
+    return _SortedPairs(pair_ids[order], torch.div(flat[order], w, rounding_mode="floor"), g[order])
+
+
 # Bytes of row sums per block of distinct ids (1024 ids at H = 2048 in float32): few enough to
 # stay in the last-level cache between the bag that sums them and the index_add_ that adds them
 # to the buffer, many enough that index_add_ runs on every thread (it runs on one below a few
@@ -262,21 +276,16 @@ def _rows_times_weight(ge: torch.Tensor, weight: torch.Tensor, chunk_size: int, 
 _BLOCK_BYTES = 8 << 20
 
 
-class PairRuns(NamedTuple):
-    """The present pairs sorted by local id (stable), cut into runs of one id, the runs into
-    blocks of ``block`` ids: what the weight gradient needs, sized before the backward.
+class _Runs(NamedTuple):
+    """The sorted pairs cut into runs of one id, the runs cut into blocks of ``block`` ids.
 
-    ids: (P,) int64 sorted local ids; rows: (P,) int64 each pair's row in ``pos``; grid: (P,)
-    int64 each pair's index in the ``n * w`` score grid (where its gradient is); uniq: (U,)
-    distinct ids, increasing; starts: (U,) the pair offset of each run; edges: host ints,
-    block b holds runs ``[b block, (b + 1) block)`` = sorted pairs ``[edges[b], edges[b + 1])``;
-    vocab: host ints, the run index of each vocabulary chunk edge (the first run whose id is
-    >= it).
+    uniq: (U,) int64 distinct local ids, increasing; starts: (U,) int64 the pair offset of
+    each run; edges: host ints, block b holds runs ``[b block, (b + 1) block)`` = sorted pairs
+    ``[edges[b], edges[b + 1])``; vocab: host ints, the run index of each requested vocabulary
+    edge (the first run whose id is >= it).
     """
 
-    ids: torch.Tensor
-    rows: torch.Tensor
-    grid: torch.Tensor
+    pairs: _SortedPairs
     uniq: torch.Tensor
     starts: torch.Tensor
     block: int
@@ -284,13 +293,16 @@ class PairRuns(NamedTuple):
     vocab: list
 
 
-class _Sorted(NamedTuple):
-    order: torch.Tensor
-    keys: torch.Tensor
-    first: torch.Tensor
-    rank: torch.Tensor
-    width: int
+class RunSizes(NamedTuple):
+    """The host sizes of the weight gradient's runs, read with the plan's guards (so the
+    backward reads nothing): U distinct ids, ``block`` ids per block, ``edges`` the pair
+    offsets of the blocks (block b = sorted pairs ``[edges[b], edges[b + 1])``), ``vocab`` the
+    run index of each vocabulary chunk edge of :func:`weight_grad_sizes`."""
+
+    num_ids: int
     block: int
+    edges: list
+    vocab: list
 
 
 def weight_grad_sizes(weight: torch.Tensor, chunk_size: int, cd: torch.dtype) -> tuple[int, list]:
@@ -299,44 +311,52 @@ def weight_grad_sizes(weight: torch.Tensor, chunk_size: int, cd: torch.dtype) ->
     return _block_ids(H, cd), list(range(0, V, max(chunk_size, 1))) + [V]
 
 
-def runs_before_read(keys: torch.Tensor, rank: torch.Tensor, block: int, vocab_edges: Sequence[int]):
-    """Sort the pairs and size their runs, with no host read: (state, device values to read).
+def run_sizes_before_read(keys: torch.Tensor, block: int, vocab_edges: Sequence[int]) -> dict:
+    """The device values :class:`RunSizes` is read from, by counting ids: no sort, no host read.
 
-    keys: (N, w) int64, each present pair's local id and ``vocab_edges[-1]`` (the local
-    vocabulary size) everywhere else, so the P pairs sort first; rank: (N,) int64 each
-    position's row in ``pos``. The values to read: ``U`` (0-d), ``edges`` (the pair offset of
-    each block mark ``0, block, 2 block, ...`` up to ``N w``; marks past the last run give P)
-    and ``vocab`` (the run index of each vocabulary edge; U past the last run). Worked
-    example, block = 2, pair ids [4, 1, 7, 2, 4] (V = 9: keys [4, 1, 7, 2, 4, 9]): sorted [1,
-    2, 4, 4, 7, 9]; first-of-run [T, T, T, F, T, F]; run index [0, 1, 2, 2, 3, U=4]; marks [0,
-    2, 4, 6] -> pair offsets [0, 2, 5, 5]: blocks pairs [0, 2) (ids 1, 2) and [2, 5) (ids 4, 7).
+    keys: (N, w) int64, each present pair's local id and ``V = vocab_edges[-1]`` elsewhere.
+    From the pairs per id (a histogram over V + 1 bins, by ``scatter_add_``: ``bincount``
+    reads the largest key on the host): ``distinct[v]`` = distinct ids
+    ``<= v``; block b starts at the first id whose ``distinct`` reaches ``b block + 1``, that
+    is after the pairs of every smaller id (P when there is none: at most ``min(V, N w)``
+    distinct ids, so the marks' count is fixed before the read); vocabulary edge e starts
+    at run ``distinct[e - 1]``. Worked example, V = 8, pair ids [4, 1, 7, 2, 4], block 2:
+    pairs per id [0 1 1 0 2 0 0 1]; distinct [0 1 2 2 3 3 3 4], U = 4; pairs before each id
+    [0 0 1 2 2 4 4 4]; marks [0 2 4 6 8] reach distinct 1, 3, 5, ... at ids 1, 4, none ->
+    edges [0 2 5 5 5] (blocks: ids {1, 2} = pairs [0, 2), ids {4, 7} = pairs [2, 5)); vocab
+    edges [0 3 5 8] -> runs [0 2 3 4].
     """
-    N, w = keys.shape
+    V = vocab_edges[-1]
     flat = keys.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    sk = flat[order]
-    present = sk < vocab_edges[-1]
-    first = present.clone()
-    first[1:] &= sk[1:] != sk[:-1]
-    U = first.sum()
-    run = torch.where(present, torch.cumsum(first, 0) - 1, U)  # non-decreasing: pairs, then U
-    marks = torch.arange(0, N * w + block, block, device=keys.device)
-    edges = torch.minimum(torch.searchsorted(run, marks), present.sum())
-    at = torch.searchsorted(sk, torch.tensor(list(vocab_edges), dtype=sk.dtype, device=sk.device))
-    vocab = torch.cat([run, U.reshape(1)])[at]
-    return _Sorted(order, sk, first, rank, w, block), {"runs_u": U, "runs_edges": edges, "runs_vocab": vocab}
+    ones = torch.ones(1, dtype=torch.int64, device=keys.device).expand(flat.numel())
+    counts = torch.zeros(V + 1, dtype=torch.int64, device=keys.device).scatter_add_(0, flat, ones)[:V]  # bincount would sync
+    distinct = torch.cumsum(counts > 0, 0)
+    U = distinct[-1] if V else counts.sum()
+    before = torch.cat([torch.cumsum(counts, 0) - counts, counts.sum().reshape(1)])  # (V + 1,) P last
+    marks = torch.arange(0, min(V, keys.numel()) + block, block, device=keys.device)
+    edges = before[torch.searchsorted(distinct, marks + 1)]
+    vocab = torch.cat([distinct.new_zeros(1), distinct])[torch.tensor(list(vocab_edges), device=keys.device)]
+    return {"runs_u": U, "runs_edges": edges, "runs_vocab": vocab}
 
 
-def runs_after_read(state: _Sorted, got: dict, num_pairs: int) -> PairRuns:
-    """The :class:`PairRuns` of :func:`runs_before_read` once its values were read (``got``)."""
-    P, U, w = num_pairs, got["runs_u"], state.width
-    order = state.order[:P]
-    rows = state.rank[torch.div(order, w, rounding_mode="floor")]
-    ids = state.keys[:P]
-    starts = torch.nonzero_static(state.first[:P], size=U).flatten()
-    num_blocks = -(-U // state.block)
-    return PairRuns(ids, rows, rows * w + order % w, ids[starts], starts, state.block,
-                    got["runs_edges"][: num_blocks + 1], got["runs_vocab"])
+def run_sizes_after_read(got: dict, block: int) -> RunSizes:
+    """:class:`RunSizes` from the values of :func:`run_sizes_before_read` as read (``got``)."""
+    U = got["runs_u"]
+    return RunSizes(U, block, got["runs_edges"][: -(-U // block) + 1], got["runs_vocab"])
+
+
+def _runs(ids, flat, g, sizes: RunSizes) -> _Runs:
+    """Sorted pairs, their runs and blocks; the sizes come from the plan's read, so no host read.
+
+    Worked example, sorted ids [1, 2, 4, 4, 7], U = 4: first-of-run [T, T, T, F, T] -> starts
+    [0, 1, 2, 4], uniq [1, 2, 4, 7].
+    """
+    p = _sorted_pairs(ids, flat, g)
+    P, device = p.ids.numel(), p.ids.device
+    first = torch.ones(P, dtype=torch.bool, device=device)
+    first[1:] = p.ids[1:] != p.ids[:-1]
+    starts = torch.nonzero_static(first, size=sizes.num_ids).flatten()
+    return _Runs(p, p.ids[starts], starts, sizes.block, sizes.edges, sizes.vocab)
 
 
 def _block_ids(H: int, cd: torch.dtype) -> int:
@@ -351,10 +371,9 @@ def _hidden_table(hidden, pos, rows, cd):
     return hidden[pos].to(cd), rows
 
 
-def _block_sums(runs: PairRuns, g: torch.Tensor, table: torch.Tensor, rows: torch.Tensor):
+def _block_sums(runs: _Runs, table: torch.Tensor, rows: torch.Tensor):
     """Yield (ids (b,), sums (b, H)) per block: each distinct id's ``sum g * table[row]`` over its
-    pairs (``g`` in sorted order), one ``embedding_bag`` per block, summed completely in the
-    compute dtype.
+    pairs, one ``embedding_bag`` per block, summed completely in the compute dtype.
 
     Worked example (w = 2, pairs as (row, id, g)):
         pairs  (0, 4, a) (0, 1, b) (1, 4, c) (1, 2, d)
@@ -362,7 +381,7 @@ def _block_sums(runs: PairRuns, g: torch.Tensor, table: torch.Tensor, rows: torc
         runs (distinct ids) [1, 2, 4] with starts [0, 1, 2]
         sums[1] = b h0,  sums[2] = d h1,  sums[4] = a h0 + c h1
     """
-    U = runs.uniq.numel()
+    g, U = runs.pairs.g, runs.uniq.numel()
     for b in range(len(runs.edges) - 1):
         r0, r1 = b * runs.block, min((b + 1) * runs.block, U)
         p0, p1 = runs.edges[b], runs.edges[b + 1]
@@ -370,29 +389,30 @@ def _block_sums(runs: PairRuns, g: torch.Tensor, table: torch.Tensor, rows: torc
         yield runs.uniq[r0:r1], sums
 
 
-def _weight_grad(hidden, weight, pos, runs: PairRuns, g, h_eos, ge, chunk_size, cd) -> torch.Tensor:
+def _weight_grad(hidden, weight, pos, ids, flat, g, h_eos, ge, sizes: RunSizes, chunk_size, cd) -> torch.Tensor:
     """The one weight-sized gradient (V, H) in the weight's dtype.
 
     Without full-vocabulary rows and with the weight in the compute dtype, one
     ``embedding_bag`` with a bag per vocabulary row writes every row exactly once. Otherwise
     vocabulary chunk [v0, v1) starts as the EOS rows' ``ge.T @ h_eos`` (or zeros) and adds
     the sums of the ids that fall in it, then is written once (converted, for a weight not in
-    the compute dtype, from a chunk-sized scratch buffer). ``g``: the pairs' gradients in
-    sorted order. No host read (the runs were sized by the plan's).
+    the compute dtype, from a chunk-sized scratch buffer). No host read (``sizes``).
     """
     V, H = weight.shape
     direct = weight.dtype == cd
     if direct and ge.shape[0] == 0:
         # One bag per vocabulary row (empty bags give zero rows): every row written exactly once.
-        table, rows = _hidden_table(hidden, pos, runs.rows, cd)
-        offsets = torch.searchsorted(runs.ids, torch.arange(V, device=runs.ids.device))
-        return F.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=g)
+        p = _sorted_pairs(ids, flat, g)
+        table, rows = _hidden_table(hidden, pos, p.rows, cd)
+        offsets = torch.searchsorted(p.ids, torch.arange(V, device=p.ids.device))
+        return F.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=p.g)
     vchunk = max(chunk_size, 1)
-    _, edges = weight_grad_sizes(weight, chunk_size, cd)  # the edges runs.vocab was read at
-    table, rows = _hidden_table(hidden, pos, runs.rows, cd)
+    _, edges = weight_grad_sizes(weight, chunk_size, cd)  # the edges sizes.vocab was read at
+    runs = _runs(ids, flat, g, sizes)
+    table, rows = _hidden_table(hidden, pos, runs.pairs.rows, cd)
     U = runs.uniq.numel()
     # All U sums at once: a dense gradient writes all V rows anyway, the (U, H) scratch is small next to it.
-    sums = torch.cat([s for _, s in _block_sums(runs, g, table, rows)]) if U else table.new_zeros(0, H)
+    sums = torch.cat([s for _, s in _block_sums(runs, table, rows)]) if U else table.new_zeros(0, H)
     grad_w = torch.empty(V, H, dtype=weight.dtype, device=weight.device)
     scratch = None if direct else torch.empty(min(vchunk, V), H, dtype=cd, device=weight.device)
     for c in range(len(edges) - 1):
@@ -444,17 +464,17 @@ def _handed_to_autograd(weight: torch.Tensor, buffer: torch.Tensor):
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)  # dropped by the hook, never read
 
 
-def _accumulate_rows(buffer, hidden, pos, runs: PairRuns, g, h_eos, ge, chunk_size, cd) -> None:
+def _accumulate_rows(buffer, hidden, pos, ids, flat, g, h_eos, ge, sizes: RunSizes, chunk_size, cd) -> None:
     """``buffer += dense weight gradient``, writing only the U touched rows (and, for
     full-vocabulary rows, every row, vocabulary chunk by vocabulary chunk).
 
     The touched rows go in block by block of distinct ids (:func:`_block_sums`): each block's
     sums, summed completely in the compute dtype, are added to the buffer's rows while they
-    are still in cache; no (U, H) scratch. ``g``: the pairs' gradients in sorted order. No
-    host read.
+    are still in cache; no (U, H) scratch. No host read (``sizes``, read by the plan).
     """
-    table, rows = _hidden_table(hidden, pos, runs.rows, cd)
-    for uniq, sums in _block_sums(runs, g, table, rows):
+    runs = _runs(ids, flat, g, sizes)
+    table, rows = _hidden_table(hidden, pos, runs.pairs.rows, cd)
+    for uniq, sums in _block_sums(runs, table, rows):
         buffer.index_add_(0, uniq, sums.to(buffer.dtype))
     if ge.shape[0]:
         V = buffer.shape[0]
@@ -476,7 +496,7 @@ def project_support(
     full_pos: torch.Tensor,
     chunks: Sequence[PairChunk],
     *,
-    runs: Optional[PairRuns],
+    sizes: Optional[RunSizes],
     fill: float,
     temperature: float = 1.0,
     chunk_size: int,
@@ -493,8 +513,8 @@ def project_support(
         full_pos: (e,), int64 rows of ``hidden`` scored over the whole local vocabulary.
         chunks: host-side bounds covering ``flat`` in order, each at most ``chunk_size``
             pairs (see :class:`PairChunk`).
-        runs: the pairs sorted by id and sized (:func:`runs_before_read` and
-            :func:`runs_after_read`) when the weight's gradient will be asked for, else None.
+        sizes: the weight gradient's run sizes (:func:`run_sizes_before_read`, read by the
+            plan) when the weight's gradient can be asked for, else None.
         fill: the score of an absent pair.
         temperature: divides every score.
         chunk_size: also the vocabulary rows per step of the full-vocabulary rows.
@@ -505,6 +525,6 @@ def project_support(
         ze: (e, V), compute_dtype.
     """
     return _SupportProjection.apply(
-        hidden, weight, pos, ids, flat, full_pos, tuple(chunks), runs, float(fill), float(temperature), int(chunk_size),
+        hidden, weight, pos, ids, flat, full_pos, tuple(chunks), sizes, float(fill), float(temperature), int(chunk_size),
         compute_dtype,
     )

@@ -127,7 +127,7 @@ def _local_support_scores(plan: Plan, compute_entropy: bool) -> _Local:
         lid = plan.ids.to(torch.int64) - call.shard.start
         # Support pairs and the few full-vocabulary rows in one function: one weight-sized gradient.
         z_sup, z_full = project_support(
-            h, call.weight, plan.support_pos, lid, plan.flat, plan.full_pos, plan.chunks, runs=plan.runs,
+            h, call.weight, plan.support_pos, lid, plan.flat, plan.full_pos, plan.chunks, sizes=plan.sizes,
             fill=lowest, temperature=call.temperature, chunk_size=call.chunk_size, compute_dtype=call.cd,
         )
     else:

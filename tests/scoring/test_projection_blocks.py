@@ -1,13 +1,13 @@
 """Hidden mode's LM-head weight gradient, summed block by block of distinct ids
-(nemo_replay/scoring/projection.py: ``runs_before_read``, ``runs_after_read``, ``_block_sums``).
+(nemo_replay/scoring/projection.py: ``run_sizes_before_read``, ``_runs``, ``_block_sums``).
 
-The plan sorts the present pairs by id, cuts them into runs of one id and the runs
+The backward sorts the present pairs by id, cuts them into runs of one id and the runs
 into blocks of a few ids whose row sums stay in cache, and adds each block to the
 trainer's buffer (a kept ``.grad``, megatron's ``main_grad``) or writes it into the dense
 gradient. Checked against the float64 dense loop (tests/scoring/reference.py) on ragged
 batches with distinct ids and synthetic-EOS rows, for blocks of 1, 2 and 3 ids and the
-default size, forward and backward; the runs' worked example; and the host reads: the
-runs' sizes go with the plan's one read, the backward makes none.
+default size, forward and backward; the run sizes' worked example and their agreement with
+sorting; and the host reads: the sizes go with the plan's one read, the backward makes none.
 """
 
 from __future__ import annotations
@@ -56,49 +56,70 @@ class _Blocks:
         self.sizes = []
         real = projection._block_sums
 
-        def observed(runs, g, table, rows):
-            for ids, sums in real(runs, g, table, rows):
+        def observed(runs, table, rows):
+            for ids, sums in real(runs, table, rows):
                 self.sizes.append(ids.numel())
                 yield ids, sums
 
         monkeypatch.setattr(projection, "_block_sums", observed)
 
 
-def _runs(keys, valid, block, vocab_edges):
-    """runs_before_read, the read the plan makes (one ``tolist`` per value), runs_after_read."""
+def _sizes(keys, block, vocab_edges):
+    """run_sizes_before_read, the plan's read of its values, run_sizes_after_read."""
     with HostReads() as reads:
-        state, values = projection.runs_before_read(keys, torch.cumsum(valid, 0) - 1, block, vocab_edges)
-    assert reads.total == 0, dict(reads.where)  # sizes only; the plan reads them with its own guards
-    got = {name: t.tolist() for name, t in values.items()}
-    num_pairs = int((keys < vocab_edges[-1]).sum())
-    with HostReads() as reads:
-        runs = projection.runs_after_read(state, got, num_pairs)
-    assert reads.total == 0, dict(reads.where)
-    return runs
+        values = projection.run_sizes_before_read(keys, block, vocab_edges)
+    assert reads.total == 0, dict(reads.where)  # the plan reads them with its guards
+    return projection.run_sizes_after_read({name: t.tolist() for name, t in values.items()}, block)
 
 
-def test_runs_worked_example():
-    """The example of ``runs_before_read``'s docstring, with an unscored position between the rows."""
+def test_run_sizes_worked_example():
+    """The example of ``run_sizes_before_read``'s docstring (an unscored row between the pairs),
+    and the runs the backward builds from those sizes with no host read."""
     V = 8
-    keys = torch.tensor([[4, 1, 7], [V, V, V], [2, 4, V]])  # row-major pairs: ids 4, 1, 7, then 2, 4
-    runs = _runs(keys, torch.tensor([True, False, True]), 2, vocab_edges=[0, 3, 5, V])
-    assert runs.ids.tolist() == [1, 2, 4, 4, 7]
-    assert runs.rows.tolist() == [0, 1, 0, 1, 0]  # rows of pos: the unscored position has none; stable
-    assert runs.grid.tolist() == [1, 3, 0, 4, 2]  # where each sorted pair's gradient is in the (2, 3) grid
+    keys = torch.tensor([[4, 1, 7], [V, V, V], [2, 4, V]])  # pairs: ids 4, 1, 7, then 2, 4
+    sizes = _sizes(keys, 2, [0, 3, 5, V])
+    assert sizes.num_ids == 4
+    assert sizes.edges == [0, 2, 5]  # blocks: ids {1, 2} = pairs [0, 2), ids {4, 7} = pairs [2, 5)
+    assert sizes.vocab == [0, 2, 3, 4]  # first run with id >= 0, 3, 5, 8
+    ids = torch.tensor([[4, 1, 7], [2, 4, -1]])  # the scored rows; pairs flat 0..4 in the (2, 3) grid
+    g = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5], dtype=torch.float64)
+    with HostReads() as reads:
+        runs = projection._runs(ids, torch.arange(5), g, sizes)
+    assert reads.total == 0, dict(reads.where)
+    assert runs.pairs.ids.tolist() == [1, 2, 4, 4, 7]
+    assert runs.pairs.rows.tolist() == [0, 1, 0, 1, 0]  # stable: the two 4s keep their order
+    assert runs.pairs.g.tolist() == [0.2, 0.4, 0.1, 0.5, 0.3]
     assert runs.uniq.tolist() == [1, 2, 4, 7] and runs.starts.tolist() == [0, 1, 2, 4]
-    assert runs.edges == [0, 2, 5]  # blocks: ids {1, 2} = pairs [0, 2), ids {4, 7} = pairs [2, 5)
-    assert runs.vocab == [0, 2, 3, 4]  # first run with id >= 0, 3, 5, 8
 
 
-def test_runs_of_no_pairs():
-    runs = _runs(torch.full((2, 3), 9), torch.tensor([True, True]), 4, [0, 9])
-    assert runs.uniq.numel() == 0 and runs.edges == [0] and runs.vocab == [0, 0]
+def test_run_sizes_of_no_pairs():
+    sizes = _sizes(torch.full((2, 3), 9), 4, [0, 9])
+    assert sizes.num_ids == 0 and sizes.edges == [0] and sizes.vocab == [0, 0]
 
 
-def test_runs_of_pairs_filling_every_entry():
-    """No key past the pairs: the vocabulary's end maps to U and the last mark to P."""
-    runs = _runs(torch.tensor([[3, 0], [3, 5]]), torch.tensor([True, True]), 1, [0, 4, 6])
-    assert runs.ids.tolist() == [0, 3, 3, 5] and runs.edges == [0, 1, 3, 4] and runs.vocab == [0, 2, 3]
+def test_run_sizes_of_pairs_filling_every_entry_and_blocks_of_one_id():
+    """No entry past the pairs, the vocabulary's end at U, a block per id."""
+    sizes = _sizes(torch.tensor([[3, 0], [3, 5]]), 1, [0, 4, 6])
+    assert sizes.num_ids == 3 and sizes.edges == [0, 1, 3, 4] and sizes.vocab == [0, 2, 3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_run_sizes_agree_with_the_sorted_runs(seed):
+    """Counted sizes against sorting: random ragged pairs, several blocks and vocabulary edges."""
+    gen = torch.Generator().manual_seed(seed)
+    V, N, w = 50, 9, 7
+    ids = torch.randint(0, V, (N, w), generator=gen)
+    present = torch.rand(N, w, generator=gen) < 0.6
+    keys = torch.where(present, ids, V)
+    for block in (1, 3, 16):
+        edges = [0, 7, 20, 33, V]
+        sizes = _sizes(keys, block, edges)
+        pair_ids = torch.sort(ids[present]).values
+        uniq = torch.unique(pair_ids)
+        assert sizes.num_ids == uniq.numel()
+        starts = [int(torch.searchsorted(pair_ids, u)) for u in uniq[::block]] + [pair_ids.numel()]
+        assert sizes.edges == starts
+        assert sizes.vocab == [int((uniq < e).sum()) for e in edges]
 
 
 @pytest.mark.parametrize("ids_per_block", [1, 2, 3, None])
