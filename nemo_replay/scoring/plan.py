@@ -266,7 +266,7 @@ def _held(ids: torch.Tensor, call: Call) -> torch.Tensor:
     return ids >= 0 if call.tp == 1 else (ids >= call.shard.start) & (ids < call.shard.end)
 
 
-def _chunk_rows(local_all: torch.Tensor, valid: torch.Tensor, chunk_size: int):
+def _chunk_rows(present: torch.Tensor, valid: torch.Tensor, chunk_size: int):
     """(pairs per position (N,), scored-row bounds (2, K)) of hidden mode's pair chunks.
 
     Chunk c holds the present pairs ``[c C, (c + 1) C)`` in row-major order; its rows run
@@ -274,9 +274,11 @@ def _chunk_rows(local_all: torch.Tensor, valid: torch.Tensor, chunk_size: int):
     last scored row when it ends early). Example, C = 2, present pairs per scored position
     [3, 1, 2]: cum [3, 4, 6]; chunk starts [0, 2, 4] lie in rows [0, 0, 2], chunk ends
     [1, 3, 5] in rows [0, 1, 2] -> chunks rows [0, 1), [0, 2), [2, 3).
+
+    present: (N, w) bool, the pairs (held entries of scored rows); valid: (N,) the scored rows.
     """
-    N, w = local_all.shape
-    counts = (local_all & valid[:, None]).sum(1)
+    N, w = present.shape
+    counts = present.sum(1)
     cum = torch.cumsum(counts, 0)
     K = -(-(N * w) // chunk_size)
     starts = torch.arange(K, device=cum.device, dtype=torch.int64) * chunk_size
@@ -323,11 +325,12 @@ class _Reads:
         return got
 
 
-def _weight_grad_sizes(call: Call, ids_all, valid, local_all, reads: _Reads) -> int:
+def _weight_grad_sizes(call: Call, ids_all, present, reads: _Reads) -> int:
     """Add the weight gradient's run sizes (hidden mode) to ``reads``; returns the ids per block."""
-    block, edges = weight_grad_sizes(call.weight, call.chunk_size, call.cd)
-    keys = torch.where(valid[:, None] & local_all, ids_all.to(torch.int64) - call.shard.start, edges[-1])
-    for name, t in run_sizes_before_read(keys, block, edges).items():
+    block, step = weight_grad_sizes(call.weight, call.chunk_size, call.cd)
+    V = call.weight.shape[0]
+    keys = torch.where(present, ids_all.to(torch.int64) - call.shard.start, V)
+    for name, t in run_sizes_before_read(keys, V, block, step).items():
         reads.add(name, t)
     return block
 
@@ -364,11 +367,12 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     reads.add("absent", (valid & (low < 0)).any() if call.tp == 1 else (valid[:, None] & ~local_all).any())
     block = None
     if hidden:
-        cum, bounds = _chunk_rows(local_all, valid, call.chunk_size)
+        present = local_all & valid[:, None]
+        cum, bounds = _chunk_rows(present, valid, call.chunk_size)
         reads.add("pairs", cum[-1] if N else 0)
         reads.add("bounds", bounds)
         if torch.is_grad_enabled() and call.weight.requires_grad:  # the backward's sizes, read here
-            block = _weight_grad_sizes(call, ids_all, valid, local_all, reads)
+            block = _weight_grad_sizes(call, ids_all, present, reads)
     got = reads.read()  # THE host read of this call's guards and sizes
 
     check_guards(got, {

@@ -297,7 +297,7 @@ class RunSizes(NamedTuple):
     """The host sizes of the weight gradient's runs, read with the plan's guards (so the
     backward reads nothing): U distinct ids, ``block`` ids per block, ``edges`` the pair
     offsets of the blocks (block b = sorted pairs ``[edges[b], edges[b + 1])``), ``vocab`` the
-    run index of each vocabulary chunk edge of :func:`weight_grad_sizes`."""
+    run index of each vocabulary chunk edge (:func:`_vocab_edges`)."""
 
     num_ids: int
     block: int
@@ -305,28 +305,33 @@ class RunSizes(NamedTuple):
     vocab: list
 
 
-def weight_grad_sizes(weight: torch.Tensor, chunk_size: int, cd: torch.dtype) -> tuple[int, list]:
-    """(ids per block, vocabulary chunk edges) of the weight gradient of ``weight`` (V, H)."""
-    V, H = weight.shape
-    return _block_ids(H, cd), list(range(0, V, max(chunk_size, 1))) + [V]
+def weight_grad_sizes(weight: torch.Tensor, chunk_size: int, cd: torch.dtype) -> tuple[int, int]:
+    """(ids per block, vocabulary rows per chunk) of the weight gradient of ``weight`` (V, H)."""
+    return _block_ids(weight.shape[1], cd), max(chunk_size, 1)
 
 
-def run_sizes_before_read(keys: torch.Tensor, block: int, vocab_edges: Sequence[int]) -> dict:
+def _vocab_edges(V: int, step: int) -> list:
+    """Host edges of the vocabulary chunks: ``[0, step, 2 step, ..., V]``."""
+    return list(range(0, V, step)) + [V]
+
+
+def run_sizes_before_read(keys: torch.Tensor, V: int, block: int, step: int) -> dict:
     """The device values :class:`RunSizes` is read from, by counting ids: no sort, no host read.
 
-    keys: (N, w) int64, each present pair's local id and ``V = vocab_edges[-1]`` elsewhere.
+    keys: (N, w) int64, each present pair's local id and ``V`` elsewhere; the vocabulary
+    edges are :func:`_vocab_edges` ``(V, step)``, built on the device (a tensor made from a
+    host list would be a copy the device stream waits for).
     From the pairs per id (a histogram over V + 1 bins, by ``scatter_add_``: ``bincount``
     reads the largest key on the host): ``distinct[v]`` = distinct ids
     ``<= v``; block b starts at the first id whose ``distinct`` reaches ``b block + 1``, that
     is after the pairs of every smaller id (P when there is none: at most ``min(V, N w)``
     distinct ids, so the marks' count is fixed before the read); vocabulary edge e starts
-    at run ``distinct[e - 1]``. Worked example, V = 8, pair ids [4, 1, 7, 2, 4], block 2:
+    at run ``distinct[e - 1]``. Worked example, V = 8, pair ids [4, 1, 7, 2, 4], block 2, step 3:
     pairs per id [0 1 1 0 2 0 0 1]; distinct [0 1 2 2 3 3 3 4], U = 4; pairs before each id
     [0 0 1 2 2 4 4 4]; marks [0 2 4 6 8] reach distinct 1, 3, 5, ... at ids 1, 4, none ->
     edges [0 2 5 5 5] (blocks: ids {1, 2} = pairs [0, 2), ids {4, 7} = pairs [2, 5)); vocab
-    edges [0 3 5 8] -> runs [0 2 3 4].
+    edges [0 3 6 8] -> runs [0 2 3 4].
     """
-    V = vocab_edges[-1]
     flat = keys.reshape(-1)
     ones = torch.ones(1, dtype=torch.int64, device=keys.device).expand(flat.numel())
     counts = torch.zeros(V + 1, dtype=torch.int64, device=keys.device).scatter_add_(0, flat, ones)[:V]  # bincount would sync
@@ -335,7 +340,8 @@ def run_sizes_before_read(keys: torch.Tensor, block: int, vocab_edges: Sequence[
     before = torch.cat([torch.cumsum(counts, 0) - counts, counts.sum().reshape(1)])  # (V + 1,) P last
     marks = torch.arange(0, min(V, keys.numel()) + block, block, device=keys.device)
     edges = before[torch.searchsorted(distinct, marks + 1)]
-    vocab = torch.cat([distinct.new_zeros(1), distinct])[torch.tensor(list(vocab_edges), device=keys.device)]
+    vocab_edges = torch.arange(0, V + step, step, device=keys.device).clamp_(max=V)
+    vocab = torch.cat([distinct.new_zeros(1), distinct])[vocab_edges]
     return {"runs_u": U, "runs_edges": edges, "runs_vocab": vocab}
 
 
@@ -406,8 +412,8 @@ def _weight_grad(hidden, weight, pos, ids, flat, g, h_eos, ge, sizes: RunSizes, 
         table, rows = _hidden_table(hidden, pos, p.rows, cd)
         offsets = torch.searchsorted(p.ids, torch.arange(V, device=p.ids.device))
         return F.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=p.g)
-    vchunk = max(chunk_size, 1)
-    _, edges = weight_grad_sizes(weight, chunk_size, cd)  # the edges sizes.vocab was read at
+    _, vchunk = weight_grad_sizes(weight, chunk_size, cd)
+    edges = _vocab_edges(V, vchunk)  # the edges sizes.vocab was read at
     runs = _runs(ids, flat, g, sizes)
     table, rows = _hidden_table(hidden, pos, runs.pairs.rows, cd)
     U = runs.uniq.numel()

@@ -64,10 +64,10 @@ class _Blocks:
         monkeypatch.setattr(projection, "_block_sums", observed)
 
 
-def _sizes(keys, block, vocab_edges):
+def _sizes(keys, V, block, step):
     """run_sizes_before_read, the plan's read of its values, run_sizes_after_read."""
     with HostReads() as reads:
-        values = projection.run_sizes_before_read(keys, block, vocab_edges)
+        values = projection.run_sizes_before_read(keys, V, block, step)
     assert reads.total == 0, dict(reads.where)  # the plan reads them with its guards
     return projection.run_sizes_after_read({name: t.tolist() for name, t in values.items()}, block)
 
@@ -77,10 +77,10 @@ def test_run_sizes_worked_example():
     and the runs the backward builds from those sizes with no host read."""
     V = 8
     keys = torch.tensor([[4, 1, 7], [V, V, V], [2, 4, V]])  # pairs: ids 4, 1, 7, then 2, 4
-    sizes = _sizes(keys, 2, [0, 3, 5, V])
+    sizes = _sizes(keys, V, 2, 3)
     assert sizes.num_ids == 4
     assert sizes.edges == [0, 2, 5]  # blocks: ids {1, 2} = pairs [0, 2), ids {4, 7} = pairs [2, 5)
-    assert sizes.vocab == [0, 2, 3, 4]  # first run with id >= 0, 3, 5, 8
+    assert sizes.vocab == [0, 2, 3, 4]  # first run with id >= 0, 3, 6, 8
     ids = torch.tensor([[4, 1, 7], [2, 4, -1]])  # the scored rows; pairs flat 0..4 in the (2, 3) grid
     g = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5], dtype=torch.float64)
     with HostReads() as reads:
@@ -93,13 +93,13 @@ def test_run_sizes_worked_example():
 
 
 def test_run_sizes_of_no_pairs():
-    sizes = _sizes(torch.full((2, 3), 9), 4, [0, 9])
+    sizes = _sizes(torch.full((2, 3), 9), 9, 4, 9)
     assert sizes.num_ids == 0 and sizes.edges == [0] and sizes.vocab == [0, 0]
 
 
 def test_run_sizes_of_pairs_filling_every_entry_and_blocks_of_one_id():
     """No entry past the pairs, the vocabulary's end at U, a block per id."""
-    sizes = _sizes(torch.tensor([[3, 0], [3, 5]]), 1, [0, 4, 6])
+    sizes = _sizes(torch.tensor([[3, 0], [3, 5]]), 6, 1, 4)
     assert sizes.num_ids == 3 and sizes.edges == [0, 1, 3, 4] and sizes.vocab == [0, 2, 3]
 
 
@@ -111,9 +111,9 @@ def test_run_sizes_agree_with_the_sorted_runs(seed):
     ids = torch.randint(0, V, (N, w), generator=gen)
     present = torch.rand(N, w, generator=gen) < 0.6
     keys = torch.where(present, ids, V)
-    for block in (1, 3, 16):
-        edges = [0, 7, 20, 33, V]
-        sizes = _sizes(keys, block, edges)
+    for block, step in ((1, 7), (3, 16), (16, 50)):
+        edges = list(range(0, V, step)) + [V]
+        sizes = _sizes(keys, V, block, step)
         pair_ids = torch.sort(ids[present]).values
         uniq = torch.unique(pair_ids)
         assert sizes.num_ids == uniq.numel()
