@@ -27,7 +27,7 @@ def _worker(spec: dict) -> dict:
 
     from benchmarks.variants import hidden_variant, logits_variant
     from benchmarks.workloads import channels, hidden_inputs, logits_input, support_rows
-    from tests.rss import reset_high_water, rss_high_water_kib, rss_kib  # the one /proc reader (tests/rss.py)
+    from benchmarks.rss import reset_high_water, rss_high_water_kib, rss_kib
 
     torch.set_num_threads(int(spec.get("threads", 2)))
     dtype = getattr(torch, spec["dtype"])

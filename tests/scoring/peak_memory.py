@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from tests.rss import reset_high_water, rss_high_water_kib, rss_kib
+from benchmarks.rss import reset_high_water, rss_high_water_kib, rss_kib
 
 
 def measure(variant: str, tokens: int, vocab: int, hidden_size: int, k: int) -> dict:

@@ -26,7 +26,7 @@ import tempfile
 
 import pytest
 
-from tests.rss import reset_high_water, rss_high_water_kib, rss_kib
+from benchmarks.rss import reset_high_water, rss_high_water_kib, rss_kib
 
 B, C, P, V, H, K = 8, 96, 8, 32000, 64, 64
 

@@ -17,7 +17,7 @@ from nemo_replay.rollout.transport.client import GenerateClient, GenerateRequest
 from nemo_replay.rollout.transport import server as server_module
 from nemo_replay.rollout.transport.server import MAX_JSON_VALUES, TOKEN_ENV, GenerateServer, read_token_file
 from nemo_replay.rollout.transport.wire import dumps
-from tests.rss import reset_high_water, rss_high_water_kib
+from benchmarks.rss import reset_high_water, rss_high_water_kib
 
 V, EOS = 48, 2
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 2

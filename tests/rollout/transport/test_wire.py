@@ -18,7 +18,7 @@ from nemo_replay.rollout.transport.wire import (
 )
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
-from tests.rss import reset_high_water, rss_high_water_kib, rss_kib
+from benchmarks.rss import reset_high_water, rss_high_water_kib, rss_kib
 
 MiB = 1 << 20
 

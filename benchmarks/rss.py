@@ -1,7 +1,8 @@
 """This process's resident memory from /proc (Linux): the high-water mark, its reset, the current size.
 
-The one reader for every peak-memory measurement: the tests' (transport, scorer, TRL) and the
-benchmarks' fresh-process peaks (benchmarks/memory.py).
+The one reader for every peak-memory measurement: the benchmarks' fresh-process peaks
+(benchmarks/memory.py) and the tests' (transport, scorer, TRL), which import it from here as
+they import the host-read counter (benchmarks/syncs.py).
 """
 
 import re
