@@ -111,8 +111,9 @@ class Workers:
 def start_workers(fn, world_size: int, *args, device: str = "cpu") -> Workers:
     """Start ``world_size`` ranks running ``fn`` (gloo on CPU, NCCL on CUDA) without waiting for them.
 
-    Start every group from the main thread, then wait: a fork from a second thread while the
-    first forks can leave a child holding a lock no thread of it will release.
+    Start every group from the main thread, then wait: two groups forked at once from two
+    threads made a rank exit 1 without reaching its own error handling (seen with the
+    trainer's shared runs); started one after the other from one thread they run side by side.
     """
     return Workers(fn, world_size, args, device)
 

@@ -1,10 +1,11 @@
-"""The reference trainer on spawned gloo ranks: every multi-rank run the trainer tests read, in one spawn.
+"""The reference trainer on gloo ranks: every multi-rank run the trainer tests read, in one group.
 
-Starting a rank (torch, transformers, Lightning, megatron-core) costs more than the tiny runs
-themselves, so every two-rank run the trainer tests read is a phase of one spawn (the fixture
+Starting a rank and building its models costs more than the tiny runs themselves, so every
+two-rank run the trainer tests read is a phase of one group of ranks (the fixture
 ``spawned_runs`` of ``tests/trainer/test_spawned_runs.py``, the one file of the tests that
-read them), and the one-rank megatron runs go in a spawn of their own started alongside it. A phase that raises records its traceback under its name; the test that
-reads that phase fails with it, the others still get their results.
+read them), and the one-rank megatron runs go in a group of their own started alongside it
+(``tests/spawn.py``: CPU ranks are forked). A phase that raises records its traceback under
+its name; the test that reads that phase fails with it, the others still get their results.
 
 Phases run in order on every rank; the fsdp ones come first, then the megatron CPU shims
 (tests/strategies/megatron/cpu_shims.py) are installed for the rest.

@@ -1,10 +1,10 @@
-"""The trainer on spawned gloo ranks: every test here reads the same two spawns.
+"""The trainer on gloo ranks: every test here reads the same two groups of ranks.
 
 ``tests/trainer/distributed_runs.py`` runs them: one rank of megatron-core (TP = 1, and an
 MoE model with route replay) beside two ranks whose phases run FSDP2 data parallel 2,
 Ulysses SP 2, megatron-core TP 2, and a stopped-then-resumed run of each backend. The tests
 that read them live in this one file, so that a parallel run (``-n 2 --dist loadfile``, one
-file per worker) spawns the ranks once; spread over files, each worker spawned them again.
+file per worker) starts the ranks once; spread over files, each worker started them again.
 
 Megatron ranks install the test-only shims of tests/strategies/megatron/cpu_shims.py (CPU
 device for megatron's CUDA calls; the missing ``te_general_gemm`` name for MoE without
