@@ -54,14 +54,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_replay.scoring.collectives import agree
+from nemo_replay.trainer import digests
 from nemo_replay.trainer.metrics import write_atomic
 
 __all__ = [
     "CHECKPOINTS",
     "MANIFEST",
     "CheckpointInfo",
+    "CheckpointMismatch",
     "CheckpointUnreadable",
     "Checkpointer",
+    "unreadable_manifests",
     "latest_checkpoint",
     "capture_rank_rng",
     "restore_rank_rng",
@@ -83,6 +87,9 @@ class CheckpointInfo:
         world_size: processes that wrote it (a resume needs as many).
         format: ``fabric`` or ``megatron-dist``.
         config: the recipe of the run that wrote it, as YAML.
+        files: ``{relative path: [size, sha256 hex]}`` of every file of the folder but
+            ``complete.json`` (:mod:`~nemo_replay.trainer.digests`); None for a checkpoint
+            written before digests were recorded (loaded unchecked).
     """
 
     path: Path
@@ -90,6 +97,7 @@ class CheckpointInfo:
     world_size: int
     format: str
     config: str
+    files: Optional[dict] = None
 
 
 class CheckpointUnreadable(RuntimeError):
@@ -100,12 +108,38 @@ class CheckpointUnreadable(RuntimeError):
         self.path, self.cause = path, cause
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint that loads but does not fit this run's model or optimizer (a recipe error, not damage)."""
+
+
 def _read_manifest(folder: Path) -> Optional[CheckpointInfo]:
     try:
-        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        return CheckpointInfo(folder, int(data["step"]), int(data["world_size"]), str(data["format"]), str(data["config"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        return _parse_manifest(folder)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _parse_manifest(folder: Path) -> CheckpointInfo:
+    data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    files = data.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str) for v in files.values())):
+        raise ValueError(f"its files entry is not {{name: [size, sha256]}}")
+    return CheckpointInfo(folder, int(data["step"]), int(data["world_size"]), str(data["format"]), str(data["config"]), files)
+
+
+def unreadable_manifests(root: Path) -> list[tuple[Path, str]]:
+    """``step-<n>`` folders under ``root`` whose ``complete.json`` is missing or does not parse, with why."""
+    if not root.is_dir():
+        return []
+    bad = []
+    for child in sorted(root.iterdir()):
+        if _COMPLETE.match(child.name) and child.is_dir():
+            try:
+                _parse_manifest(child)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                bad.append((child, f"{type(exc).__name__}: {exc}"))
+    return bad
 
 
 def latest_checkpoint(root: Path) -> Optional[CheckpointInfo]:
@@ -221,7 +255,7 @@ class _MegatronFormat:
         by_id = get_param_id_to_sharded_param_map(model_sd, params)
         missing = [pid for pid in tensor_keys if pid not in by_id]
         if missing:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"optimizer parameters {missing[:5]} have no entry in the model's sharded_state_dict(); "
                 f"build the optimizer over the model's own parameters"
             )
@@ -263,6 +297,15 @@ class _MegatronFormat:
             restored["state"][pid] = entry
         optimizer.load_state_dict(restored)
         return common
+
+
+class _Damaged(Exception):
+    """A checkpoint's file that is not what was written (missing, another size, other bytes)."""
+
+
+def _raise_if(problem: Optional[str]) -> None:
+    if problem is not None:
+        raise _Damaged(problem)
 
 
 def start_writer_helpers() -> None:
@@ -374,9 +417,11 @@ class Checkpointer:
         self.fabric.barrier()
         fmt.save(self.fabric, partial, model, optimizer, common)
         self.fabric.barrier()
+        files = self._digests(partial)
         final = self.root / f"step-{step:07d}"
         if self.fabric.is_global_zero:
-            manifest = {"step": step, "world_size": world, "format": fmt.name, "config": self.config, "written": time.time()}
+            manifest = {"step": step, "world_size": world, "format": fmt.name, "config": self.config, "written": time.time(),
+                        "files": files}
             write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
             if final.exists():
                 # Not ours to delete (a folder left by hand or by an interrupted prune): moved aside.
@@ -390,6 +435,25 @@ class Checkpointer:
         self.last = final
         return final
 
+    def _rank_world(self) -> tuple[int, int]:
+        return (dist.get_rank(), dist.get_world_size()) if self._distributed() else (0, 1)
+
+    def _digests(self, folder: Path) -> dict:
+        """``{name: [size, sha256]}`` of every file of the written ``folder`` (collective: rank 0
+        lists it, each rank hashes its share, rank 0 gets the whole; the others get None)."""
+        rank, world = self._rank_world()
+        listing = digests.list_files(folder, skip=MANIFEST) if rank == 0 else None
+        if world > 1:
+            box = [listing]
+            dist.broadcast_object_list(box, src=0)
+            listing = box[0]
+        mine = digests.digest_files(folder, digests.share(listing, rank, world))
+        if world == 1:
+            return mine
+        gathered = [None] * world
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+        return {k: v for part in gathered for k, v in part.items()} if rank == 0 else None
+
     def _space_short(self) -> Optional[str]:
         """A one-line reason when the output's free space is below the last checkpoint's size (plus 10%).
 
@@ -402,8 +466,16 @@ class Checkpointer:
         free = shutil.disk_usage(self.root).free
         if free >= need:
             return None
-        return (f"{self.root}: {free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB (the last, "
-                f"{self.last.name}, plus 10%); free space there or set trainer.keep_checkpoints lower, then resume")
+        head = (f"{self.root}: {free / 2**20:.1f} MiB free, a checkpoint needs about {need / 2**20:.1f} MiB (the last, "
+                f"{self.last.name}, plus 10%)")
+        kept = [info for info in map(_read_manifest, self.root.glob("step-*")) if info is not None]
+        # Each older checkpoint frees about what the last one holds; a resume prunes before its first step.
+        drop = -(-(need - free) * 11 // 10 // max(need, 1))
+        if len(kept) - drop >= 1:
+            return (f"{head}; free space there, or run the same command with trainer.keep_checkpoints="
+                    f"{len(kept) - drop} (it holds {len(kept)} now): the resume keeps the newest {len(kept) - drop} "
+                    f"before its first step")
+        return f"{head}; the run keeps {len(kept)} checkpoint(s) already: free space on that file system, then run the same command"
 
     def set_aside(self, bad: CheckpointUnreadable) -> Optional[CheckpointInfo]:
         """Rename an unloadable checkpoint to ``.unloadable-step-<n>-<token>`` (rank 0); collective.
@@ -431,6 +503,26 @@ class Checkpointer:
         for path in gone:
             shutil.rmtree(path, ignore_errors=True)
         return gone
+
+    def set_aside_unreadable_manifests(self) -> list[str]:
+        """Rank 0, before the first step: rename ``step-<n>`` folders whose ``complete.json`` does not
+        parse to ``.unloadable-step-<n>-<token>`` (never resumed from, never pruned as a checkpoint);
+        returns a line for each."""
+        lines = []
+        for path, why in unreadable_manifests(self.root):
+            aside = path.with_name(f".unloadable-{path.name}-{secrets.token_hex(3)}")
+            os.rename(path, aside)
+            lines.append(f"checkpoint {path} has no readable {MANIFEST} ({why}); moved it to {aside}")
+        if lines:
+            _fsync_dir(self.root)
+        return lines
+
+    def prune(self) -> None:
+        """Rank 0, on resume before the first step: keep the newest ``keep`` complete checkpoints, so
+        that a lower ``trainer.keep_checkpoints`` frees the space the next save needs."""
+        if self.fabric.is_global_zero:
+            self._prune()
+        self.fabric.barrier()
 
     def _prune(self) -> None:
         """Rank 0: drop checkpoints beyond ``keep``, partial folders left by interrupted saves, and
@@ -463,20 +555,26 @@ class Checkpointer:
                 f"checkpoint {info.path} is in the {info.format!r} format but this model saves as {fmt.name!r} "
                 f"(another strategy wrote it); resume with the recipe that wrote it, or use a new trainer.output_dir"
             )
-        cause = None
+        # Every rank decides alike: a file or shard may fail on one rank only.
+        group = dist.group.WORLD if self._distributed() else None
+        rank, world = self._rank_world()
+        if info.files is not None:
+            names = digests.share(sorted((k, v[0]) for k, v in info.files.items()), rank, world)
+            try:
+                agree(lambda: _raise_if(digests.mismatch(info.path, info.files, names)), group,
+                      device=self.fabric.device, name="checkpoint")
+            except _Damaged as bad:
+                raise CheckpointUnreadable(info.path, str(bad)) from None
         try:
-            common = fmt.load(self.fabric, info.path, model, optimizer)
-        except ValueError:
+            common = agree(lambda: fmt.load(self.fabric, info.path, model, optimizer), group,
+                           device=self.fabric.device, name="checkpoint")
+        except CheckpointMismatch:
             raise
-        except Exception as exc:  # a truncated or missing file or shard: whatever the reader raises
-            cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        if self._distributed():  # every rank learns it (a missing shard may fail one rank only)
-            flag = torch.tensor([int(cause is not None)], device=self.fabric.device)  # CUDA under NCCL
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and cause is None:
-                cause = "it failed to load on another rank"
-        if cause is not None:
-            raise CheckpointUnreadable(info.path, cause)
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:  # whatever the reader raises (torch DCP's CheckpointException is a BaseException)
+            text = str(exc).strip()
+            raise CheckpointUnreadable(info.path, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}") from None
         rank = dist.get_rank() if self._distributed() else 0
         if common.get("version") != _FORMAT_VERSION or len(common["ranks"]) != self.fabric.world_size:
             raise ValueError(

@@ -175,6 +175,8 @@ class GRPOTrainer:
         if self.fabric.is_global_zero:
             for gone in self.checkpoints.clean():
                 self.note(f"removed {gone.name}, left by an interrupted checkpoint write")
+            for line in self.checkpoints.set_aside_unreadable_manifests():
+                self.note(line)
         if self.run_dir.resume is not None:
             self._resume()
         elif self.fabric.is_global_zero:
@@ -242,6 +244,11 @@ class GRPOTrainer:
                         f"{self.fabric.world_size}; resume with the process count that wrote it"
                     ) from None
         self.run_dir.resume = info
+        # Before the first save: a lower trainer.keep_checkpoints frees the space that save checks for.
+        self.checkpoints.prune()
+        if info.step + 1 >= self.cfg.trainer.steps:
+            self.note(f"the checkpoint {info.path.name} holds steps 0..{info.step}, trainer.steps={self.cfg.trainer.steps} "
+                      f"asks for no more: nothing to train; set trainer.steps above {info.step + 1} to continue the run")
         restore_rank_rng(rank_state["rng"], self._generators())
         # The optimizer's state brought back its old settings; the recipe's are the ones in force
         # (equal unless changed on purpose with --resume-override).

@@ -33,16 +33,51 @@ def _fit(folder, world: int, *extra, steps: int):
     return GRPOTrainer(load_config(overrides=tiny(folder, *extra, steps=steps), world_size=world)).fit()
 
 
-def stop_and_resume(out_dir: str, world: int, extra: list) -> dict:
-    """Straight through 3 steps; and 2 steps (checkpoint after step 1), then a new trainer on that folder to 3."""
+def damage(folder: Path, how: str) -> str:
+    """Rank 0 damages the checkpoint ``folder`` (the others wait); returns the file it touched.
+
+    ``flip``: one bit of the largest shard of rank 1 (``__1_*``), sizes and complete.json intact;
+    ``unrecorded``: complete.json without its digests (as written before they were recorded)
+    and the largest shard cut in half, so that the loader itself fails.
+    """
+    import json
+
+    import torch.distributed as dist
+
+    state = folder / "state"
+    shards = sorted(state.glob("__1_*.distcp") if how == "flip" else state.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    target = shards[-1]
+    if dist.get_rank() == 0:
+        data = bytearray(target.read_bytes())
+        if how == "flip":
+            data[len(data) // 2] ^= 0x10
+        else:
+            data = data[: len(data) // 2]
+            manifest = json.loads((folder / "complete.json").read_text())
+            del manifest["files"]
+            (folder / "complete.json").write_text(json.dumps(manifest))
+        target.write_bytes(bytes(data))
+    dist.barrier()
+    return target.name
+
+
+def stop_and_resume(out_dir: str, world: int, extra: list, how: str) -> dict:
+    """Straight through 3 steps; and 2 steps (checkpoint after step 1), then a new trainer on that folder to 3.
+    Then the newest checkpoint (step 2) is damaged (:func:`damage`) and the same command resumes again."""
     extra = ["trainer.checkpoint_every=2", *extra]
     straight = _fit(f"{out_dir}/straight", world, *extra, steps=3)
     first = _fit(f"{out_dir}/stopped", world, *extra, steps=2)  # ends after step 1 with its checkpoint
     resumed = _fit(f"{out_dir}/stopped", world, *extra, steps=3)  # continues at step 2
     state = Path(first.last_checkpoint) / "state"
+    touched = damage(Path(resumed.last_checkpoint), how)
+    healed = _fit(f"{out_dir}/stopped", world, *extra, steps=3)  # step 2 set aside: from step 1 again
+    ckpts = Path(out_dir) / "stopped" / "checkpoints"
     return {
         "straight": rows(straight.history), "resumed": rows(resumed.history), "first_step": resumed.first_step,
         "files": sorted(p.name for p in state.iterdir()) if state.is_dir() else None,
+        "touched": touched, "healed": rows(healed.history), "healed_first_step": healed.first_step,
+        "aside": sorted(p.name.rsplit("-", 1)[0] for p in ckpts.glob(".unloadable-*")),
+        "log": (Path(out_dir) / "stopped" / "resume.log").read_text(),
     }
 
 
@@ -78,10 +113,10 @@ def _phases(out_dir: str, world: int):
     yield "dp2", lambda: _fit(f"{out_dir}/dp2", world, steps=2).history  # FSDP2 data parallel 2
     yield "sp2", lambda: _fit(f"{out_dir}/sp2", world, "parallel.sequence=2", "trainer.prompts_per_step=2",
                               steps=2).history  # Ulysses SP 2
-    yield "fsdp_resume", lambda: stop_and_resume(f"{out_dir}/fsdp", world, [])
+    yield "fsdp_resume", lambda: stop_and_resume(f"{out_dir}/fsdp", world, [], "flip")
     _megatron_shims()
     tp2 = ["replay.strategy=megatron", "parallel.tensor=2"]
-    yield "megatron_resume", lambda: stop_and_resume(f"{out_dir}/megatron", world, tp2)
+    yield "megatron_resume", lambda: stop_and_resume(f"{out_dir}/megatron", world, tp2, "unrecorded")
     yield "megatron_tp2", lambda: megatron_runs(f"{out_dir}/tp2", world, [["parallel.tensor=2"]])[0]
 
 

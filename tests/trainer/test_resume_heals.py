@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,116 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_writing_naming_path_a
     assert sorted(p.name for p in root.iterdir()) == ["step-0000000"]  # no .partial folder left
     monkeypatch.setattr(ck.shutil, "disk_usage", real)
     assert store.save(1, model, optimizer, history=[], rank_state=rank_state).name == "step-0000001"
+
+
+def test_a_bit_flipped_checkpoint_is_set_aside_by_its_digest_and_a_torn_manifest_is_named(tmp_path):
+    """A flipped bit loads without an error: only the digest recorded in complete.json tells.
+    A complete.json that does not parse was skipped silently; now it is moved aside and named."""
+    out = tmp_path / "run"
+    keep = ("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3")
+    straight = _trainer(tmp_path / "straight", *keep, steps=3).fit().history
+    _trainer(out, *keep, steps=3).fit()
+    ckpts = out / "checkpoints"
+    manifest = json.loads((ckpts / "step-0000002" / "complete.json").read_text())
+    assert sorted(manifest["files"]) == ["state"] and manifest["files"]["state"][0] == (ckpts / "step-0000002" / "state").stat().st_size
+    state = ckpts / "step-0000002" / "state"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit; the size unchanged
+    state.write_bytes(bytes(data))
+    (ckpts / "step-0000001" / "complete.json").write_text('{"step": 1, "world_')  # torn
+    trainer = _trainer(out, *keep, steps=3)
+    assert trainer.start_step == 1
+    log = (out / "resume.log").read_text()
+    assert "step-0000001 has no readable complete.json (JSONDecodeError" in log, log
+    assert "step-0000002 does not load: state does not hold the bytes written (SHA-256" in log, log
+    assert "resuming from step-0000000" in log
+    assert sorted(p.name.rsplit("-", 1)[0] for p in ckpts.glob(".unloadable-*")) == [
+        ".unloadable-step-0000001", ".unloadable-step-0000002"]
+    from tests.trainer.distributed_runs import rows
+
+    assert rows(trainer.fit().history) == rows(straight)  # the corrupted weights never trained
+
+
+def test_a_loader_error_of_any_kind_sets_the_checkpoint_aside(tmp_path, monkeypatch):
+    """torch DCP raises CheckpointException, a BaseException: it was not caught, and every
+    resume died on it. Any exception of the loader's now sets the checkpoint aside; a stop
+    (KeyboardInterrupt) still stops."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from nemo_replay.trainer import checkpoint as ck
+
+    out = tmp_path / "run"
+    keep = ("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3")
+    _trainer(out, *keep, steps=2).fit()
+    real = ck._FabricFormat.load
+    calls = []
+
+    def failing_once(self, fabric, folder, model, optimizer):
+        calls.append(folder.name)
+        if len(calls) == 1:
+            try:  # as torch DCP wraps a rank's failure (checkpoint/utils.py, _wrap_exception)
+                raise RuntimeError("shard read failed")
+            except RuntimeError as exc:
+                failure = (exc, traceback.extract_tb(exc.__traceback__))
+            raise CheckpointException("load", {0: failure})
+        return real(self, fabric, folder, model, optimizer)
+
+    monkeypatch.setattr(ck._FabricFormat, "load", failing_once)
+    assert not issubclass(CheckpointException, Exception)
+    trainer = _trainer(out, *keep, steps=2)
+    assert calls == ["step-0000001", "step-0000000"] and trainer.start_step == 1
+    assert "step-0000001 does not load: CheckpointException" in (out / "resume.log").read_text()
+    trainer.run_dir.release()
+
+    def interrupted(self, fabric, folder, model, optimizer):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck._FabricFormat, "load", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(out, *keep, steps=2)
+    assert (out / "checkpoints" / "step-0000000").is_dir()  # a stop is not damage: nothing set aside
+
+
+def test_a_full_disk_heals_with_the_command_the_message_names(tmp_path, monkeypatch):
+    """Pruning ran only after a new checkpoint was written, so lowering trainer.keep_checkpoints
+    as the message advised failed the same way. The message now names the value; the resume
+    prunes to it before its first step, and the save then fits."""
+    import errno
+    import re
+    import shutil
+    from types import SimpleNamespace
+
+    from nemo_replay.trainer import checkpoint as ck
+
+    out = tmp_path / "run"
+    _trainer(out, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=4", steps=4).fit()
+    ckpts = out / "checkpoints"
+    size = sum(f.stat().st_size for f in (ckpts / "step-0000003").rglob("*") if f.is_file())
+    real = shutil.disk_usage
+
+    def usage(path):  # a disk of 5.5 checkpoints: the four written leave 1.5 free
+        held = sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file())
+        return SimpleNamespace(free=int(5.5 * size) - held, total=real(path).total)
+
+    monkeypatch.setattr(ck.shutil, "disk_usage", usage)
+    assert usage(ckpts).free >= 1.1 * size  # one more checkpoint fits (each needs its size plus 10%)
+    _trainer(out, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0", steps=5).fit()  # keep all: now 5 held
+    with pytest.raises(OSError) as err:
+        _trainer(out, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0", steps=6).fit()
+    assert err.value.errno == errno.ENOSPC
+    message = str(err.value)
+    fix = re.search(r"run the same command with trainer.keep_checkpoints=(\d+) \(it holds 5 now\)", message)
+    assert fix, message
+    trainer = _trainer(out, "trainer.checkpoint_every=1", f"trainer.keep_checkpoints={fix.group(1)}", steps=6)
+    assert len(list(ckpts.glob("step-*"))) == int(fix.group(1))  # pruned before the first step
+    assert [r["step"] for r in trainer.fit().history] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_resume_with_fewer_steps_than_done_says_so(tmp_path):
+    out = tmp_path / "run"
+    _trainer(out, "trainer.checkpoint_every=1", steps=3).fit()
+    trainer = _trainer(out, "trainer.checkpoint_every=1", steps=2)
+    result = trainer.fit()
+    assert [r["step"] for r in result.history] == [0, 1, 2]  # nothing trained, nothing lost
+    assert ("the checkpoint step-0000002 holds steps 0..2, trainer.steps=2 asks for no more: nothing to train; "
+            "set trainer.steps above 3") in (out / "resume.log").read_text()

@@ -87,3 +87,18 @@ def test_sharded_checkpoints_resume_bit_for_bit_fsdp2_and_megatron_tp2(spawned_r
     megatron_files = ranks[0]["megatron"]["files"]
     assert {"common.pt", "metadata.json", ".metadata"} <= set(megatron_files), megatron_files
     assert sum(f.endswith(".distcp") for f in megatron_files) >= 2, megatron_files
+
+
+def test_a_damaged_sharded_checkpoint_is_set_aside_on_every_rank_and_the_one_before_resumes(spawned_runs):
+    """The newest checkpoint of each sharded format damaged after the run (``damage`` in
+    tests/trainer/distributed_runs.py): FSDP2 (torch DCP through Fabric) with one bit of rank 1's
+    shard flipped, caught by its recorded digest; megatron-core TP 2 with a shard cut in half
+    under a complete.json without digests, so that megatron's own loader fails. Either way the
+    same command sets it aside and resumes from step 1, every rank alike, to the same rows."""
+    for name, why in (("fsdp", "does not hold the bytes written (SHA-256"), ("megatron", "does not load: ")):
+        r0, r1 = (phase(rank, f"{name}_resume") for rank in spawned_runs["two"])
+        assert r0["healed_first_step"] == 2 and r0["healed"] == r1["healed"], name
+        assert r0["healed"] == r0["straight"], name  # step 2 again, bit for bit
+        assert r0["aside"] == [".unloadable-step-0000002"], (name, r0["aside"])
+        assert "checkpoint" in r0["log"] and why in r0["log"] and "resuming from step-0000001" in r0["log"], r0["log"]
+    assert "__1_0.distcp" in phase(spawned_runs["two"][0], "fsdp_resume")["log"]

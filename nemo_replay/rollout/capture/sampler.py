@@ -117,6 +117,10 @@ class CaptureResult(NamedTuple):
     support: Union[PackedTensor, RaggedSupport]
 
 
+#: The temperatures capture serves (:func:`check_capture_settings`).
+TEMPERATURE_RANGE = (0.01, 100.0)
+
+
 def check_capture_settings(
     *,
     temperature: Optional[float],
@@ -150,6 +154,13 @@ def check_capture_settings(
         errors.append(
             f"temperature={temperature!r}: capture needs a finite temperature > 0 (temperature <= 0 "
             f"means greedy decoding); set {prefix}temperature, e.g. 1.0"
+        )
+    elif not TEMPERATURE_RANGE[0] <= temperature <= TEMPERATURE_RANGE[1]:
+        errors.append(
+            f"temperature={temperature!r}: capture serves temperatures in [{TEMPERATURE_RANGE[0]}, "
+            f"{TEMPERATURE_RANGE[1]}]: vLLM samples at 0.01 whatever lower value it is sent (SamplingParams), so the "
+            f"rollout would not be the distribution replayed, and logits / temperature leave float32's range near 0 "
+            f"and past 3.4e38; set {prefix}temperature within it, e.g. 1.0"
         )
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
@@ -276,7 +287,9 @@ def _filter_index_order(
         # Mass ranked strictly above each candidate: the exclusive prefix sum.
         above = torch.zeros_like(probs)
         above[:, 1:] = torch.cumsum(probs, 1)[:, :-1]
-        keep &= above < top_p
+        # The top token always stays (its mass above is 0, and a top_p below float32's smallest
+        # number compares as 0 < 0).
+        keep[:, 1:] &= above[:, 1:] < top_p
     return cand_x, cand_ids, keep
 
 

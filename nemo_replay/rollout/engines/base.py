@@ -30,6 +30,7 @@ import torch
 
 from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.rollout.capture.sampler import check_capture_settings
+from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -143,6 +144,14 @@ def id_rows(rows: Sequence[Any], where: str) -> list[list[int]]:
     for j, r in enumerate(rows):
         if not isinstance(r, (list, tuple)):
             raise ValueError(f"{where}, position {j}: a mask row must be a list of token ids, got {type(r).__name__}")
+        if not r:
+            # Taken as it came, an empty row would read as the synthetic EOS at a response's last
+            # token (scored over the whole vocabulary) or fail far from the engine.
+            raise SupportAlignmentError(
+                f"{where}, generated token {j} of {len(rows)}: an empty sampling-mask row; a mask row always holds "
+                f"the token sampled from it, so this output is corrupted -- resample the request, and report the "
+                f"engine's version and request if it repeats"
+            )
         out.append([strict_int(t, "mask token id", f"{where}, position {j}") for t in r])
     return out
 

@@ -99,7 +99,24 @@ class GenerateResult:
         if not isinstance(lps, torch.Tensor) or lps.shape != ids.shape or not lps.dtype.is_floating_point:
             raise WireError(f"{where}: 'logprobs' must be a float array of shape {list(ids.shape)}")
         ids = ids.to(torch.int64)
+        # The checks the engine adapters apply (rollout/engines/base.py): a sampled token has a
+        # finite log-prob <= 0, and every generated token has the row it was drawn from.
+        bad = ~torch.isfinite(lps) | (lps > 1e-5)
+        if bool(bad.any()):
+            j = int(torch.nonzero(bad)[0])
+            raise WireError(
+                f"{where}: 'logprobs' at generated token {j} is {float(lps[j])!r}; a sampled token's log-prob is finite "
+                f"and <= 0 -- the server's output is corrupted ({int(bad.sum())} of {bad.numel()} such values)"
+            )
         support = support_from_wire(body["support"], sampled_ids=ids, vocab_size=vocab_size)
+        empty = ~support.nonempty_rows()
+        if bool(empty.any()):
+            j = int(torch.nonzero(empty)[0])
+            raise WireError(
+                f"{where}: the support row of generated token {j} (id {int(ids[j])}) is empty; every generated token "
+                f"comes with the row it was sampled from -- the server's output is corrupted ({int(empty.sum())} of "
+                f"{empty.numel()} rows empty)"
+            )
         routes, start = body.get("routes"), body.get("routes_start")
         if routes is not None:
             routes = routes_from_wire(routes)

@@ -185,6 +185,10 @@ def dumps(obj: Any) -> bytes:
 # ---------------------------------------------------------------------------------- decode
 
 
+_MAX_DIM = 2**31 - 1
+_LONG_INT = "wire decode: the body holds an integer of more than 4300 digits; no field of this wire takes one"
+
+
 def _check_header(shape: Any, dtype: Any, where: str) -> tuple[tuple[int, ...], torch.dtype]:
     if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise WireError(f"{where}: dtype {dtype!r} is not on the allow-list {sorted(WIRE_DTYPES)}")
@@ -194,6 +198,10 @@ def _check_header(shape: Any, dtype: Any, where: str) -> tuple[tuple[int, ...], 
         or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape)
     ):
         raise WireError(f"{where}: shape {shape!r} must be a list of at most {_MAX_DIMS} non-negative ints")
+    if any(s > _MAX_DIM for s in shape):
+        # A dimension this long needs more bytes than any body may hold (an empty array's other
+        # dimensions included: no array of this wire is that wide).
+        raise WireError(f"{where}: shape {shape!r} has a dimension over {_MAX_DIM} (2**31 - 1); corrupted header")
     return tuple(shape), WIRE_DTYPES[dtype]
 
 
@@ -293,8 +301,11 @@ def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
             pos = start
             continue
         shape_txt = m.group(1).decode()
-        shape = [int(s) for s in shape_txt.split(",")] if shape_txt else []
         where = f"wire decode, envelope at byte {i}"
+        try:
+            shape = [int(s) for s in shape_txt.split(",")] if shape_txt else []
+        except ValueError:
+            raise WireError(f"{where}: {_LONG_INT}") from None
         shape_t, dtype = _check_header(shape, m.group(2).decode(), where)
         arrays.append(_decode_b64(mv[start:j], shape_t, dtype, where))
         pieces += [mv[last:i], _marker(nonce, len(arrays) - 1)]
@@ -309,6 +320,8 @@ def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
         raise WireError("wire decode: body is not UTF-8 text; corrupted") from None
     except RecursionError:
         raise WireError("wire decode: body is JSON nested too deeply to parse; refused") from None
+    except ValueError:  # Python's cap on integer digits (4300)
+        raise WireError(_LONG_INT) from None
     try:
         return _restore(obj, arrays, _MARKER_KEY + nonce, "$")
     except RecursionError:
