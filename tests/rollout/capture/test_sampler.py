@@ -384,3 +384,15 @@ def test_keep_tied_worked_example_and_unknown_rule():
     assert capture.sample(logits, temperature=1.0, top_k=2, top_p=0.5).support.values.tolist() == [[1, -1]]
     with pytest.raises(ValueError, match="ties='vllm'.*index_order.*keep_tied"):
         capture.sample(logits, temperature=1.0, top_k=2, ties="vllm")
+
+
+@pytest.mark.parametrize("ties", ["index_order", "keep_tied"])
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-8])
+def test_a_top_p_below_float32_keeps_the_top_token(ties, top_p):
+    """top_p=1e-300 is 0 in float32: the top token's mass above (0) was not below it, the row lost
+    its top token and an internal assertion made the server answer 500. The top token always stays."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(3)) * 3
+    ids, _, support = capture.sample(logits, temperature=1.0, top_p=top_p, ties=ties, generator=torch.Generator().manual_seed(0))
+    top = logits.argmax(1)
+    assert torch.equal(ids, top)
+    assert [support.row(j).tolist() for j in range(5)] == [[int(t)] for t in top]

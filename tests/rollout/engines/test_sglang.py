@@ -126,3 +126,21 @@ def test_request_prerequisites_accept_a_mask_request():
     assert check_sglang_request(body)["top_k"] == K
     with pytest.raises(ValueError, match="--sampling-mask-max-tokens=4"):
         check_sglang_request(body, mask_max_tokens=4)
+
+
+def test_an_empty_mask_row_is_corrupted_output_named_at_the_engine(steps):
+    """As for vLLM's masks (tests/rollout/engines/test_vllm.py): an empty row at a generated token
+    never reaches the batch, whichever sampling log-prob mode the response used."""
+    from nemo_replay.support.errors import SupportAlignmentError
+
+    _, steps = steps
+    ids = [s.token for s in steps]
+    for mode in ("selected", "support"):
+        meta = sglang_meta_info(steps, mode)
+        meta["output_token_sampling_mask"] = [list(r) for r in meta["output_token_sampling_mask"]]
+        meta["output_token_sampling_mask"][-1] = []
+        if mode == "support":
+            meta["output_token_sampling_logprobs"] = list(meta["output_token_sampling_logprobs"])
+            meta["output_token_sampling_logprobs"][-1] = []
+        with pytest.raises(SupportAlignmentError, match=rf"generated token {len(steps) - 1} of {len(steps)}: an empty sampling-mask row"):
+            support_from_sglang_meta_info(meta, ids)

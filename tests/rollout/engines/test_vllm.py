@@ -280,3 +280,19 @@ def test_capture_rows_are_what_the_engine_reports(steps):
     logits = torch.randn(N, V, generator=torch.Generator().manual_seed(11)) * 2
     res = capture.sample(logits.double(), temperature=T, top_k=K, top_p=0.9, generator=torch.Generator().manual_seed(0))
     assert [set(int(t) for t in r if t >= 0) for r in res.support.values] == [set(s.mask) for s in steps]
+
+
+@pytest.mark.parametrize("where", [3, N - 1])
+def test_an_empty_mask_row_is_corrupted_output_named_at_the_engine(steps, where):
+    """A sampling-mask row always holds the token drawn from it. Empty, it was taken as no row:
+    at the response's last token the synthetic EOS (scored over the whole vocabulary), elsewhere
+    a misalignment far from the engine. Both the offline object and the HTTP lists are refused."""
+    from nemo_replay.support.errors import SupportAlignmentError
+
+    rows = [list(s.mask) for s in steps]
+    rows[where] = []
+    ids = [s.token for s in steps]
+    for mask in (SamplingMask(rows), rows):
+        with pytest.raises(SupportAlignmentError, match=rf"vLLM sampling-mask adapter, generated token {where} of {N}: an empty "
+                           r"sampling-mask row; .* this output is corrupted"):
+            support_from_vllm_sampling_mask(mask, ids, vocab_size=V)

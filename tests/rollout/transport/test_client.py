@@ -209,3 +209,37 @@ def test_a_response_that_fails_validation_is_not_retried():
                 return client.num_retries, server.num_requests
 
     assert asyncio.run(go()) == (0, 1)
+
+
+@pytest.mark.parametrize("fault, match", [
+    ("nan", r"'logprobs' at generated token 1 is nan; a sampled token's log-prob is finite and <= 0"),
+    ("inf", r"'logprobs' at generated token 1 is inf"),
+    ("positive", r"'logprobs' at generated token 1 is 0.5"),
+    ("empty_row", r"the support row of generated token 1 \(id \d+\) is empty; every generated token comes with the row"),
+])
+def test_the_client_applies_the_adapters_value_checks(fault, match):
+    """The engine adapters refuse these values; the wire client returned them as a rollout."""
+    from nemo_replay.rollout.transport.wire import dumps, loads
+
+    @web.middleware
+    async def spoil(request, handler):
+        resp = await handler(request)
+        body = loads(resp.body)
+        if fault == "empty_row":
+            rows = body["support"]["rows"].clone()
+            rows[1] = -1
+            body["support"]["rows"] = rows
+        else:
+            body["logprobs"] = body["logprobs"].clone()
+            body["logprobs"][1] = {"nan": float("nan"), "inf": float("inf"), "positive": 0.5}[fault]
+        return web.Response(body=dumps(body), content_type="application/json")
+
+    async def go():
+        async with GenerateServer(logits_fn, vocab_size=V, middlewares=[spoil]) as server:
+            async with GenerateClient(server.url, backoff_s=0.01) as client:
+                with pytest.raises(GenerateRequestError, match="failed validation") as err:
+                    await client.generate([5], sampling_params={**PARAMS, "max_new_tokens": 3}, seed=0)
+                return err.value, client.num_retries
+
+    err, retries = asyncio.run(go())
+    assert retries == 0 and isinstance(err.__cause__, WireError) and __import__("re").search(match, str(err.__cause__)), err.__cause__

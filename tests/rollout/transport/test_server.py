@@ -101,6 +101,13 @@ BAD = [
     (b'{"input_ids": [5, 6', "not valid JSON"),
     (b"[" * 50_000 + b"]" * 50_000, "nested too deeply"),
     (b'{"input_ids": {"data": "AQ==", "shape": [1], "dtype": "int8", "x": 1}}', "unexpected keys"),
+    # Values the checks once let through to a 500 (issue: "400, never 500").
+    (edit("sampling_params.temperature", 1e-320), r"temperature=1e-320: capture serves temperatures in \[0.01, 100.0\]"),
+    (edit("sampling_params.temperature", 1e308), r"temperature=1e\+308: capture serves temperatures"),
+    (b'{"input_ids": {"data": "", "shape": [0, 100000000000000000000000], "dtype": "int32"}}',
+     r"has a dimension over 2147483647"),  # was a TypeError
+    (b'{"input_ids": [5], "seed": ' + b"9" * 4301 + b"}", "an integer of more than 4300 digits; no field"),
+    (b'{"input_ids": {"data": "", "shape": [0,' + b"9" * 4301 + b'], "dtype": "int32"}}', "more than 4300 digits"),
 ]
 
 
@@ -112,6 +119,7 @@ def test_every_bad_field_is_a_400_naming_it():
     for (status, reply), (body, match) in zip(answers, BAD):
         assert status == 400, (body[:80], status, reply)
         assert re.search(match, reply["error"]), (reply["error"], match)
+        assert "set_int_max_str_digits" not in reply["error"]  # Python's advice is not the client's fix
     assert answers[-1][0] == 200  # the same server still answers a good request
 
 
