@@ -212,6 +212,8 @@ def build_server(args: Sequence[str], ns: argparse.Namespace):
         logits_fn, vocab_size=cfg.model.vocab_size, eos_id=cfg.generation.stop_token_id, host=ns.host, port=ns.port,
         token=token, max_new_tokens_cap=ns.max_new_tokens_cap, max_body_bytes=ns.max_body_bytes,
         max_json_values=ns.max_json_values, body_timeout_s=ns.body_timeout_s, max_concurrent=ns.max_concurrent,
+        max_context_tokens=cfg.model.max_position_embeddings, max_connections=ns.max_connections,
+        idle_timeout_s=ns.idle_timeout_s,
     )
 
 
@@ -263,6 +265,10 @@ def _serve_options(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument("--body-timeout-s", type=float, default=30.0, help="a body slower than this gets 408")
     cmd.add_argument("--max-concurrent", type=int, default=64, help="requests past this get 429")
+    cmd.add_argument("--max-connections", type=int, default=256,
+                     help="open connections past this get 503 and are closed (keep it under ulimit -n)")
+    cmd.add_argument("--idle-timeout-s", type=float, default=15.0,
+                     help="a connection idle, or still sending its headers, this long is closed")
 
 
 COMMANDS = {

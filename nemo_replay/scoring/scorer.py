@@ -395,6 +395,8 @@ def score_full_vocabulary(
     lm_head_weight: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    trajectory_ids: Optional[torch.Tensor] = None,
+    token_positions: Optional[torch.Tensor] = None,
 ) -> SupportScores:
     """The replay-off path: ``log_softmax(z/T)[sampled]`` over the whole (sharded) vocabulary.
 
@@ -403,10 +405,11 @@ def score_full_vocabulary(
     vocabulary). Positions where ``loss_mask`` is zero are not scored (all are by default).
     Builds ``[positions, V_local]`` float scores: this is the cost replay avoids. In hidden
     mode the logits are the LM head's own product in the weight's dtype (float64 when the
-    hidden states or the weight are), converted to the compute dtype.
+    hidden states or the weight are), converted to the compute dtype. ``trajectory_ids`` and
+    ``token_positions`` only name a bad position in an error, as in :func:`score_aligned_support`.
     """
-    call = prepare(source, sampled_ids, None, loss_mask, None, shard=shard, lm_head_weight=lm_head_weight,
-                   temperature=temperature, chunk_size=None, needs_rows=False)
+    call = prepare(source, sampled_ids, None, loss_mask, trajectory_ids, shard=shard, lm_head_weight=lm_head_weight,
+                   temperature=temperature, chunk_size=None, needs_rows=False, token_positions=token_positions)
     plan = plan_full(call)
     totals = _reduce(plan, _local_full_scores(plan), compute_entropy, False)
     return _scatter(plan, totals, compute_entropy)

@@ -137,6 +137,7 @@ def score_role(source, channels, support, settings: RoleSettings, replay: bool, 
     return score_full_vocabulary(
         source, channels.sampled_ids, loss_mask=channels.trajectory_ids >= 0, shard=shard,
         lm_head_weight=lm_head_weight, temperature=settings.temperature, compute_entropy=settings.compute_entropy,
+        trajectory_ids=channels.trajectory_ids, token_positions=channels.token_positions,
     )
 
 

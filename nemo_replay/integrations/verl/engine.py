@@ -128,6 +128,15 @@ def read_responses(data) -> Responses:
     """
     if SUPPORT_KEY not in data.keys():
         raise _missing_support()
+    nested = getattr(data["responses"], "is_nested", False) if "responses" in data.keys() else False
+    need = ("responses", "response_mask", "prompts") + (() if nested else ("attention_mask",))
+    absent = [key for key in need if key not in data.keys()]
+    if absent:
+        raise ValueError(
+            f"the batch has no {', '.join(repr(k) for k in absent)}; replay reads {', '.join(need)} as verl's agent "
+            f"loop writes them (agent_loop.py, _postprocess) -- pass the batch as the trainer built it, not a subset of "
+            f"its keys"
+        )
     rows = data[SUPPORT_KEY]
     responses = data["responses"]
     B = int(responses.size(0))
@@ -142,7 +151,20 @@ def read_responses(data) -> Responses:
         width = int(responses.offsets().diff().max()) if B else 0
         tokens = torch.nested.to_padded_tensor(responses, -1, output_size=(B, width)).to(torch.int64)
         mask_in = data["response_mask"]
-        mask = torch.nested.to_padded_tensor(mask_in, 0, output_size=(B, width)) if mask_in.is_nested else mask_in[:, :width]
+        if mask_in.is_nested:
+            if int(mask_in.size(0)) != B or not torch.equal(mask_in.offsets(), responses.offsets()):
+                raise ValueError(
+                    "batch['response_mask'] is nested with other lengths than 'responses'; one flag per response token, "
+                    "as verl's left_right_2_no_padding makes it"
+                )
+            mask = torch.nested.to_padded_tensor(mask_in, 0, output_size=(B, width))
+        elif mask_in.dim() != 2 or int(mask_in.shape[0]) != B or int(mask_in.shape[1]) < width:
+            raise ValueError(
+                f"batch['response_mask'] has shape {tuple(mask_in.shape)}, expected [{B}, >= {width}] (the widest "
+                f"response): one flag per response position"
+            )
+        else:
+            mask = mask_in[:, :width]
         if not getattr(rows, "is_nested", False) or rows.dim() != 3 or int(rows.size(0)) != B:
             raise ValueError(
                 f"batch[{SUPPORT_KEY!r}] must be nested [batch, R_i, K] like the nested 'responses' ({B} samples), got "
@@ -162,6 +184,11 @@ def read_responses(data) -> Responses:
         width = int(responses.shape[1])
         tokens = responses.to(torch.int64)
         mask = data["response_mask"]
+        if getattr(mask, "is_nested", False) or tuple(mask.shape) != (B, width):
+            raise ValueError(
+                f"batch['response_mask'] has shape {tuple(mask.shape)}, expected [{B}, {width}] like 'responses': one "
+                f"flag per response column, sliced as 'responses' is"
+            )
         if rows.dim() != 3 or tuple(rows.shape[:2]) != (B, width) or getattr(rows, "is_nested", False):
             raise ValueError(
                 f"batch[{SUPPORT_KEY!r}] has shape {tuple(rows.shape)}, expected [{B}, {width}, K]: one row per column "
@@ -202,6 +229,8 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
     resp = read_responses(data)
     tokens, mask, lengths, width = resp.tokens, resp.mask, resp.lengths, resp.width
     B = int(tokens.shape[0])
+    if B == 0 or width == 0:
+        return  # no response token: no row to check
     rows3 = resp.rows
     rows = rows3.reshape(B * width, rows3.shape[2])
     offsets = torch.arange(0, (B + 1) * width, width, dtype=torch.int64)

@@ -22,6 +22,14 @@ checkpoint; otherwise the recipe's model built from its sizes)::
 
 Hardening, in the order a request meets it:
 
+0. **Connections**: at most ``max_connections`` open at once; the next one is answered 503
+   with ``Retry-After`` and closed at once (the client retries it), never queued. A
+   connection that is outside a request for ``idle_timeout_s`` -- idle between keep-alive
+   requests, or still sending its request line and headers -- is closed: holding a
+   descriptor costs a peer nothing, and at the process's descriptor limit every real
+   request would wait. ``max_connections`` must leave descriptors under that limit
+   (checked at start). Should ``accept()`` still run out of descriptors, the event loop's
+   report is logged once per :data:`RESOURCE_LOG_INTERVAL_S` with the count since.
 1. **Auth** (optional): with a token (``token=``, ``--token-file``, ``--token`` or the
    environment variable ``NEMO_REPLAY_GENERATE_TOKEN``) every request needs
    ``Authorization: Bearer <token>``, its raw header bytes compared in constant time
@@ -29,9 +37,9 @@ Hardening, in the order a request meets it:
    included. Nothing of the body is read before this.
 2. **Admission**: at most ``max_concurrent`` requests run; the next one gets 429 with
    ``Retry-After`` (the client retries it).
-3. **Body**: at most ``max_body_bytes`` (413 beyond), read into one buffer sized from its
-   Content-Length, and it must arrive within ``body_timeout_s`` (408 and the connection
-   closed).
+3. **Body**: at most ``max_body_bytes`` (413 beyond, a declared Content-Length before any
+   byte is read), grown as its bytes arrive (a declared size reserves nothing), and it must
+   arrive within ``body_timeout_s`` (408 and the connection closed).
 4. **Decoding**, in a worker thread for bodies over 64 KiB, so the event loop keeps
    answering other requests. ``json`` turns every value into a Python object (a JSON-list
    ``input_ids`` took 8x its bytes of server memory, measured), so a body may hold at most
@@ -49,8 +57,11 @@ Hardening, in the order a request meets it:
    in ``[0, vocab_size)`` (a list of ints or an integer array; ``1.5`` or ``true`` is an
    error, never coerced); ``sampling_params`` a mapping with known keys and typed values
    (``top_k`` at most ``vocab_size``: rows are ``top_k`` wide);
-   ``max_new_tokens`` an int in ``[1, max_new_tokens_cap]``; ``routes_start`` an int in the
-   prompt; ``seed`` an int. A bad field is a 400 naming it, never a 500.
+   ``max_new_tokens`` an int in ``[1, max_new_tokens_cap]``; the prompt plus
+   ``max_new_tokens`` at most ``max_context_tokens`` (the model's context: past it the
+   positions have no embedding, and without a KV cache a long prompt holds a worker for
+   hours); ``routes_start`` an int in the prompt; ``seed`` an int. A bad field is a 400
+   naming it, never a 500.
 6. **Generation** runs one step at a time in a worker thread and stops as soon as the client
    has gone (its connection closed), so an abandoned request holds no thread or memory.
 """
@@ -62,7 +73,9 @@ import hmac
 import ipaddress
 import logging
 import os
+import resource
 import stat
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -81,6 +94,7 @@ __all__ = [
     "read_token_file",
     "TOKEN_ENV",
     "MAX_JSON_VALUES",
+    "RESOURCE_LOG_INTERVAL_S",
     "serve_until_cancelled",
 ]
 
@@ -92,6 +106,12 @@ TOKEN_ENV = "NEMO_REPLAY_GENERATE_TOKEN"
 #: Default ``max_json_values``: the most JSON values a body may hold outside its array
 #: envelopes -- about the longest ``input_ids`` the JSON-list form may carry (module doc, 4).
 MAX_JSON_VALUES = 1 << 16
+
+#: Seconds between two log lines of the event loop's "out of descriptors" report (module doc, 0).
+RESOURCE_LOG_INTERVAL_S = 10.0
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+_ACCEPT_RETRY_S = 1.0  # asyncio's constants.ACCEPT_RETRY_DELAY: a failed accept() is retried after it
+_DESCRIPTOR_MARGIN = 64  # descriptors the process keeps beyond its connections (files, pipes, the listener)
 
 _INLINE_DECODE_BYTES = 64 << 10  # bodies up to this decode on the event loop (well under 1 ms)
 _FIELDS = {"input_ids", "sampling_params", "routes_start", "seed"}
@@ -174,8 +194,12 @@ def _sampling(value: Any, cap: int, vocab_size: int) -> tuple[dict, int]:
     return params, max_new
 
 
-def parse_request(body: Any, *, vocab_size: int, max_new_tokens_cap: int) -> GenerateRequest:
-    """Validate a decoded request body; every problem is a ``ValueError`` naming its field."""
+def parse_request(body: Any, *, vocab_size: int, max_new_tokens_cap: int,
+                  max_context_tokens: Optional[int] = None) -> GenerateRequest:
+    """Validate a decoded request body; every problem is a ``ValueError`` naming its field.
+
+    ``max_context_tokens``: the model's context; the prompt plus ``max_new_tokens`` must fit (None: unchecked).
+    """
     if not isinstance(body, dict):
         raise ValueError(f"request body: expected a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - _FIELDS)
@@ -185,6 +209,12 @@ def parse_request(body: Any, *, vocab_size: int, max_new_tokens_cap: int) -> Gen
         raise ValueError("input_ids: missing; send the conversation so far as token ids")
     ids = _input_ids(body["input_ids"], vocab_size)
     sampling, max_new = _sampling(body.get("sampling_params"), max_new_tokens_cap, vocab_size)
+    if max_context_tokens is not None and ids.numel() + max_new > max_context_tokens:
+        raise ValueError(
+            f"input_ids: {ids.numel()} tokens plus sampling_params.max_new_tokens={max_new} exceed the model's context "
+            f"of {max_context_tokens} tokens; send at most {max(max_context_tokens - max_new, 0)} prompt tokens or "
+            f"lower max_new_tokens"
+        )
     start, seed = body.get("routes_start"), body.get("seed")
     if start is not None and not 0 <= _strict_int(start, "routes_start") <= ids.numel():
         raise ValueError(f"routes_start={start}: must lie in [0, {ids.numel()}] (the prompt)")
@@ -271,6 +301,10 @@ class GenerateServer:
             (module doc, 4): about the longest list-form ``input_ids``; more get 413.
         body_timeout_s: a body must arrive within this many seconds.
         max_concurrent: requests run at once; more get 429.
+        max_context_tokens: the model's context (e.g. ``max_position_embeddings``): the prompt
+            plus ``max_new_tokens`` must fit, else 400; None leaves it unchecked.
+        max_connections: connections open at once; more get 503 and are closed (module doc, 0).
+        idle_timeout_s: a connection outside a request this long is closed (module doc, 0).
         middlewares: aiohttp middlewares (tests use them to disturb responses).
     """
 
@@ -289,6 +323,9 @@ class GenerateServer:
         max_json_values: int = MAX_JSON_VALUES,
         body_timeout_s: float = 30.0,
         max_concurrent: int = 64,
+        max_context_tokens: Optional[int] = None,
+        max_connections: int = 256,
+        idle_timeout_s: float = 15.0,
         middlewares: Sequence = (),
     ):
         if not callable(logits_fn) or (routes_fn is not None and not callable(routes_fn)):
@@ -297,11 +334,13 @@ class GenerateServer:
             raise ValueError(f"GenerateServer: host={host!r} is not a loopback address; use 127.0.0.1 or ::1")
         for name, value in (("vocab_size", vocab_size), ("max_new_tokens_cap", max_new_tokens_cap),
                             ("max_body_bytes", max_body_bytes), ("max_json_values", max_json_values),
-                            ("max_concurrent", max_concurrent)):
+                            ("max_concurrent", max_concurrent), ("max_connections", max_connections),
+                            ("max_context_tokens", 1 if max_context_tokens is None else max_context_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GenerateServer: {name}={value!r}, expected an int >= 1")
-        if not body_timeout_s > 0:
-            raise ValueError(f"GenerateServer: body_timeout_s={body_timeout_s!r}, expected > 0")
+        for name, value in (("body_timeout_s", body_timeout_s), ("idle_timeout_s", idle_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"GenerateServer: {name}={value!r}, expected > 0")
         token = os.environ.get(TOKEN_ENV) if token is None else token
         if token is not None and not token:
             raise ValueError(f"GenerateServer: the bearer token is empty; pass a non-empty token or unset {TOKEN_ENV}")
@@ -309,6 +348,10 @@ class GenerateServer:
         self.host, self.port = host, port
         self.max_new_tokens_cap, self.body_timeout_s, self.max_concurrent = max_new_tokens_cap, body_timeout_s, max_concurrent
         self.max_body_bytes, self.max_json_values = max_body_bytes, max_json_values
+        self.max_context_tokens, self.max_connections, self.idle_timeout_s = max_context_tokens, max_connections, idle_timeout_s
+        self._loop_handler = None  # the event loop's exception handler before start (restored at stop)
+        self._resource_log = [0.0, 0]  # when the descriptor report was last logged, reports since
+        self._last_resource_report = 0.0  # when the loop last reported one (logged or not)
         self._expected_auth = b"Bearer " + token.encode() if token else None
         self._app = web.Application(middlewares=list(middlewares), client_max_size=max_body_bytes)
         self._app.router.add_post("/generate", self._handle)
@@ -317,10 +360,35 @@ class GenerateServer:
         self.num_requests = 0  # requests received
         self.num_active = 0  # requests running now
         self.num_abandoned = 0  # generations stopped because their client left
+        self.num_refused_connections = 0  # connections past max_connections, answered 503
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self._app, access_log=None)
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if limit != resource.RLIM_INFINITY and self.max_connections + _DESCRIPTOR_MARGIN > limit:
+            raise ValueError(
+                f"GenerateServer: max_connections={self.max_connections} plus {_DESCRIPTOR_MARGIN} descriptors for the "
+                f"process exceed its descriptor limit of {limit} (ulimit -n); lower max_connections to "
+                f"{max(limit - _DESCRIPTOR_MARGIN, 1)} or raise the limit"
+            )
+        # aiohttp's keep-alive timer runs from a connection's start and from each response until the
+        # next request's headers are complete (web_protocol.py, connection_made and _process_keepalive):
+        # it closes the idle and the header-trickling connections alike.
+        self._runner = web.AppRunner(self._app, access_log=None, keepalive_timeout=self.idle_timeout_s)
         await self._runner.setup()
+        server = self._runner.server
+        admit = server.connection_made
+
+        def connection_made(handler, transport):
+            admit(handler, transport)
+            if len(server.connections) > self.max_connections:
+                self.num_refused_connections += 1
+                transport.write(_BUSY)
+                transport.close()
+
+        server.connection_made = connection_made
+        loop = asyncio.get_running_loop()
+        self._loop_handler = loop.get_exception_handler()
+        loop.set_exception_handler(self._on_loop_error)
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         host, port = self._runner.addresses[0][:2]
@@ -331,6 +399,32 @@ class GenerateServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+            left = self._last_resource_report + _ACCEPT_RETRY_S + 0.2 - time.monotonic()
+            if self._last_resource_report and left > 0:
+                # Each failed accept() left a retry timer (asyncio's ACCEPT_RETRY_DELAY) that outlives the
+                # closed listener and fails on its descriptor -1: they fire here, under this handler.
+                await asyncio.sleep(left)
+            asyncio.get_running_loop().set_exception_handler(self._loop_handler)
+
+    def _on_loop_error(self, loop, context: dict) -> None:
+        """The loop's report of ``accept()`` out of descriptors, once per interval; the rest as before."""
+        exc = context.get("exception")
+        if isinstance(exc, ValueError) and "_start_serving" in repr(context.get("handle")) and self._last_resource_report:
+            return  # a retry timer of a failed accept() that outlived the closed listener (see stop)
+        if "out of system resource" not in str(context.get("message", "")):
+            if self._loop_handler is not None:
+                self._loop_handler(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        last, count = self._resource_log
+        now = self._last_resource_report = time.monotonic()
+        if last and now - last < RESOURCE_LOG_INTERVAL_S:
+            self._resource_log[1] = count + 1
+            return
+        logger.error("GenerateServer: accept() failed for want of file descriptors (%s); %d more such reports since "
+                     "the last line; max_connections=%d", context.get("exception"), count, self.max_connections)
+        self._resource_log[:] = [now, 0]
 
     async def __aenter__(self) -> "GenerateServer":
         await self.start()
@@ -363,19 +457,16 @@ class GenerateServer:
             return _error(413, f"request body over the server's limit of {request.client_max_size} bytes")
 
     async def _read_limited(self, request: web.Request) -> bytearray:
-        """The body in one buffer, sized from Content-Length when given (no second copy)."""
+        """The body in one buffer grown as its bytes arrive: a declared Content-Length reserves
+        nothing (twelve one-byte bodies declaring 16 MiB once held 190 MB), only refuses early."""
         limit, size = request.client_max_size, request.content_length
         if size is not None and size > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        buf, at = bytearray(size or 0), 0
+        buf = bytearray()
         async for chunk in request.content.iter_chunked(1 << 20):
-            if at + len(chunk) > limit:
-                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=at + len(chunk))
-            if size is None:
-                buf += chunk
-            else:
-                buf[at : at + len(chunk)] = chunk
-            at += len(chunk)
+            if len(buf) + len(chunk) > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(buf) + len(chunk))
+            buf += chunk
         return buf
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -418,7 +509,8 @@ class GenerateServer:
                 f'{{"data": <base64>, "shape": [T], "dtype": "int32"}} (GenerateClient and wire.dumps of a '
                 f"tensor do), which may fill the body limit of {self.max_body_bytes} bytes"
             )
-        return parse_request(loads(raw), vocab_size=self.vocab_size, max_new_tokens_cap=self.max_new_tokens_cap)
+        return parse_request(loads(raw), vocab_size=self.vocab_size, max_new_tokens_cap=self.max_new_tokens_cap,
+                             max_context_tokens=self.max_context_tokens)
 
     def _gone(self, request: web.Request) -> bool:
         transport = request.transport

@@ -118,7 +118,7 @@ def prepare_micro_batch(
         row_ids=local.row_ids,
         loss_mask=local.loss_mask,
         trajectory_ids=local.trajectory_ids,
-        token_positions=local.token_positions if replay else None,
+        token_positions=local.token_positions,
         support=batch.support.to(device) if replay else None,
     )
     if with_routes:

@@ -463,3 +463,30 @@ def test_predicted_token_channel_follows_verls_roll_pad_and_slice(single, sp_ran
         assert r["channel_failures"]["failures"] == []
     seen = [a + b for a, b in zip(*(r["channel_failures"]["seen"] for r in sp_ranks))]
     assert seen == one["expected"]
+
+
+def test_a_batch_missing_keys_or_responses_or_with_a_misshapen_mask_is_named():
+    """verl's batch check once raised KeyError for a batch without response_mask / attention_mask,
+    ``RuntimeError: step must be nonzero`` when every response was empty, and a broadcasting
+    error for a (B, R + 1) mask. Batches built as verl builds them (``engine_batches.make_batch``,
+    then ``engine_batch``: ``left_right_2_no_padding``), dense (the legacy trainer's) and nested."""
+    from nemo_replay.integrations.verl.engine import check_replay_batch
+
+    rollouts = [eb.Rollout([11, 23], [30, 31, 32], [[30, 33], [31, 34], [32, 35]], [-0.1, -0.2, -0.3]),
+                eb.Rollout([42], [36, 37], [[36, 38], [37, 39]], [-0.4, -0.5])]
+    batch = eb.make_batch(rollouts, k=2)
+    dense = batch.to_tensordict()
+    nested = eb.engine_batch(batch, calculate_entropy=False)
+    check_replay_batch(dense, vocab_size=100)
+    check_replay_batch(nested, vocab_size=100)
+    for td, keys in ((dense, ("response_mask", "attention_mask")), (nested, ("response_mask",))):
+        for key in keys:
+            with pytest.raises(ValueError, match=rf"the batch has no '{key}'; replay reads .* as verl's agent loop writes them"):
+                check_replay_batch(td.exclude(key), vocab_size=100)
+    B, R = dense["responses"].shape
+    wide = dense.clone()
+    wide["response_mask"] = torch.ones(B, R + 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=rf"batch\['response_mask'\] has shape \({B}, {R + 1}\), expected \[{B}, {R}\]"):
+        check_replay_batch(wide, vocab_size=100)
+    empty = eb.make_batch([eb.Rollout([11, 23]), eb.Rollout([42])], k=2)
+    check_replay_batch(empty.to_tensordict(), vocab_size=100)  # no response token: nothing to check, no error

@@ -688,3 +688,31 @@ def test_the_loss_closure_keeps_float64_log_probs():
     want = mb.layout.to_canonical(local, 0.0)
     assert got.dtype == torch.float64 and want.dtype == torch.float64
     assert torch.equal(got, want) and (got != 0).sum() == int(canonical_channels(batch).loss_mask.sum())
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_bad_token_in_a_packed_micro_batch_is_named_by_the_callers_trajectory_and_column(replay):
+    """Packed THD puts every trajectory in one row: with replay off the scorer named a bad token by
+    its packed index ("trajectory 0, logit position 7"); now by the caller's trajectory and column,
+    as with replay on and as every other strategy does. Through the role step's loss closure."""
+    from types import SimpleNamespace
+
+    from nemo_replay.strategies.megatron import MegatronParallel
+    from nemo_replay.strategies.megatron.batch import prepare_micro_batch
+    from nemo_replay.strategies.megatron.steps import RoleForwardStep
+
+    seq = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    am = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    lm = torch.tensor([[False, True], [True, True]])
+    seq[1, 3] = 70  # trajectory 1, column 3: outside the vocabulary of 64
+    rows = PackedTensor.from_segments([torch.tensor([[7, -1]]), torch.tensor([[10, 3], [-1, -1]])])  # its last: synthetic EOS
+    batch = ReplayBatch(seq, am, torch.tensor([1, 2]), lm, support=rows if replay else None)
+    settings = RoleSettings(replay=replay)
+    mb = prepare_micro_batch(0, batch, role="recompute", settings=settings, tp_size=1, cp_size=1, cp_rank=0,
+                             fp8=False, packed=True, device="cpu")
+    assert mb.layout.local_shape[0] == 1  # one packed row
+    step = RoleForwardStep("recompute", settings, MegatronParallel(), SimpleNamespace(sequence_parallel=False))
+    inner = SimpleNamespace(output_layer=SimpleNamespace(weight=torch.zeros(64, 8)))
+    logits = torch.randn(*mb.layout.local_shape, 64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^trajectory 1, token position 3: sampled id 70 outside the vocabulary \[0, 64\)"):
+        step._loss(mb, inner, False, logits)
