@@ -438,21 +438,46 @@ class Checkpointer:
     def _rank_world(self) -> tuple[int, int]:
         return (dist.get_rank(), dist.get_world_size()) if self._distributed() else (0, 1)
 
-    def _digests(self, folder: Path) -> dict:
-        """``{name: [size, sha256]}`` of every file of the written ``folder`` (collective: rank 0
-        lists it, each rank hashes its share, rank 0 gets the whole; the others get None)."""
+    def _digests(self, folder: Path) -> Optional[dict]:
+        """``{name: [size, digest]}`` of every file of the written ``folder`` (collective: rank 0
+        lists it, each rank hashes its share of the blocks, rank 0 combines; the others get None)."""
         rank, world = self._rank_world()
         listing = digests.list_files(folder, skip=MANIFEST) if rank == 0 else None
         if world > 1:
             box = [listing]
             dist.broadcast_object_list(box, src=0)
             listing = box[0]
-        mine = digests.digest_files(folder, digests.share(listing, rank, world))
+        mine = digests.block_digests(folder, digests.share(digests.blocks(listing), rank, world))
         if world == 1:
-            return mine
+            return digests.combine(listing, mine)
         gathered = [None] * world
         dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-        return {k: v for part in gathered for k, v in part.items()} if rank == 0 else None
+        return digests.combine(listing, {k: v for part in gathered for k, v in part.items()}) if rank == 0 else None
+
+    def _verify(self, info: CheckpointInfo) -> None:
+        """Raise :class:`CheckpointUnreadable` on every rank alike when a recorded file is missing,
+        resized or altered (collective: each rank hashes its share of the blocks; all gather)."""
+        group = dist.group.WORLD if self._distributed() else None
+        rank, world = self._rank_world()
+        files = sorted((name, size) for name, (size, _) in info.files.items())
+
+        def mine() -> dict:
+            _raise_if(digests.resized(info.path, info.files))
+            return digests.block_digests(info.path, digests.share(digests.blocks(files), rank, world))
+
+        try:
+            got = agree(mine, group, device=self.fabric.device, name="checkpoint")
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:  # _Damaged, or a file that cannot be read
+            raise CheckpointUnreadable(info.path, str(exc) if isinstance(exc, _Damaged) else f"{type(exc).__name__}: {exc}") from None
+        if world > 1:
+            parts = [None] * world
+            dist.all_gather_object(parts, got)
+            got = {k: v for part in parts for k, v in part.items()}
+        problem = digests.differs(info.files, digests.combine(files, got))
+        if problem is not None:
+            raise CheckpointUnreadable(info.path, problem)
 
     def _space_short(self) -> Optional[str]:
         """A one-line reason when the output's free space is below the last checkpoint's size (plus 10%).
@@ -557,14 +582,8 @@ class Checkpointer:
             )
         # Every rank decides alike: a file or shard may fail on one rank only.
         group = dist.group.WORLD if self._distributed() else None
-        rank, world = self._rank_world()
         if info.files is not None:
-            names = digests.share(sorted((k, v[0]) for k, v in info.files.items()), rank, world)
-            try:
-                agree(lambda: _raise_if(digests.mismatch(info.path, info.files, names)), group,
-                      device=self.fabric.device, name="checkpoint")
-            except _Damaged as bad:
-                raise CheckpointUnreadable(info.path, str(bad)) from None
+            self._verify(info)
         try:
             common = agree(lambda: fmt.load(self.fabric, info.path, model, optimizer), group,
                            device=self.fabric.device, name="checkpoint")
