@@ -1,0 +1,189 @@
+"""The compact support codec (nemo_replay/support/codec.py) against a naive reference.
+
+The reference writes the same bit streams with Python integers one field at a time; the
+codec must write them byte for byte, and read back the sorted sets on ragged rows with
+empty rows, singletons, ids 0 and V - 1, V up to 2**31 - 1 and rows up to 4096 wide.
+Every truncation, extension and single bit flip of a buffer is a CodecError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_replay.support import codec
+from nemo_replay.support.codec import CodecError, decode_support, encode_support, header_of
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+
+
+def random_rows(seed: int, V: int, trajectories: int, max_len: int, *, singletons: float = 0.4, empty: float = 0.1):
+    """Ragged rows of distinct ids with the sampled token in each non-empty row; edges 0 and V - 1 included."""
+    g = np.random.default_rng(seed)
+    rows, sampled, cu = [], [], [0]
+    for _ in range(trajectories):
+        T = int(g.integers(1, 9))
+        for _ in range(T):
+            u = g.random()
+            n = 0 if u < empty else 1 if u < empty + singletons else int(g.integers(2, max_len + 1))
+            n = min(n, V)
+            ids = set()
+            while len(ids) < n:
+                ids.update(int(x) for x in g.integers(0, V, n - len(ids)))
+            if n >= 2 and g.random() < 0.3:
+                ids = set(list(ids)[: n - 2]) | {0, V - 1}
+            row = list(ids)
+            g.shuffle(row)
+            rows.append(row)
+            sampled.append(row[int(g.integers(0, n))] if n else int(g.integers(0, V)))
+        cu.append(cu[-1] + T)
+    members = torch.tensor([t for r in rows for t in r], dtype=torch.int32)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(r) for r in rows])]), dtype=torch.int64)
+    return RaggedSupport(members, offsets, torch.tensor(cu, dtype=torch.int32)), torch.tensor(sampled), rows
+
+
+class Bits:
+    """A big-endian bit writer, one field at a time (the naive reference)."""
+
+    def __init__(self):
+        self.bits = []
+
+    def unary(self, v: int):
+        self.bits += [0] * v + [1]
+
+    def field(self, v: int, w: int):
+        self.bits += [(v >> (w - 1 - i)) & 1 for i in range(w)]
+
+    def bytes(self) -> bytes:
+        bits = self.bits + [0] * (-len(self.bits) % 8)
+        return bytes(int("".join(map(str, bits[i:i + 8])), 2) for i in range(0, len(bits), 8))
+
+
+def naive_streams(rows, sampled, V, dropped):
+    """The four streams, from the module doc's definitions, with Python integers."""
+    lengths = [len(r) for r in rows]
+    lb = max(0, int(sum(lengths) // len(lengths)).bit_length() - 2) if rows else 0
+    lh, ll, gh, gl = Bits(), Bits(), Bits(), Bits()
+    for r, s in zip(rows, sampled):
+        lh.unary(len(r) >> lb)
+        ll.field(len(r) & ((1 << lb) - 1), lb)
+        ids = sorted(r)
+        U = V
+        if dropped and ids:
+            ids = [t - (t > s) for t in ids if t != s]
+            U = V - 1
+        elif dropped:
+            U = V - 1
+        m = len(ids)
+        q = max((U - m) // (m + 1), 1)
+        b = q.bit_length() - 1
+        prev = -1
+        for t in ids:
+            g = t - prev - 1
+            gh.unary(g >> b)
+            gl.field(g & ((1 << b) - 1), b)
+            prev = t
+    return [x.bytes() for x in (lh, ll, gh, gl)]
+
+
+@pytest.mark.parametrize("seed, V, max_len", [(0, 10, 6), (1, 97, 20), (2, 128256, 64), (3, 2**31 - 1, 40),
+                                              (4, 5000, 4096), (5, 2, 2)])
+@pytest.mark.parametrize("dropped", [False, True])
+def test_round_trip_and_the_streams_match_the_naive_writer(seed, V, max_len, dropped):
+    support, sampled, rows = random_rows(seed, V, 6 if max_len < 4096 else 2, max_len)
+    buf = encode_support(support, vocab_size=V, sampled_ids=sampled if dropped else None)
+    h = header_of(buf)
+    body = buf[codec._HEAD.size + 8 * (h.trajectories + 1):].tobytes()
+    expected = b"".join(naive_streams(rows, sampled.tolist(), V, dropped))
+    assert body == expected
+    out = decode_support(buf, sampled_ids=sampled if dropped else None, vocab_size=V)
+    assert out.cu_seqlens.tolist() == support.cu_seqlens.tolist()
+    assert [out.row(i).tolist() for i in range(out.num_rows)] == [sorted(r) for r in rows]
+    from nemo_replay.support.checked import checked
+
+    assert checked(out).vocab_size == V  # a decoded batch needs no second check
+
+
+def test_the_worked_example_and_fixed_width_rows():
+    rows = PackedTensor(torch.tensor([[5, 2, 7, -1], [1, -1, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32), [0, 3])
+    sampled = torch.tensor([5, 1, 3])
+    buf = encode_support(rows, vocab_size=10, sampled_ids=sampled)
+    out = decode_support(buf, sampled_ids=sampled)
+    assert [out.row(i).tolist() for i in range(3)] == [[2, 5, 7], [1], []]
+    # {2, 7} -> {2, 6} in U = 9, m = 2, b = 1: gaps 2, 3 -> unary 1, 1 and low bits 0, 1.
+    assert codec.rice_parameter(np.int64(9), np.array([2]))[0] == 1
+
+
+def test_bad_rows_are_refused_at_encode_naming_the_row():
+    r = RaggedSupport.from_rows([[[1, 2], [3, 3]]])
+    with pytest.raises(ValueError, match="row 1 holds id 3 twice"):
+        encode_support(r, vocab_size=10)
+    with pytest.raises(ValueError, match=r"row 0 holds id 12, outside \[0, 10\)"):
+        encode_support(RaggedSupport.from_rows([[[12]]]), vocab_size=10)
+    with pytest.raises(ValueError, match="row 0 does not hold its sampled token 4"):
+        encode_support(RaggedSupport.from_rows([[[1, 2]]]), vocab_size=10, sampled_ids=torch.tensor([4]))
+
+
+def test_every_truncation_extension_and_bit_flip_is_a_named_error():
+    support, sampled, _ = random_rows(7, 300, 3, 12)
+    buf = encode_support(support, vocab_size=300, sampled_ids=sampled)
+    for cut in range(len(buf)):
+        with pytest.raises(CodecError):
+            decode_support(buf[:cut], sampled_ids=sampled)
+    with pytest.raises(CodecError, match="oversized"):
+        decode_support(np.concatenate([buf, np.zeros(1, np.uint8)]), sampled_ids=sampled)
+    for byte in range(len(buf)):
+        for bit in range(8):
+            bad = buf.copy()
+            bad[byte] ^= 1 << bit
+            with pytest.raises(CodecError):
+                decode_support(bad, sampled_ids=sampled)
+    with pytest.raises(CodecError, match="pass sampled_ids"):
+        decode_support(buf)
+    with pytest.raises(CodecError, match="coded for V = 300, this model has 301"):
+        decode_support(buf, sampled_ids=sampled, vocab_size=301)
+    with pytest.raises(CodecError, match="sampled token 300 of row 0 is outside"):
+        decode_support(buf, sampled_ids=torch.full_like(sampled, 300))
+
+
+def _forged(support, vocab, **fields):
+    """A buffer whose header says ``fields`` (CRC recomputed: a writer's bug, not a transit error)."""
+    import struct
+
+    buf = encode_support(support, vocab_size=vocab)
+    names = ["magic", "version", "flags", "lb", "pad", "V", "rows", "ids", "trajectories", "max_length", "crc",
+             "s0", "s1", "s2", "s3"]
+    values = dict(zip(names, codec._HEAD.unpack(buf[:codec._HEAD.size].tobytes())))
+    values.update(fields)
+    values["crc"] = 0
+    out = np.concatenate([np.frombuffer(codec._HEAD.pack(*values.values()), np.uint8), buf[codec._HEAD.size:]])
+    out[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(out)), np.uint8)
+    return out
+
+
+def test_consistent_but_wrong_headers_never_read_outside_the_buffer():
+    support = RaggedSupport.from_rows([[[1, 5, 9], [4]], [[2, 3]]])
+    with pytest.raises(CodecError, match=r"decodes to 3 ids, past the header's row width 2"):
+        decode_support(_forged(support, 10, max_length=2))
+    with pytest.raises(CodecError, match="says 1000000000000 ids, the gap stream holds at most"):
+        decode_support(_forged(support, 10, ids=10**12))
+    # Rows {0, 15} of V = 16 and of V = 15 take the same Rice parameter: only the range check can tell.
+    with pytest.raises(CodecError, match="row 0 decodes id 15, past the 15 ids it is coded among"):
+        decode_support(_forged(RaggedSupport.from_rows([[[0, 15]]]), 16, V=15))
+    with pytest.raises(CodecError, match="version 2"):
+        decode_support(_forged(support, 10, version=2))
+
+
+def test_the_codec_is_within_the_information_limit_s_margins():
+    """Full k = 64 rows of V = 128k: about m * (2 + log2(U / m)) bits against log2 C(U, m)."""
+    g = np.random.default_rng(0)
+    V, k, T = 131072, 64, 256
+    rows = np.stack([g.choice(V, k, replace=False) for _ in range(T)])
+    sampled = torch.tensor(rows[:, 0])
+    support = PackedTensor(torch.tensor(rows, dtype=torch.int32), [0, T])
+    size = len(encode_support(support, vocab_size=V, sampled_ids=sampled)) - codec._HEAD.size - 16
+    limit_bits = T * (math.lgamma(V) - math.lgamma(k) - math.lgamma(V - k + 1)) / math.log(2)
+    assert size * 8 / limit_bits < 1.1, size * 8 / limit_bits
