@@ -159,9 +159,18 @@ class SupportTrace:
     def _normalise_rows(self, rows: RowsLike, n: int, where: str):
         """-> fixed (n, k) int32 tensor, or (members int32, lengths int64) for ragged rows."""
         if self.top_k is not None:
+            if isinstance(rows, RaggedSupport):
+                # Ragged rows of a fixed-width trace (the wire's compact rows): padded to top_k when they fit.
+                if rows.num_rows != n:
+                    raise ValueError(f"{where}: {rows.num_rows} support rows for {n} sampled tokens; expected one per token")
+                widest = int(rows.row_lengths.max()) if n else 0
+                if widest > self.top_k:
+                    raise ValueError(f"{where}: a row holds {widest} ids, wider than this trace's top_k={self.top_k}")
+                rows = rows.to_padded(self.top_k)
             values = rows.values if isinstance(rows, PackedTensor) else rows
-            if isinstance(values, RaggedSupport) or not isinstance(values, torch.Tensor):
-                raise ValueError(f"{where}: this trace holds fixed-width rows; pass an int [n, {self.top_k}] tensor")
+            if not isinstance(values, torch.Tensor):
+                raise ValueError(f"{where}: this trace holds fixed-width rows; pass an int [n, {self.top_k}] tensor "
+                                 f"or a RaggedSupport of rows at most that wide")
             if values.dim() != 2 or values.shape != (n, self.top_k):
                 raise ValueError(
                     f"{where}: rows have shape {tuple(values.shape)}, expected ({n}, {self.top_k}): one row of "

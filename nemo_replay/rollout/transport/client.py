@@ -12,7 +12,8 @@ Response body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
 
     {"output_ids":  <int64 [n]>,
      "logprobs":    <float32 [n]>,                  # processed log-probs of output_ids
-     "support":     {"rows": <int32 [n, k]>} | {"member_ids": ..., "row_offsets": ...},
+     "support":     {"codec": "nrsc-1", "data": <uint8>}    # compact rows, sampled ids dropped
+                    | {"rows": <int32 [n, k]>} | {"member_ids": ..., "row_offsets": ...},  # older servers
      "routes":      <int [m, layers, topk]> | null, # tokens [routes_start, routes_start + m)
      "routes_start": int | null,
      "finish_reason": "stop" | "length"}

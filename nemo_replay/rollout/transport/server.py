@@ -542,7 +542,8 @@ class GenerateServer:
         reply = {
             "output_ids": tokens[T:n].clone(),
             "logprobs": torch.cat(out_lps),
-            "support": support_to_wire(_join_supports(parts)),
+            # Compact rows (support/codec.py): the response carries the sampled ids the codec drops.
+            "support": support_to_wire(_join_supports(parts), vocab_size=self.vocab_size, sampled_ids=tokens[T:n]),
             "finish_reason": finish,
             "routes": None,
             "routes_start": None,

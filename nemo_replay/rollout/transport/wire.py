@@ -57,11 +57,13 @@ import numpy as np
 import torch
 
 from nemo_replay.rollout.boundary import validate_support
+from nemo_replay.support.codec import decode_support, encode_support
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = [
     "WIRE_DTYPES",
+    "CODEC_TAG",
     "WireError",
     "dumps",
     "loads",
@@ -331,13 +333,32 @@ def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
 # ---------------------------------------------------------------------------------- schema
 
 
-def support_to_wire(support: Union[PackedTensor, RaggedSupport, torch.Tensor]) -> dict:
+#: The wire tag of :mod:`nemo_replay.support.codec`'s buffers (``{"codec": CODEC_TAG, "data": <uint8>}``).
+CODEC_TAG = "nrsc-1"
+
+
+def support_to_wire(
+    support: Union[PackedTensor, RaggedSupport, torch.Tensor],
+    *,
+    vocab_size: Optional[int] = None,
+    sampled_ids: Optional[torch.Tensor] = None,
+) -> dict:
     """The support of one response as a wire object.
 
-    Fixed-width rows (``[n, k]`` int32, bare or a one-segment PackedTensor) become
+    With ``vocab_size``, the compact form: ``{"codec": "nrsc-1", "data": <envelope uint8>}``,
+    one :func:`~nemo_replay.support.codec.encode_support` buffer (the sampled ids dropped when
+    ``sampled_ids`` is given: the response carries them). Without, the older forms every reader
+    still takes: fixed-width rows (``[n, k]`` int32, bare or a one-segment PackedTensor) become
     ``{"rows": <envelope>}``; CSR rows (a one-segment RaggedSupport) become
     ``{"member_ids": <envelope int32>, "row_offsets": <envelope int64>}``.
     """
+    if vocab_size is not None:
+        if isinstance(support, torch.Tensor):
+            support = PackedTensor(support, [0, support.shape[0]])
+        if not isinstance(support, (PackedTensor, RaggedSupport)) or support.batch_size != 1:
+            raise WireError("wire encode: send one response's support at a time (a one-segment PackedTensor or RaggedSupport)")
+        data = encode_support(support, vocab_size=vocab_size, sampled_ids=sampled_ids)
+        return {"codec": CODEC_TAG, "data": torch.from_numpy(data)}
     if isinstance(support, RaggedSupport):
         if support.batch_size != 1:
             raise WireError(f"wire encode: send one response's support at a time, got {support.batch_size} segments")
@@ -398,7 +419,17 @@ def support_from_wire(
     if not isinstance(obj, dict):
         raise WireError(f"{where}: expected an object with 'rows' or 'member_ids'/'row_offsets', got {type(obj).__name__}")
     try:
-        if "rows" in obj:
+        if "codec" in obj:
+            if obj["codec"] != CODEC_TAG or set(obj) != {"codec", "data"}:
+                raise WireError(f"{where}: a compact support is {{'codec': {CODEC_TAG!r}, 'data': <uint8 array>}}, got "
+                                f"codec {obj.get('codec')!r} with keys {sorted(obj)}; upgrade the reader if the tag is newer")
+            data = obj["data"]
+            if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+                raise WireError(f"{where}: 'data' must be a 1-D uint8 array envelope")
+            support = decode_support(data, sampled_ids=sampled_ids, vocab_size=vocab_size)
+            if support.batch_size != 1:
+                raise WireError(f"{where}: a response's compact support holds {support.batch_size} segments, expected 1")
+        elif "rows" in obj:
             rows = _integer(obj["rows"], 2, "rows", where)
             _in_range(rows, -1, _INT32_MAX, "rows", where)
             support: Union[PackedTensor, RaggedSupport] = PackedTensor(rows.to(torch.int32), [0, rows.shape[0]])

@@ -46,6 +46,13 @@ def local_generation(prompt, params, seed):
     return torch.tensor(ids), torch.cat(lps), torch.cat(rows)
 
 
+def rows_of(support) -> list:
+    """Each row as a sorted list: compact rows travel sorted (support/codec.py), the sampler's ranked."""
+    if isinstance(support, torch.Tensor):
+        return [sorted(t for t in r.tolist() if t >= 0) for r in support]
+    return [sorted(support.row(j).tolist()) for j in range(support.num_rows)]
+
+
 def disturb_first(n_bad: int, how: str):
     state = {"seen": 0}
 
@@ -59,7 +66,7 @@ def disturb_first(n_bad: int, how: str):
             return web.Response(body=resp.body[: len(resp.body) * 2 // 3], content_type="application/json")
         if how == "corrupt":
             body = bytearray(resp.body)
-            at = body.index(b'"rows":{"data":"') + 20
+            at = body.index(b'"codec":"nrsc-1","data":{"data":"') + 40
             body[at : at + 4] = b"!!!!"
             return web.Response(body=bytes(body), content_type="application/json")
         if how == "unavailable":
@@ -88,7 +95,7 @@ def test_client_retries_a_bad_response_then_succeeds(how):
     ids, lps, rows = local_generation([5, 6, 7], PARAMS, 3)
     assert torch.equal(result.output_ids, ids)
     torch.testing.assert_close(result.logprobs, lps, rtol=0, atol=0)
-    assert torch.equal(result.support.values, rows) and result.support.cu_seqlens.tolist() == [0, ids.numel()]
+    assert rows_of(result.support) == rows_of(rows) and result.support.cu_seqlens.tolist() == [0, ids.numel()]
     forwarded = torch.cat([torch.tensor([5, 6, 7]), ids])[:-1]
     assert result.routes_start == 0 and torch.equal(result.routes, routes_fn(forwarded))
 
@@ -97,7 +104,7 @@ def test_reformatted_response_parses():
     result, client, _ = asyncio.run(one_request("pretty", 0))
     assert client.num_retries == 0
     ids, _, rows = local_generation([5, 6, 7], PARAMS, 3)
-    assert torch.equal(result.output_ids, ids) and torch.equal(result.support.values, rows)
+    assert torch.equal(result.output_ids, ids) and rows_of(result.support) == rows_of(rows)
 
 
 def test_ragged_support_travels_as_one_segment():
@@ -117,7 +124,7 @@ def test_ragged_support_travels_as_one_segment():
         tokens = torch.cat([tokens, r.ids])
     n = len(rows)
     assert result.support.cu_seqlens.tolist() == [0, n]
-    assert [result.support.row(j).tolist() for j in range(n)] == rows and len({len(r) for r in rows}) > 1
+    assert rows_of(result.support) == [sorted(r) for r in rows] and len({len(r) for r in rows}) > 1
 
 
 def test_client_gives_up_after_max_attempts():
@@ -225,10 +232,14 @@ def test_the_client_applies_the_adapters_value_checks(fault, match):
     async def spoil(request, handler):
         resp = await handler(request)
         body = loads(resp.body)
-        if fault == "empty_row":
-            rows = body["support"]["rows"].clone()
-            rows[1] = -1
-            body["support"]["rows"] = rows
+        if fault == "empty_row":  # rows coded without their sampled ids: an empty row can be sent
+            from nemo_replay.rollout.transport.wire import support_from_wire, support_to_wire
+            from nemo_replay.support.ragged import RaggedSupport
+
+            got = support_from_wire(body["support"], sampled_ids=body["output_ids"])
+            rows = [got.row(j).tolist() for j in range(got.num_rows)]
+            rows[1] = []
+            body["support"] = support_to_wire(RaggedSupport.from_rows([rows]), vocab_size=V)
         else:
             body["logprobs"] = body["logprobs"].clone()
             body["logprobs"][1] = {"nan": float("nan"), "inf": float("inf"), "positive": 0.5}[fault]

@@ -523,7 +523,7 @@ def test_command_line_server_serves_a_recipe_model_with_a_token():
             return denied, result
 
     denied, result = asyncio.run(go())
-    assert denied[0] == 401 and result.output_ids.numel() == 5 and result.support.values.shape == (5, 4)
+    assert denied[0] == 401 and result.output_ids.numel() == 5 and int(result.support.row_lengths.max()) <= 4 and result.support.num_rows == 5
     assert server.max_new_tokens_cap == 8 and server.vocab_size == 32
 
 

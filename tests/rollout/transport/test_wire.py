@@ -205,3 +205,31 @@ def test_user_json_cannot_be_taken_for_the_codec_s_own_markers():
 def test_deeply_nested_json_is_a_wire_error():
     with pytest.raises(WireError, match="nested"):
         loads(b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_compact_rows_travel_tagged_and_old_forms_still_read():
+    """The compact form (support/codec.py) carries a version tag; the fixed and CSR envelopes of
+    older servers decode as before; a damaged or unknown compact payload is a WireError."""
+    from nemo_replay.rollout.transport.wire import CODEC_TAG
+
+    rows = torch.tensor([[3, 9, -1], [4, -1, -1], [0, 7, 46]], dtype=torch.int32)
+    sampled = torch.tensor([9, 4, 46])
+    wire = support_to_wire(PackedTensor(rows, [0, 3]), vocab_size=47, sampled_ids=sampled)
+    assert wire["codec"] == CODEC_TAG and wire["data"].dtype == torch.uint8
+    back = support_from_wire(loads(dumps({"s": wire}))["s"], sampled_ids=sampled, vocab_size=47)
+    assert [back.row(j).tolist() for j in range(3)] == [[3, 9], [4], [0, 7, 46]]
+    fixed = support_from_wire(loads(dumps({"s": support_to_wire(PackedTensor(rows, [0, 3]))}))["s"], sampled_ids=sampled)
+    assert torch.equal(fixed.values, rows)
+    csr = RaggedSupport.from_padded(PackedTensor(rows, [0, 3]))
+    again = support_from_wire(loads(dumps({"s": support_to_wire(csr)}))["s"], sampled_ids=sampled)
+    assert [again.row(j).tolist() for j in range(3)] == [[3, 9], [4], [0, 7, 46]]
+    damaged = dict(wire, data=wire["data"].clone())
+    damaged["data"][-1] ^= 4
+    with pytest.raises(WireError, match="CRC-32 does not match"):
+        support_from_wire(damaged, sampled_ids=sampled, vocab_size=47)
+    with pytest.raises(WireError, match="truncated"):
+        support_from_wire(dict(wire, data=wire["data"][:-3]), sampled_ids=sampled, vocab_size=47)
+    with pytest.raises(WireError, match="codec 'nrsc-9'.*upgrade the reader"):
+        support_from_wire(dict(wire, codec="nrsc-9"), sampled_ids=sampled)
+    with pytest.raises(WireError, match="pass sampled_ids"):
+        support_from_wire(wire)
