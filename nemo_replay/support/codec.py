@@ -118,7 +118,7 @@ def _fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
 
 def _read_unary(stream: np.ndarray, count: int, what: str) -> np.ndarray:
     """The first ``count`` unary values of ``stream``; everything after them must be zero padding."""
-    ones = np.flatnonzero(np.unpackbits(stream))
+    ones = np.flatnonzero(np.unpackbits(stream).view(bool))
     if ones.size != count:
         raise CodecError(f"compact support: the {what} stream holds {ones.size} values, the header says {count}; "
                          f"a corrupted buffer")
@@ -140,13 +140,13 @@ def _read_fields(stream: np.ndarray, widths: np.ndarray, what: str) -> np.ndarra
     out = np.zeros(widths.size, np.int64)
     wide = np.flatnonzero(widths > 0)
     starts, widths = (ends - widths)[wide], widths[wide].astype(np.uint64)
-    padded = np.concatenate([stream, np.zeros(8, np.uint8)])
-    first = starts >> 3
-    word = np.zeros(wide.size, np.uint64)
-    for j in range(8):
-        word = (word << np.uint64(8)) | padded[first + j].astype(np.uint64)
-    shift = np.uint64(64) - widths - (starts & 7).astype(np.uint64)
-    out[wide] = ((word >> shift) & ((np.uint64(1) << widths) - np.uint64(1))).astype(np.int64)
+    # The stream as big-endian 64-bit words; each field lies in the 64-bit window that starts at its
+    # first bit, made of its word and the next.
+    words = np.concatenate([stream, np.zeros(16 - stream.size % 8, np.uint8)]).view(">u8").astype(np.uint64)
+    q, r = starts >> 6, (starts & 63).astype(np.uint64)
+    hi, lo = words[q], words[q + 1]
+    window = np.where(r > 0, (hi << r) | (lo >> (np.uint64(64) - r)), hi)  # r == 0: the shift by 64 is discarded
+    out[wide] = (window >> (np.uint64(64) - widths)).astype(np.int64)
     return out
 
 
@@ -338,15 +338,18 @@ def decode_support(
         if n and (sampled.min() < 0 or sampled.max() >= h.vocab_size):
             r = int(np.flatnonzero((sampled < 0) | (sampled >= h.vocab_size))[0])
             raise CodecError(f"compact support: sampled token {int(sampled[r])} of row {r} is outside [0, {h.vocab_size})")
-        ids = coded + (coded >= sampled[row_of])
-        # Insert each non-empty row's sampled token at its sorted place.
+        own = sampled[row_of]
+        above = coded >= own
+        ids = coded + above
+        # Insert each non-empty row's sampled token at its sorted place: a coded id moves up by the
+        # non-empty rows before its row, and by one more when it lies above its row's sampled token.
         full = lengths.astype(np.int64)
-        out_starts = np.concatenate([[0], np.cumsum(full)[:-1]]) if n else np.zeros(0, np.int64)
-        below = np.bincount(row_of, weights=(ids < sampled[row_of]).astype(np.float64), minlength=n).astype(np.int64)
-        members = np.empty(int(full.sum()), np.int64)
-        rank = np.arange(ids.size) - starts[row_of]
-        members[out_starts[row_of] + rank + (ids > sampled[row_of])] = ids
         has = full > 0
+        before = np.cumsum(has) - has
+        members = np.empty(int(full.sum()), np.int64)
+        members[np.arange(ids.size) + before[row_of] + above] = ids
+        below = m - np.bincount(row_of, weights=above, minlength=n).astype(np.int64)
+        out_starts = np.cumsum(full) - full
         members[out_starts[has] + below[has]] = sampled[has]
     else:
         members = coded

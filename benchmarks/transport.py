@@ -1,0 +1,239 @@
+"""What support rows cost to carry: bytes per token by form, against the information limit.
+
+    python -m benchmarks.transport                  # about a minute; prints the markdown tables
+    python -m benchmarks.transport --tokens 1024    # smaller sets
+
+Row sets (``top_k = 64``):
+
+- ``zipf``: top-k 64 + top-p 0.95 supports captured (``capture.sample``) from Zipf logits
+  ``z_r = -s log r`` over V = 128k, ``s`` drawn per token so that the sizes come near what
+  prime-rl measured on H200 (mean ~8, median 2, ~45% singletons); each support's ranks are
+  then given distinct ids drawn uniformly from V (no clustering of ids to exploit);
+- ``tiny llama``: top-k 64 + top-p 0.95 supports captured from the logits of a Llama built
+  from a config (random weights, V = 32000) on random prompts: a real softmax;
+- ``full k=64``: rows of 64 distinct uniform ids, V = 128k (the widest row a request makes).
+
+Forms, in bytes per token: ``fixed int32`` (``k`` int32 ids, -1 padded: the in-memory
+``PackedTensor``), ``base64 int32`` (the same in the JSON envelopes of the wire),
+``ids+count int32`` (the members and a count per token: prime-rl's form), ``codec``
+(``support/codec.py``, the sampled ids dropped, headers included), and the ``limit``:
+per row ``log2 C(V - 1, n - 1)`` bits for the ids plus the length's entropy over the set.
+Then encode and decode rates, decoding a micro-batch against the scorer's forward over the
+same rows (logits mode, V = 128k), and the pickle size (what Ray ships) of a NeMo-RL
+``BatchedDataDict`` and a verl ``DataProto`` holding the rows, each where importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["main", "row_sets", "sizes"]
+
+K = 64
+V_LARGE = 131072
+HIDDEN = 1024
+NEMO_RL_SRC = Path(os.environ.get("NEMO_RL_SRC", Path(__file__).resolve().parents[2] / "shared" / "nemo-rl-7ea279a"))
+
+
+def _capture(logits: torch.Tensor, gen) -> tuple[list, list]:
+    from nemo_replay import capture
+
+    r = capture.sample(logits, temperature=1.0, top_k=K, top_p=0.95, generator=gen)
+    vals = r.support.values
+    return [row[row >= 0].tolist() for row in vals], r.ids.tolist()
+
+
+def _zipf(n: int, seed: int) -> tuple:
+    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+    log_rank = torch.arange(1, V_LARGE + 1, dtype=torch.float32).log()
+    s = np.where(rng.random(n) < 0.45, rng.uniform(5, 8, n), rng.uniform(0.9, 4.2, n))
+    rows, sampled = [], []
+    for i in range(0, n, 256):
+        ranks, picks = _capture(-torch.tensor(s[i:i + 256], dtype=torch.float32)[:, None] * log_rank[None], gen)
+        for r, pick in zip(ranks, picks):
+            ids = rng.choice(V_LARGE, len(r), replace=False)
+            rows.append(ids.tolist())
+            sampled.append(int(ids[r.index(pick)]))
+    return rows, sampled, V_LARGE
+
+
+def _tiny_llama(n: int, seed: int) -> tuple:
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    rows, sampled = [], []
+    with torch.no_grad():
+        while len(rows) < n:
+            prompts = torch.randint(0, 32000, (8, 64), generator=gen)
+            logits = model(prompts).logits.reshape(-1, 32000).float()
+            r, s = _capture(logits, gen)
+            rows += r
+            sampled += s
+    return rows[:n], sampled[:n], 32000
+
+
+def _full(n: int, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    rows = [rng.choice(V_LARGE, K, replace=False).tolist() for _ in range(n)]
+    return rows, [r[int(rng.integers(0, K))] for r in rows], V_LARGE
+
+
+def row_sets(n: int) -> dict:
+    return {"zipf": _zipf(n, 0), "tiny llama": _tiny_llama(n, 1), "full k=64": _full(n, 2)}
+
+
+def _support(rows):
+    from nemo_replay.support.ragged import RaggedSupport
+
+    return RaggedSupport.from_rows([rows])
+
+
+def _limit_bits(lengths: np.ndarray, V: int) -> float:
+    ids = sum(math.lgamma(V) - math.lgamma(n) - math.lgamma(V - n + 1) for n in lengths.tolist() if n) / math.log(2)
+    _, counts = np.unique(lengths, return_counts=True)
+    p = counts / counts.sum()
+    return ids + len(lengths) * float(-(p * np.log2(p)).sum())
+
+
+def _rate(fn, items: int, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return items / sorted(times)[len(times) // 2]
+
+
+def sizes(rows, sampled, V) -> dict:
+    from nemo_replay.support.codec import decode_support, encode_support
+
+    n = len(rows)
+    lengths = np.array([len(r) for r in rows])
+    support, ids = _support(rows), torch.tensor(sampled)
+    buf = encode_support(support, vocab_size=V, sampled_ids=ids)
+    return {
+        "tokens": n, "V": V, "mean": float(lengths.mean()), "median": float(np.median(lengths)),
+        "singletons": float((lengths == 1).mean()),
+        "fixed int32": 4 * K, "base64 int32": 4 * math.ceil(4 * K / 3), "ids+count int32": 4 * (float(lengths.mean()) + 1),
+        "codec": len(buf) / n, "limit": _limit_bits(lengths, V) / 8 / n,
+        "encode tok/s": _rate(lambda: encode_support(support, vocab_size=V, sampled_ids=ids), n),
+        "decode tok/s": _rate(lambda: decode_support(buf, sampled_ids=ids), n),
+    }
+
+
+def decode_vs_scorer(rows, sampled, V, micro: int) -> dict:
+    """Decoding one micro-batch's rows against the scorer's logits-mode forward on them."""
+    from nemo_replay.scoring.scorer import score_aligned_support
+    from nemo_replay.support.codec import decode_support, encode_support
+
+    rows, sampled = rows[:micro], torch.tensor(sampled[:micro])
+    support = _support(rows)
+    buf = encode_support(support, vocab_size=V, sampled_ids=sampled)
+    decode = 1 / _rate(lambda: decode_support(buf, sampled_ids=sampled), 1)
+    g = torch.Generator().manual_seed(0)
+    rows_t, loss = torch.arange(micro), torch.ones(micro, dtype=torch.bool)
+    padded = support.to_padded(K)
+    logits = torch.randn(micro, V, generator=g)
+    score = 1 / _rate(lambda: score_aligned_support(logits, sampled, rows_t, loss, padded), 1, repeats=3)
+    del logits
+    hidden, weight = torch.randn(micro, HIDDEN, generator=g), torch.randn(V, HIDDEN, generator=g) / HIDDEN**0.5
+    project = 1 / _rate(lambda: score_aligned_support(hidden, sampled, rows_t, loss, padded, lm_head_weight=weight), 1,
+                        repeats=3)
+    return {"micro": micro, "decode_s": decode, "scorer_s": score, "hidden_s": project}
+
+
+def batch_pickles(rows, sampled, V) -> dict:
+    """Pickled sizes of a batch of 8 responses whose rows are token-aligned int32 ``(B, S, k)``
+    (prompt positions -1, as NeMo-RL carries ``generation_support``; verl's ``(B, R, k)`` holds
+    response positions only) against one compact buffer per response (a per-sample field,
+    sliced and padded with its sample)."""
+    from nemo_replay.support.codec import encode_support
+
+    B, P, R = 8, 256, len(rows) // 8
+    fixed = torch.full((B, P + R, K), -1, dtype=torch.int32)
+    compact = []
+    for i in range(B):
+        mine = rows[i * R:(i + 1) * R]
+        for j, r in enumerate(mine):
+            fixed[i, P + j, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        compact.append(encode_support(_support(mine), vocab_size=V, sampled_ids=torch.tensor(sampled[i * R:(i + 1) * R])))
+    out = {}
+    if NEMO_RL_SRC.is_dir():
+        sys.path.insert(0, str(NEMO_RL_SRC))
+        try:
+            from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+            out["NeMo-RL BatchedDataDict"] = (
+                len(pickle.dumps(BatchedDataDict({"generation_support": fixed}))),
+                len(pickle.dumps(BatchedDataDict({"generation_support": [torch.from_numpy(c) for c in compact]}))),
+            )
+        except ImportError as exc:
+            out["NeMo-RL BatchedDataDict"] = f"not importable ({exc})"
+    try:
+        from verl import DataProto
+
+        holder = np.empty(B, dtype=object)
+        holder[:] = compact
+        out["verl DataProto"] = (
+            len(pickle.dumps(DataProto.from_dict(tensors={"generation_support": fixed[:, P:].contiguous()}))),
+            len(pickle.dumps(DataProto.from_dict(tensors={"responses": torch.zeros(B, R, dtype=torch.int64)},
+                                                 non_tensors={"generation_support": holder})))
+            - len(pickle.dumps(DataProto.from_dict(tensors={"responses": torch.zeros(B, R, dtype=torch.int64)}))),
+        )
+    except ImportError:
+        out["verl DataProto"] = "verl is not installed in this environment (run it with verl's: README)"
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--micro", type=int, default=1024)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    sets = row_sets(args.tokens)
+    print("| set | tokens | V | mean / median size | singletons | fixed int32 | base64 int32 | ids+count int32 | codec | "
+          "limit | codec / ids+count | codec / limit | encode | decode |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (rows, sampled, V) in sets.items():
+        r = sizes(rows, sampled, V)
+        print(f"| {name} | {r['tokens']} | {V} | {r['mean']:.1f} / {r['median']:.0f} | {100 * r['singletons']:.0f}% | "
+              f"{r['fixed int32']:.0f} | {r['base64 int32']:.0f} | {r['ids+count int32']:.1f} | {r['codec']:.2f} | "
+              f"{r['limit']:.2f} | {r['codec'] / r['ids+count int32']:.3f} | {r['codec'] / r['limit']:.3f} | "
+              f"{r['encode tok/s'] / 1e6:.2f} M tok/s | {r['decode tok/s'] / 1e6:.2f} M tok/s |", flush=True)
+    print()
+    print(f"| set | micro-batch | decode | scorer forward, logits (V = 128k) | decode / it | scorer forward, "
+          f"hidden (H = {HIDDEN}) | decode / it |")
+    print("|---|---|---|---|---|---|---|")
+    for name in ("zipf", "full k=64"):
+        rows, sampled, V = sets[name]
+        d = decode_vs_scorer(rows, sampled, V, args.micro)
+        print(f"| {name} | {d['micro']} | {1e3 * d['decode_s']:.2f} ms | {1e3 * d['scorer_s']:.1f} ms | "
+              f"{d['decode_s'] / d['scorer_s']:.2f} | {1e3 * d['hidden_s']:.1f} ms | {d['decode_s'] / d['hidden_s']:.2f} |",
+              flush=True)
+    print()
+    print("| batch (8 x 256 prompt + responses, zipf rows) | token-aligned int32 rows | compact | ratio |")
+    print("|---|---|---|---|")
+    for name, got in batch_pickles(*sets["zipf"]).items():
+        if isinstance(got, str):
+            print(f"| {name} | {got} | | |")
+        else:
+            print(f"| {name} | {got[0]:,} B | {got[1]:,} B | {got[0] / got[1]:.1f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
