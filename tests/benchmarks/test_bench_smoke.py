@@ -95,3 +95,21 @@ def test_gpu_tables_code_runs_and_keeps_its_section(tmp_path):
     assert len(checks) == 4 and max(checks[:2] + checks[2:3]) < 1e-4 and max(checks) < 0.1, checks  # bf16 hidden: rounding
     section = gpu.section_of(text)
     assert section and gpu.splice("# new CPU run\n", section).count("\n## GPU\n") == 1
+
+
+def test_the_transport_and_checkpoint_benchmarks_run_and_their_figures_hold_together():
+    """benchmarks/transport.py and benchmarks/checkpoint.py on small sizes, in this process: every
+    column is filled, the codec lies between the limit and prime-rl's form, and the pickled batch
+    shrinks. (Their targets are measured by the commands themselves: docs/transport.md.)"""
+    from benchmarks import checkpoint, transport
+
+    for make in (transport._zipf, transport._full):
+        rows, sampled, V = make(64, 0)
+        r = transport.sizes(rows, sampled, V)
+        assert r["limit"] <= r["codec"] < min(r["ids+count int32"], r["fixed int32"]) < r["base64 int32"], r
+        assert r["encode tok/s"] > 0 and r["decode tok/s"] > 0
+    pickles = transport.batch_pickles(*transport._zipf(64, 1))
+    before, after = pickles["NeMo-RL BatchedDataDict"]
+    assert after < before / 4, pickles
+    got = checkpoint.measure(4, 1)
+    assert got["digest_s"] > 0 and got["check_s"] > 0 and 3.5 < got["MiB"] < 4.5, got
