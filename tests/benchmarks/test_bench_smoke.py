@@ -112,4 +112,4 @@ def test_the_transport_and_checkpoint_benchmarks_run_and_their_figures_hold_toge
     before, after = pickles["NeMo-RL BatchedDataDict"]
     assert after < before / 4, pickles
     got = checkpoint.measure(4, 1)
-    assert got["digest_s"] > 0 and got["check_s"] > 0 and 3.5 < got["MiB"] < 4.5, got
+    assert got["digest_s"] > 0 and got["check_s"] > 0 and got["MiB"] >= 4, got  # one 1024 x 1024 layer at least
