@@ -185,8 +185,11 @@ def test_resume_modes_and_folders_that_hold_runs(tmp_path):
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     (aside,) = out.glob("metrics.after-step-1-*.jsonl")
     assert json.loads(aside.read_text()) == {"step": 2, "reward": 0.5}
-    # The partial folder went; the orphan step-0000009 (no complete.json) is not a checkpoint and stays.
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000009"]
+    # The partial folder went; the orphan step-0000009 (no complete.json) is not a checkpoint: it is
+    # moved aside, kept and named, never resumed from nor pruned.
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names[1:] == ["step-0000002"] and names[0].startswith(".unloadable-step-0000009-"), names
+    assert "step-0000009 has no readable complete.json (FileNotFoundError" in (out / "resume.log").read_text()
 
 
 def _hold(folder: str, held) -> None:
