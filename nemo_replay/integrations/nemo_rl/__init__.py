@@ -38,7 +38,6 @@ from nemo_replay.integrations.nemo_rl.hooks import (
 )
 from nemo_replay.integrations.nemo_rl.datapath import backfill_support, carry_support, install_data_path, with_support_pad
 from nemo_replay.integrations.nemo_rl.layout import NEMO_RL_COMMIT
-from nemo_replay.integrations.nemo_rl.patch import apply_patch, patch_state
 from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
 from nemo_replay.integrations.nemo_rl.rollout import (
     GenerationSupport,
@@ -72,3 +71,13 @@ __all__ = [
     "apply_patch",
     "patch_state",
 ]
+
+
+def __getattr__(name: str):
+    # The patch module is also a command (``python -m ...nemo_rl.patch``): imported here eagerly,
+    # runpy would warn that it was in sys.modules before it ran.
+    if name in ("apply_patch", "patch_state"):
+        from nemo_replay.integrations.nemo_rl import patch
+
+        return getattr(patch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

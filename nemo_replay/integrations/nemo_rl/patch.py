@@ -12,8 +12,10 @@ patch of 12 added lines (``patches/nemo_rl_7ea279a.patch``), written against
     python -m nemo_replay.integrations.nemo_rl.patch apply NEMO_RL_DIR
     python -m nemo_replay.integrations.nemo_rl.patch check NEMO_RL_DIR
 
-A tree at another commit is refused by name: its ``git rev-parse HEAD`` when it is a git
-checkout, else the first patched file whose contents are not the pinned commit's.
+What decides is the content of the two patched files, not the tree's commit: a branch on
+top of the pinned commit (a user's own commits) is accepted while those files are byte for
+byte the pinned commit's (SHA-256 in :data:`PATCHED_FILES`); any other tree is refused
+naming the first file that differs.
 """
 
 from __future__ import annotations
@@ -65,13 +67,6 @@ def patch_state(tree: str | Path) -> str:
     root = Path(tree).resolve()
     if not (root / "nemo_rl" / "__init__.py").is_file():
         raise ValueError(f"{root} is not a NeMo-RL source tree (no nemo_rl/__init__.py); pass the checkout's root")
-    head = _git_head(root)
-    if head is not None and not head.startswith(NEMO_RL_COMMIT):
-        raise ValueError(
-            f"{root} is at commit {head[:12]}; the replay patch is written for NeMo-RL {NEMO_RL_COMMIT[:7]}: run "
-            f"`git -C {root} checkout {NEMO_RL_COMMIT[:7]}` (a branch on top of it keeps these files unchanged), or "
-            f"use the nemo_replay release pinned to your NeMo-RL commit"
-        )
     states = set()
     for name, (pinned, patched) in PATCHED_FILES.items():
         path = root / name
@@ -82,9 +77,13 @@ def patch_state(tree: str | Path) -> str:
             states.add("patched")
         else:
             what = "is missing" if digest is None else "differs from that commit's"
+            head = _git_head(root)
+            at = f" (the tree is at commit {head[:12]})" if head is not None and not head.startswith(NEMO_RL_COMMIT) else ""
             raise ValueError(
-                f"{root}/{name} {what}: the replay patch is written for NeMo-RL {NEMO_RL_COMMIT[:7]} "
-                f"(`git checkout {NEMO_RL_COMMIT[:7]}` in {root}, without local edits to that file)"
+                f"{root}/{name} {what}{at}: the replay patch is written for that file as NeMo-RL "
+                f"{NEMO_RL_COMMIT[:7]} has it. A branch on top of {NEMO_RL_COMMIT[:7]} is fine while it leaves "
+                f"{' and '.join(PATCHED_FILES)} unchanged: restore {name} with `git -C {root} checkout "
+                f"{NEMO_RL_COMMIT[:7]} -- {name}`, or use the nemo_replay release pinned to your NeMo-RL commit"
             )
     if len(states) > 1:
         raise ValueError(

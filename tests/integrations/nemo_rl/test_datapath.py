@@ -216,17 +216,45 @@ def test_the_patch_refuses_a_tree_at_another_commit_by_name(tmp_path):
     (tree / "nemo_rl" / "__init__.py").write_text("")
     (tree / "nemo_rl" / "experience" / "rollouts.py").write_text("# another commit's file\n")
     with pytest.raises(ValueError, match=r"nemo_rl/experience/rollouts.py differs from that commit's: the replay patch is "
-                                         r"written for NeMo-RL 7ea279a"):
+                                         r"written for that file as NeMo-RL 7ea279a has it"):
         patch_state(tree)
     git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q", str(tree)], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", "x"], check=True)
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    done = subprocess.run([sys.executable, "-m", "nemo_replay.integrations.nemo_rl.patch", "apply", str(tree)],
+    done = subprocess.run([sys.executable, "-W", "error", "-m", "nemo_replay.integrations.nemo_rl.patch", "apply", str(tree)],
                           capture_output=True, text=True)
     assert done.returncode == 2, done.stdout
-    assert f"is at commit {head[:12]}; the replay patch is written for NeMo-RL 7ea279a" in done.stderr
+    # One `error:` line, no traceback, no warning: the file that differs, the commit, the fix.
+    assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr and "Warning" not in done.stderr
+    assert f"rollouts.py differs from that commit's (the tree is at commit {head[:12]})" in done.stderr
+    assert "git -C" in done.stderr and "checkout 7ea279a -- nemo_rl/experience/rollouts.py" in done.stderr
+
+
+def test_a_branch_on_top_of_the_pinned_commit_is_patched_by_content(tmp_path):
+    """A user's own commits on top of 7ea279a were refused by commit id, although the patched
+    files were the pinned ones. The check is the files' content: such a branch patches."""
+    import os
+
+    src = Path(os.environ.get("NEMO_RL_SRC") or Path(__file__).resolve().parents[4] / "shared" / "nemo-rl-7ea279a")
+    if not (src / "nemo_rl").is_dir():
+        pytest.skip(f"needs NeMo-RL's tree at 7ea279a: set NEMO_RL_SRC (looked in {src})")
+    tree = tmp_path / "RL"
+    (tree / "nemo_rl" / "experience").mkdir(parents=True)
+    (tree / "nemo_rl" / "__init__.py").write_text("")
+    for name in patch_mod.PATCHED_FILES:
+        (tree / name).write_bytes((src / name).read_bytes())
+    (tree / "my_change.py").write_text("# the user's own commit\n")
+    git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a branch on top of 7ea279a"], check=True)
+    assert patch_state(tree) == "pinned"
+    done = subprocess.run([sys.executable, "-W", "error", "-m", "nemo_replay.integrations.nemo_rl.patch", "apply", str(tree)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert patch_state(tree) == "patched"
 
 
 # ------------------------------------------------------------------------------ workers
