@@ -113,3 +113,14 @@ def test_the_transport_and_checkpoint_benchmarks_run_and_their_figures_hold_toge
     assert after < before / 4, pickles
     got = checkpoint.measure(4, 1)
     assert got["digest_s"] > 0 and got["check_s"] > 0 and got["MiB"] >= 4, got  # one 1024 x 1024 layer at least
+
+
+def test_the_capture_benchmark_reads_the_same_supports_on_every_path():
+    """benchmarks/capture.py on a short response: every output path (offline dicts and flat,
+    completions, chat, generate, the entry-by-entry reader, the sampling mask) reads the supports
+    the response was built from (``measure`` asserts it) and gets a time."""
+    from benchmarks import capture
+
+    got = capture.measure(64, 8)
+    assert set(got) == {"offline dicts", "offline flat", "completions", "chat", "generate", "entry by entry (before)",
+                        "sampling mask"} and all(v > 0 for v in got.values())

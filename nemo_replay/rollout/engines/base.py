@@ -20,6 +20,7 @@ lacks a row.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import numbers
@@ -140,6 +141,8 @@ def capture_settings_from_engine(params: Mapping[str, Any], *, engine: str) -> d
 
 def id_rows(rows: Sequence[Any], where: str) -> list[list[int]]:
     """An engine's sampling mask, one id list per generated token, as lists of strict ints."""
+    if set(map(type, rows)) <= {list} and all(rows) and set(map(type, itertools.chain.from_iterable(rows))) <= {int}:
+        return rows  # every row a non-empty list of ints: nothing to name (checked at C speed)
     out = []
     for j, r in enumerate(rows):
         if not isinstance(r, (list, tuple)):
@@ -194,13 +197,41 @@ def assemble(
         logprobs: (n,) float32 or None.
         reasons: counts of upstream flags by reason; updated here.
     """
+    flagged = torch.tensor([r is None for r in rows], dtype=torch.bool)
+    kept = [list(r) if r is not None else [] for r in rows]
+    flat = [t for r in kept for t in r]
+    if any(t < 0 or t > _INT32_MAX for t in flat):  # as Python ints: 2**64 never reaches torch's conversion
+        bad = next(t for t in flat if t < 0 or t > _INT32_MAX)
+        raise ValueError(f"{where}: support holds token id {bad}, outside [0, 2**31)")
+    flat = torch.tensor(flat, dtype=torch.int64)
+    lengths = torch.tensor([len(r) for r in kept], dtype=torch.int64)
+    return assemble_flat(flat, lengths, flagged, sampled, width=width, logprobs=logprobs, reasons=reasons,
+                         vocab_size=vocab_size, where=where)
+
+
+def assemble_flat(
+    members: torch.Tensor,
+    lengths: torch.Tensor,
+    flagged: torch.Tensor,
+    sampled: torch.Tensor,
+    *,
+    width: Optional[int],
+    logprobs: Optional[torch.Tensor],
+    reasons: dict,
+    vocab_size: Optional[int],
+    where: str,
+) -> EngineSupport:
+    """:func:`assemble` from arrays: ``members`` (M,) int64 the rows' ids back to back, ``lengths``
+    (n,) their sizes (0 where ``flagged``), ``flagged`` (n,) bool; no Python loop over rows."""
+    n = int(sampled.numel())
     if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
         # 0 would flag every position, a float would fail deep in indexing: neither is a row width.
         raise ValueError(
             f"{where}: width={width!r}; expected an int >= 1 (fixed rows, e.g. the request's top_k) or None "
             f"(ragged rows, every support whole)"
         )
-    n = len(rows)
+    if lengths.numel() != n:
+        raise ValueError(f"{where}: {lengths.numel()} support rows for {n} generated tokens; expected one per token")
     if logprobs is not None and (
         not isinstance(logprobs, torch.Tensor) or not logprobs.dtype.is_floating_point or logprobs.shape != (n,)
     ):
@@ -209,21 +240,20 @@ def assemble(
             f"{where}: logprobs must be a float ({n},) tensor, one sampled log-prob per generated token, got {got}; "
             f"pass this response's own log-probs (torch.tensor(..., dtype=torch.float32)) or None"
         )
-    flagged = torch.tensor([r is None for r in rows], dtype=torch.bool)
-    kept = [list(r) if r is not None else [] for r in rows]
+    flagged = flagged.clone()
     if width is not None:
-        for j, r in enumerate(kept):
-            if len(r) > width:
-                kept[j], flagged[j] = [], True
-                reasons["wider_than_row"] = reasons.get("wider_than_row", 0) + 1
-    flat = [t for r in kept for t in r]
-    if any(t < 0 or t > _INT32_MAX for t in flat):
-        bad = next(t for t in flat if t < 0 or t > _INT32_MAX)
+        wide = lengths > width
+        if bool(wide.any()):
+            # Never cut: the position leaves the loss and its row is emptied.
+            keep = torch.repeat_interleave(~wide, lengths)
+            members, lengths = members[keep], torch.where(wide, torch.zeros_like(lengths), lengths)
+            flagged |= wide
+            reasons["wider_than_row"] = reasons.get("wider_than_row", 0) + int(wide.sum())
+    if members.numel() and (int(members.min()) < 0 or int(members.max()) > _INT32_MAX):
+        bad = int(members[(members < 0) | (members > _INT32_MAX)][0])
         raise ValueError(f"{where}: support holds token id {bad}, outside [0, 2**31)")
     ragged = RaggedSupport(
-        torch.tensor(flat, dtype=torch.int32),
-        lengths_to_cu_seqlens([len(r) for r in kept]).to(torch.int64),
-        torch.tensor([0, n], dtype=torch.int32),
+        members.to(torch.int32), lengths_to_cu_seqlens(lengths).to(torch.int64), torch.tensor([0, n], dtype=torch.int32),
     )
     support: Union[PackedTensor, RaggedSupport] = ragged if width is None else ragged.to_padded(width)
     validate_support(support, sampled_ids=sampled, vocab_size=vocab_size, where=where)

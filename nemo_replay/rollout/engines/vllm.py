@@ -56,9 +56,12 @@ mode) or the outputs are misaligned.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from nemo_replay.rollout.engines.base import (
@@ -66,6 +69,7 @@ from nemo_replay.rollout.engines.base import (
     EngineSupport,
     as_mapping,
     assemble,
+    assemble_flat,
     capture_settings_from_engine,
     id_rows,
     sampled_tensor,
@@ -85,6 +89,8 @@ __all__ = [
 
 #: vLLM's JSON writes a ``-inf`` (filtered) log-prob as this value.
 VLLM_FILTERED_LOGPROB = -9999.0
+_RAW_HINT = (" (every position's list holds members only: request logprobs=top_k + 1, and check that vLLM runs with "
+             "--logprobs-mode processed_logprobs -- raw log-probs are never -inf)")
 
 _PATHS = ("mask", "logprobs")
 #: vLLM 0.33's defaults for the engine arguments checked (vllm/config/model.py).
@@ -299,6 +305,126 @@ def _read_position(entries: list, token: int, own: Optional[float], vocab_size: 
     return (members if whole else None), lp
 
 
+def _token_ids(raw: list) -> list:
+    """``"token_id:<id>"`` strings (the HTTP forms) as ints; raises on anything else."""
+    if set(map(type, raw)) <= {int}:
+        return raw
+    if not all(isinstance(t, str) and t.startswith("token_id:") for t in raw):
+        raise ValueError("not token ids")
+    return [int(t[9:]) for t in raw]
+
+
+def _flat_json(logprobs: Mapping) -> tuple:
+    """The HTTP forms as flat lists: (tokens, values, counts, reported tokens, reported log-probs)."""
+    if "content" in logprobs:  # chat, generate
+        content = logprobs["content"] or []
+        key = "token_id" if content and "token_id" in content[0] else "token"
+        tops = [c["top_logprobs"] or [] for c in content]
+        tokens = _token_ids([e[key] for top in tops for e in top])
+        values = [e["logprob"] for top in tops for e in top]
+        return (tokens, values, list(map(len, tops)), _token_ids([c[key] for c in content]),
+                [c["logprob"] for c in content])
+    tops, own = logprobs["top_logprobs"] or [], logprobs.get("token_logprobs") or []  # completions
+    reported = _token_ids(list(logprobs["tokens"] or []))
+    if len(tops) != len(reported) or len(own) != len(reported):
+        raise ValueError("lengths differ")
+    tops = [d or {} for d in tops]
+    return (_token_ids(list(itertools.chain.from_iterable(tops))), list(itertools.chain.from_iterable(map(dict.values, tops))),
+            list(map(len, tops)), reported, list(own))
+
+
+def _flat_entries(logprobs: Any) -> Optional[tuple]:
+    """Any form as flat arrays, built without a check per entry in Python: (token ids int64,
+    log-probs float64, entries per position int64, reported tokens and log-probs or None);
+    None for an unknown form or any entry of an unexpected type (the per-entry reader then
+    names it)."""
+    reported = own = None
+    if isinstance(logprobs, Mapping) and ("content" in logprobs or ("top_logprobs" in logprobs and "tokens" in logprobs)):
+        try:
+            tokens, values, counts, reported, own = _flat_json(logprobs)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return None
+        if not set(map(type, own)) <= {float, int}:
+            return None
+        starts = np.cumsum([0, *counts])[:-1]
+        ends = starts + np.asarray(counts, dtype=np.int64)
+    elif hasattr(logprobs, "start_indices") and hasattr(logprobs, "end_indices"):  # FlatLogprobs
+        starts, ends = np.asarray(logprobs.start_indices), np.asarray(logprobs.end_indices)
+        tokens, values = logprobs.token_ids, logprobs.logprobs
+        if starts.size and (starts[0] != 0 or ends[-1] != len(tokens) or np.any(starts[1:] != ends[:-1])):
+            return None  # not back to back: the per-entry reader follows the indices
+    elif isinstance(logprobs, list) and set(map(type, logprobs)) <= {dict}:
+        counts = list(map(len, logprobs))
+        tokens = list(itertools.chain.from_iterable(logprobs))
+        entries = list(itertools.chain.from_iterable(map(dict.values, logprobs)))
+        kinds = set(map(type, entries))
+        if len(kinds) == 1 and entries and hasattr(entries[0], "logprob"):  # vLLM's Logprob (a dataclass)
+            values = list(map(operator.attrgetter("logprob"), entries))
+        elif kinds <= {float}:
+            values = entries
+        else:
+            return None
+        starts = np.cumsum([0, *counts])[:-1]
+        ends = starts + np.asarray(counts, dtype=np.int64)
+    else:
+        return None
+    ints = tokens + (reported or [])
+    if not set(map(type, ints)) <= {int} or not set(map(type, values)) <= {float, int}:
+        return None  # a bool, a float id, a string: named by the per-entry reader
+    if ints and max(map(abs, (min(ints), max(ints)))) >= 2**62:
+        return None
+    return (np.asarray(tokens, dtype=np.int64).reshape(-1), np.asarray(values, dtype=np.float64).reshape(-1),
+            (np.asarray(ends) - np.asarray(starts)).astype(np.int64).reshape(-1),
+            None if reported is None else np.asarray(reported, dtype=np.int64).reshape(-1),
+            None if own is None else np.asarray(own, dtype=np.float64).reshape(-1))
+
+
+def _read_fast(tokens, values, counts, sampled: np.ndarray, own: Optional[np.ndarray], vocab_size: Optional[int]):
+    """:func:`_read_position` over every position at once, from :func:`_flat_entries`' arrays.
+
+    Returns (members int64 back to back, lengths, flagged, sampled log-probs), or None when a
+    position breaks a rule: the per-position reader then raises naming it.
+    """
+    n = counts.size
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0)
+    if np.any(counts == 0) or np.any(np.isnan(values)) or np.any(values > 1e-5):
+        return None
+    starts = np.cumsum(counts) - counts
+    if np.any(tokens[starts] != sampled):
+        return None
+    pos = np.repeat(np.arange(n), counts)
+    order = np.lexsort((np.arange(tokens.size), tokens, pos))  # by position, id, then engine order
+    t, v, p = tokens[order], values[order], pos[order]
+    again = (t[1:] == t[:-1]) & (p[1:] == p[:-1])
+    if np.any(again):
+        a, b = v[:-1][again], v[1:][again]
+        if not np.all(_close(a, b) | ((a <= VLLM_FILTERED_LOGPROB) & (b <= VLLM_FILTERED_LOGPROB))):
+            return None
+    first = np.ones(t.size, bool)
+    first[1:] = ~again  # the first listing of each id, as the per-position reader keeps it
+    t, v, p = t[first], v[first], p[first]
+    listed = values[starts]  # the sampled token is each list's first entry
+    lp = listed if own is None else own
+    if np.any(lp <= VLLM_FILTERED_LOGPROB) or not np.all(_close(lp, listed)):
+        return None
+    member = v > VLLM_FILTERED_LOGPROB
+    unique, members = np.bincount(p, minlength=n), np.bincount(p[member], minlength=n)
+    whole = members < unique
+    if vocab_size is not None:
+        whole |= unique >= vocab_size
+    t, v, p = t[member], v[member], p[member]
+    order = np.lexsort((t, -v, p))  # within a position: by log-prob, then id
+    keep = whole[p[order]]
+    return t[order][keep], np.where(whole, members, 0), ~whole, lp
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``math.isclose(a, b, abs_tol=1e-4)`` elementwise (equal infinities included)."""
+    with np.errstate(invalid="ignore"):
+        return (a == b) | (np.abs(a - b) <= np.maximum(1e-9 * np.maximum(np.abs(a), np.abs(b)), 1e-4))
+
+
 def support_from_vllm_logprobs(
     logprobs: Any,
     sampled_ids: Optional[Sequence[int] | torch.Tensor] = None,
@@ -329,7 +455,22 @@ def support_from_vllm_logprobs(
     where = "vLLM processed-logprobs adapter"
     if sampling_params is not None:
         check_vllm_request(sampling_params, path="logprobs")
-    positions, reported = _positions(logprobs, where)
+    flat = _flat_entries(logprobs)
+    fast = None
+    if flat is not None and (sampled_ids is not None or flat[3] is not None):
+        tokens, values, counts, reported, own = flat
+        sampled = torch.from_numpy(reported) if sampled_ids is None else sampled_tensor(sampled_ids, counts.size, where)
+        if reported is None or np.array_equal(reported, sampled.numpy()):
+            fast = _read_fast(tokens, values, counts, sampled.numpy(), own, vocab_size)
+        if fast is not None:
+            members, lengths, flagged, lps = fast
+            reasons = {"not_fully_visible": int(flagged.sum())} if flagged.any() else {}
+            if flagged.size and flagged.all():
+                where += _RAW_HINT
+            return assemble_flat(torch.from_numpy(members), torch.from_numpy(lengths), torch.from_numpy(flagged), sampled,
+                                 width=width, logprobs=torch.from_numpy(lps).to(torch.float32), reasons=reasons,
+                                 vocab_size=vocab_size, where=where)
+    positions, reported = _positions(logprobs, where)  # any form, entry by entry: names what breaks a rule
     n = len(positions)
     if sampled_ids is None:
         if reported is None:
@@ -348,10 +489,7 @@ def support_from_vllm_logprobs(
         if row is None:
             reasons["not_fully_visible"] = reasons.get("not_fully_visible", 0) + 1
     if n and reasons.get("not_fully_visible") == n:
-        where += (
-            " (every position's list holds members only: request logprobs=top_k + 1, and check that vLLM runs with "
-            "--logprobs-mode processed_logprobs -- raw log-probs are never -inf)"
-        )
+        where += _RAW_HINT
     return assemble(rows, sampled, width=width, logprobs=lps, reasons=reasons, vocab_size=vocab_size, where=where)
 
 

@@ -296,3 +296,32 @@ def test_an_empty_mask_row_is_corrupted_output_named_at_the_engine(steps, where)
         with pytest.raises(SupportAlignmentError, match=rf"vLLM sampling-mask adapter, generated token {where} of {N}: an empty "
                            r"sampling-mask row; .* this output is corrupted"):
             support_from_vllm_sampling_mask(mask, ids, vocab_size=V)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("form", ["dicts", "flat"])
+def test_the_array_reader_equals_the_entry_by_entry_reader(seed, form):
+    """The offline forms are read with array operations over the whole response; the same entries
+    with their values as ``{"logprob": ...}`` mappings take the entry-by-entry reader. Both must give
+    the same rows (order included), flags and log-probs on ties at the cutoff, ``keep_tied`` rows
+    wider than k, lists of k entries (not fully visible) and a sampled token listed twice."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(40, V, generator=g) * 2).round() / 2  # many ties
+    num = K + 1 if seed % 2 else K  # K entries: some positions not fully visible
+    steps = vllm_steps(logits, T, top_k=K, top_p=0.9 if seed % 3 else 1.0, num_logprobs=num,
+                       ties="keep_tied" if seed % 2 else "index_order", seed=seed)
+    out = vllm_offline_output(steps, num, flat=form == "flat")
+    ids = out.token_ids
+    fast = support_from_vllm_logprobs(out.logprobs, ids, vocab_size=V)
+    positions = out.logprobs if form == "dicts" else [
+        {out.logprobs.token_ids[i]: out.logprobs.logprobs[i] for i in range(s, e)}
+        for s, e in zip(out.logprobs.start_indices, out.logprobs.end_indices)]
+    slow = support_from_vllm_logprobs([{t: {"logprob": getattr(v, "logprob", v)} for t, v in p.items()} for p in positions],
+                                      ids, vocab_size=V)
+    assert [fast.support.row(j).tolist() for j in range(len(ids))] == [slow.support.row(j).tolist() for j in range(len(ids))]
+    assert torch.equal(fast.flagged, slow.flagged) and fast.reasons == slow.reasons
+    assert torch.equal(fast.logprobs, slow.logprobs)
+    for width in (K, K - 2):
+        a, b = (support_from_vllm_logprobs(x, ids, width=width, vocab_size=V) for x in
+                (out.logprobs, [{t: {"logprob": getattr(v, "logprob", v)} for t, v in p.items()} for p in positions]))
+        assert torch.equal(a.support.values, b.support.values) and torch.equal(a.flagged, b.flagged) and a.reasons == b.reasons

@@ -1,0 +1,130 @@
+"""What reading a vLLM response's supports costs per token, by output path.
+
+    python -m benchmarks.capture                  # k = 64, 2048 tokens; prints a markdown table
+    python -m benchmarks.capture --tokens 512 --k 20
+
+One response of ``--tokens`` positions at ``top_k = k`` (V = 128k), each position's supports of
+8 members on average, its processed log-probs listed as vLLM lists them with
+``logprobs = k + 1`` (the sampled token first, then the top ``k + 1`` entries: the members,
+then filtered ``-inf`` entries): the offline ``list[dict[int, Logprob]]``, the offline
+``FlatLogprobs`` (``SamplingParams(flat_logprobs=True)``), ``/v1/completions``,
+``/v1/chat/completions``, ``/inference/v1/generate`` and the sampling mask. Each is timed
+(median of 5) through the adapter its users call; the offline dicts also through the
+entry-by-entry reader (values as ``{"logprob": ...}`` mappings, the reader every form took
+before), the cost the array reader replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["main", "response"]
+
+V = 131072
+
+
+@dataclass
+class _Logprob:
+    """The fields of vLLM's ``Logprob`` (vllm/logprobs.py)."""
+
+    logprob: float
+    rank: int
+    decoded_token: object = None
+
+
+@dataclass
+class _Flat:
+    """The fields of vLLM's ``FlatLogprobs`` the adapter reads (vllm/logprobs.py)."""
+
+    start_indices: list
+    end_indices: list
+    token_ids: list
+    logprobs: list
+
+
+def response(n: int, k: int, seed: int = 0) -> dict:
+    """Per position: sampled id, entries [(id, log-prob)] in vLLM's order, and the support."""
+    rng = np.random.default_rng(seed)
+    sizes = np.minimum(rng.geometric(1 / 8, n), k)
+    positions, sampled, supports = [], [], []
+    for size in sizes.tolist():
+        ids = rng.choice(V, k + 1, replace=False)
+        probs = rng.dirichlet(np.ones(size))
+        lps = np.full(k + 1, -np.inf)
+        lps[:size] = np.sort(np.log(probs))[::-1]
+        pick = int(rng.integers(0, size))
+        entries = [(int(ids[pick]), float(lps[pick]))] + [(int(t), float(v)) for t, v in zip(ids, lps)]
+        positions.append(entries)
+        sampled.append(int(ids[pick]))
+        supports.append(sorted(int(t) for t in ids[:size]))
+    return {"positions": positions, "sampled": sampled, "supports": supports}
+
+
+def _forms(r: dict) -> dict:
+    pos, sampled = r["positions"], r["sampled"]
+    dicts = [{t: _Logprob(v, i) for i, (t, v) in enumerate(p)} for p in pos]
+    flat_ids = [t for p in pos for t, _ in p]
+    starts = np.cumsum([0] + [len(p) for p in pos])
+    flat = _Flat(starts[:-1].tolist(), starts[1:].tolist(), flat_ids, [v for p in pos for _, v in p])
+    json_lp = lambda v: max(v, -9999.0)  # noqa: E731 - vLLM's JSON clamps -inf
+    completions = {"tokens": [f"token_id:{t}" for t in sampled], "token_logprobs": [p[0][1] for p in pos],
+                   "top_logprobs": [{f"token_id:{t}": json_lp(v) for t, v in p} for p in pos], "text_offset": []}
+    chat = {"content": [{"token": f"token_id:{p[0][0]}", "logprob": p[0][1], "bytes": None,
+                         "top_logprobs": [{"token": f"token_id:{t}", "logprob": json_lp(v), "bytes": None} for t, v in p]}
+                        for p in pos]}
+    generate = {"content": [{"token_id": p[0][0], "logprob": p[0][1], "rank": 1,
+                             "top_logprobs": [{"token_id": t, "logprob": json_lp(v), "rank": i} for i, (t, v) in enumerate(p)]}
+                            for p in pos]}
+    slow = [{t: {"logprob": v} for t, v in p} for p in pos]
+    return {"offline dicts": dicts, "offline flat": flat, "completions": completions, "chat": chat,
+            "generate": generate, "entry by entry (before)": slow}
+
+
+def _median(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(n: int, k: int) -> dict:
+    from nemo_replay.rollout.engines.vllm import support_from_vllm_logprobs, support_from_vllm_sampling_mask
+
+    r = response(n, k)
+    out = {}
+    for name, form in _forms(r).items():
+        ids = None if name in ("completions", "chat", "generate") else r["sampled"]
+        got = support_from_vllm_logprobs(form, ids, vocab_size=V)
+        rows = [sorted(got.support.row(j).tolist()) for j in range(n)]
+        assert rows == r["supports"], name  # every path reads the same supports
+        out[name] = _median(lambda f=form, i=ids: support_from_vllm_logprobs(f, i, vocab_size=V)) / n
+    mask = [list(s) for s in r["supports"]]
+    out["sampling mask"] = _median(lambda: support_from_vllm_sampling_mask(mask, r["sampled"], vocab_size=V)) / n
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--k", type=int, default=64)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    got = measure(args.tokens, args.k)
+    before = got["entry by entry (before)"]
+    print(f"| path (k = {args.k}, {args.k + 1} log-probs a token) | us per token | against entry by entry |")
+    print("|---|---|---|")
+    for name, seconds in got.items():
+        print(f"| {name} | {1e6 * seconds:.1f} | {seconds / before:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
