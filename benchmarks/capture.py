@@ -17,12 +17,12 @@ before), the cost the array reader replaced.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from benchmarks.machine import median_ms
 
 __all__ = ["main", "response"]
 
@@ -86,15 +86,6 @@ def _forms(r: dict) -> dict:
             "generate": generate, "entry by entry (before)": slow}
 
 
-def _median(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(n: int, k: int) -> dict:
     from nemo_replay.rollout.engines.vllm import support_from_vllm_logprobs, support_from_vllm_sampling_mask
 
@@ -105,9 +96,10 @@ def measure(n: int, k: int) -> dict:
         got = support_from_vllm_logprobs(form, ids, vocab_size=V)
         rows = [sorted(got.support.row(j).tolist()) for j in range(n)]
         assert rows == r["supports"], name  # every path reads the same supports
-        out[name] = _median(lambda f=form, i=ids: support_from_vllm_logprobs(f, i, vocab_size=V)) / n
+        out[name] = median_ms(lambda f=form, i=ids: support_from_vllm_logprobs(f, i, vocab_size=V), repeats=5) / 1e3 / n
     mask = [list(s) for s in r["supports"]]
-    out["sampling mask"] = _median(lambda: support_from_vllm_sampling_mask(mask, r["sampled"], vocab_size=V)) / n
+    out["sampling mask"] = median_ms(lambda: support_from_vllm_sampling_mask(mask, r["sampled"], vocab_size=V),
+                                     repeats=5) / 1e3 / n
     return out
 
 

@@ -14,10 +14,10 @@ right after a save; a cold read would cost the save and the load alike.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
+
+from benchmarks.machine import median_ms
 
 __all__ = ["main"]
 
@@ -36,12 +36,7 @@ def _state(mib: int):
 
 
 def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_ms(fn, repeats=repeats, warmup=0) / 1e3
 
 
 def measure(mib: int, repeats: int) -> dict:

@@ -30,11 +30,12 @@ import math
 import os
 import pickle
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.machine import median_ms
 
 __all__ = ["main", "row_sets", "sizes"]
 
@@ -109,12 +110,7 @@ def _limit_bits(lengths: np.ndarray, V: int) -> float:
 
 
 def _rate(fn, items: int, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return items / sorted(times)[len(times) // 2]
+    return items / (median_ms(fn, repeats=repeats) / 1e3)
 
 
 def sizes(rows, sampled, V) -> dict:
