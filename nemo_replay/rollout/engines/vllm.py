@@ -300,7 +300,7 @@ def _read_position(entries: list, token: int, own: Optional[float], vocab_size: 
             f"{at}: the sampled token {token} has log-prob {lp} (listed {values[token]}): it was not drawn from these "
             f"log-probs; start vLLM with --logprobs-mode processed_logprobs"
         )
-    members = sorted((t for t, v in values.items() if not _filtered(v)), key=lambda t: (-values[t], t))
+    members = sorted(t for t, v in values.items() if not _filtered(v))
     whole = len(members) < len(values) or (vocab_size is not None and len(values) >= vocab_size)
     return (members if whole else None), lp
 
@@ -368,15 +368,17 @@ def _flat_entries(logprobs: Any) -> Optional[tuple]:
         ends = starts + np.asarray(counts, dtype=np.int64)
     else:
         return None
-    ints = tokens + (reported or [])
-    if not set(map(type, ints)) <= {int} or not set(map(type, values)) <= {float, int}:
+    if not set(map(type, tokens)) <= {int} or not set(map(type, values)) <= {float, int}:
         return None  # a bool, a float id, a string: named by the per-entry reader
-    if ints and max(map(abs, (min(ints), max(ints)))) >= 2**62:
+    if reported is not None and not set(map(type, reported)) <= {int}:
         return None
-    return (np.asarray(tokens, dtype=np.int64).reshape(-1), np.asarray(values, dtype=np.float64).reshape(-1),
-            (np.asarray(ends) - np.asarray(starts)).astype(np.int64).reshape(-1),
-            None if reported is None else np.asarray(reported, dtype=np.int64).reshape(-1),
-            None if own is None else np.asarray(own, dtype=np.float64).reshape(-1))
+    try:  # an id past int64 is refused by the conversion itself
+        return (np.asarray(tokens, dtype=np.int64).reshape(-1), np.asarray(values, dtype=np.float64).reshape(-1),
+                (np.asarray(ends) - np.asarray(starts)).astype(np.int64).reshape(-1),
+                None if reported is None else np.asarray(reported, dtype=np.int64).reshape(-1),
+                None if own is None else np.asarray(own, dtype=np.float64).reshape(-1))
+    except OverflowError:
+        return None
 
 
 def _read_fast(tokens, values, counts, sampled: np.ndarray, own: Optional[np.ndarray], vocab_size: Optional[int]):
@@ -393,8 +395,10 @@ def _read_fast(tokens, values, counts, sampled: np.ndarray, own: Optional[np.nda
     starts = np.cumsum(counts) - counts
     if np.any(tokens[starts] != sampled):
         return None
+    if tokens.min() < 0 or tokens.max() >= 2**31:
+        return None
     pos = np.repeat(np.arange(n), counts)
-    order = np.lexsort((np.arange(tokens.size), tokens, pos))  # by position, id, then engine order
+    order = np.argsort((pos << 31) | tokens, kind="stable")  # by position, then id, then engine order
     t, v, p = tokens[order], values[order], pos[order]
     again = (t[1:] == t[:-1]) & (p[1:] == p[:-1])
     if np.any(again):
@@ -413,10 +417,8 @@ def _read_fast(tokens, values, counts, sampled: np.ndarray, own: Optional[np.nda
     whole = members < unique
     if vocab_size is not None:
         whole |= unique >= vocab_size
-    t, v, p = t[member], v[member], p[member]
-    order = np.lexsort((t, -v, p))  # within a position: by log-prob, then id
-    keep = whole[p[order]]
-    return t[order][keep], np.where(whole, members, 0), ~whole, lp
+    keep = member & whole[p]  # ids ascending within each position, as the sort left them
+    return t[keep], np.where(whole, members, 0), ~whole, lp
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -448,8 +450,8 @@ def support_from_vllm_logprobs(
             :func:`check_vllm_request` when given (recommended).
 
     Returns:
-        :class:`~nemo_replay.rollout.engines.base.EngineSupport`: one row per token, members
-        ordered by log-prob (then id), the sampled tokens' processed log-probs, and the
+        :class:`~nemo_replay.rollout.engines.base.EngineSupport`: one row per token, ids
+        ascending (as the sampling mask gives them), the sampled tokens' processed log-probs, and the
         positions flagged ``not_fully_visible`` / ``wider_than_row`` with empty rows.
     """
     where = "vLLM processed-logprobs adapter"
