@@ -39,7 +39,8 @@ __all__ = ["vllm_support_request", "generation_support_from_vllm", "padding_rows
 def vllm_support_request(top_k: int, *, path: str = "logprobs") -> dict:
     """The ``SamplingParams`` fields the worker must set on top of its own for ``path``.
 
-    ``"logprobs"``: ``{"logprobs": top_k + 1}`` (NeMo-RL asks 0). ``"mask"``: ``{}`` -- the
+    ``"logprobs"``: ``{"logprobs": top_k + 1, "flat_logprobs": True}`` (NeMo-RL asks 0; a vLLM
+    without ``flat_logprobs`` keeps its dicts: the worker sets only fields it has). ``"mask"``: ``{}`` -- the
     engine returns masks itself when started with ``return_sampling_mask``; ``logprobs=0``
     still gives the sampled token's log-prob.
 
@@ -53,7 +54,10 @@ def vllm_support_request(top_k: int, *, path: str = "logprobs") -> dict:
             f"top-k), got {top_k!r}"
         )
     if path == "logprobs":
-        return {"logprobs": top_k + 1}
+        # flat_logprobs (vLLM >= 0.24, sampling_params.py): one flat list a response instead of a
+        # dict and a Logprob per entry -- half the memory held until generate returns, a sixth of
+        # the engine's output processing; position i still reads as a dict (FlatLogprobs.__getitem__).
+        return {"logprobs": top_k + 1, "flat_logprobs": True}
     if path == "mask":
         return {}
     raise ValueError(f"path must be 'logprobs' or 'mask', got {path!r}")

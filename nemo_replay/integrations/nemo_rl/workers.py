@@ -119,7 +119,8 @@ class ReplayVllmMixin:
         params = super()._build_sampling_params(greedy=greedy, stop_strings=stop_strings, max_new_tokens=max_new_tokens)
         if not greedy:
             for name, value in vllm_support_request(self.cfg["top_k"]).items():
-                setattr(params, name, value)
+                if name == "logprobs" or hasattr(params, name):  # flat_logprobs exists from vLLM 0.24 on
+                    setattr(params, name, value)
         return params
 
     def generate(self, data, greedy: bool = False):

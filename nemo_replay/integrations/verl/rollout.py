@@ -41,11 +41,13 @@ on first call, in the process that launches servers (:mod:`.plugin` registers th
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
 import logging
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -204,15 +206,45 @@ class VllmSupportRecorder:
             wanted = settings["top_k"] + 1
             if sampling_params.logprobs is None or 0 <= sampling_params.logprobs < wanted:
                 sampling_params.logprobs = wanted
+            if hasattr(sampling_params, "flat_logprobs"):  # vLLM >= 0.24: flat lists, not a Logprob per entry
+                sampling_params.flat_logprobs = True
         check_vllm_request(sampling_params, path=self.path)
         return True
 
     def read(self, completion: Any, sampling_params: Any) -> tuple[np.ndarray, dict]:
-        """(rows int32 [n, width], flag counts) of one finished ``CompletionOutput``."""
-        result = support_from_vllm_output(
-            completion, width=self.replay.width, vocab_size=self.vocab_size, sampling_params=sampling_params
-        )
-        return _rows(result)
+        """(rows int32 [n, width], flag counts) of one finished ``CompletionOutput``, read
+        :data:`READ_CHUNK` positions at a time: run off the event loop (``_RecordingVllmEngine``),
+        no single call holds the interpreter long enough to stall the loop's thread."""
+        n, parts, flags = len(completion.token_ids), [], {}
+        for start in range(0, max(n, 1), READ_CHUNK):
+            part = _positions_of(completion, start, min(start + READ_CHUNK, n))
+            rows, counts = _rows(support_from_vllm_output(
+                part, width=self.replay.width, vocab_size=self.vocab_size,
+                sampling_params=sampling_params if start == 0 else None,  # checked once a response
+            ))
+            parts.append(rows)
+            for reason, count in counts.items():
+                flags[reason] = flags.get(reason, 0) + count
+        return np.concatenate(parts) if len(parts) > 1 else parts[0], flags
+
+
+#: Positions a server reads at a time (about 5 ms at k = 64 on one core).
+READ_CHUNK = 256
+
+
+def _positions_of(completion: Any, start: int, end: int) -> Any:
+    """The fields the vLLM adapter reads of ``completion``, for positions ``start .. end - 1``."""
+    lp, mask = getattr(completion, "logprobs", None), getattr(completion, "sampling_mask", None)
+    if lp is not None and hasattr(lp, "start_indices"):  # FlatLogprobs: its flat lists, re-based
+        first, last = lp.start_indices[start] if end > start else 0, lp.end_indices[end - 1] if end > start else 0
+        lp = SimpleNamespace(start_indices=[i - first for i in lp.start_indices[start:end]],
+                             end_indices=[i - first for i in lp.end_indices[start:end]],
+                             token_ids=lp.token_ids[first:last], logprobs=lp.logprobs[first:last])
+    elif lp is not None:
+        lp = lp[start:end]
+    if mask is not None:
+        mask = getattr(mask, "token_ids", mask)[start:end]
+    return SimpleNamespace(token_ids=list(completion.token_ids[start:end]), logprobs=lp, sampling_mask=mask)
 
 
 class _RecordingVllmEngine:
@@ -241,7 +273,9 @@ class _RecordingVllmEngine:
             final = output
             yield output
         if final is not None and final.outputs:
-            self._sink[request_id] = self._recorder.read(final.outputs[0], sampling_params)
+            # Off the event loop: a long response's rows take milliseconds to read, and every other
+            # request of this server waits on the loop meanwhile.
+            self._sink[request_id] = await asyncio.to_thread(self._recorder.read, final.outputs[0], sampling_params)
 
 
 # ---------------------------------------------------------------------------------- SGLang
@@ -323,7 +357,7 @@ class _RecordingTokenizerManager:
 
     async def _record(self, stream, body: Mapping[str, Any], rid: str):
         async for output in stream:
-            self._sink[rid] = self._recorder.read(output, body)
+            self._sink[rid] = await asyncio.to_thread(self._recorder.read, output, body)  # off the event loop
             yield output
 
 

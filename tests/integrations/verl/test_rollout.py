@@ -234,10 +234,10 @@ def make_server(cfg, engine, **kw) -> ReplayServer:
 
 
 def support_of(step, width: int) -> list:
-    """The sampler's support of one step, ordered as the adapter orders rows (log-prob desc, id),
+    """The sampler's support of one step, ordered as the adapter orders rows (ids ascending),
     -1 padded to ``width``."""
     lp = dict(zip(step.token_ids, step.logprobs))
-    members = sorted(step.mask, key=lambda t: (-lp.get(t, -math.inf), t)) if all(t in lp for t in step.mask) else None
+    members = sorted(step.mask) if all(t in lp for t in step.mask) else None
     return members + [PAD_ID] * (width - len(members))
 
 
