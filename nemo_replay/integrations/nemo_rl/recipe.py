@@ -17,11 +17,10 @@ import math
 from typing import Any, Mapping, Optional
 
 from nemo_replay.integrations.recipe_paths import get_path, is_int, is_number
+from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, VLLM_TIE_MARGIN
 
 __all__ = ["check_nemo_rl_recipe"]
 
-# vLLM's ModelConfig.max_logprobs default; NeMo-RL never sets it (it passes vllm_kwargs through).
-VLLM_DEFAULT_MAX_LOGPROBS = 20
 
 _ABSENT = object()
 
@@ -111,8 +110,9 @@ def _check_generation_engine(config, problems: list) -> None:
     # vLLM reads -1 as the whole vocabulary.
     if not is_int(max_logprobs) or (max_logprobs != -1 and max_logprobs < top_k + 1):
         problems.append(
-            f"{came}: set an int >= {top_k + 1} = top_k + 1 (each request asks logprobs=top_k+1 so every list ends "
-            f"with a filtered candidate, and vLLM refuses a request above max_logprobs)"
+            f"{came}: set an int >= {top_k + 1} = top_k + 1, best {top_k + 1 + VLLM_TIE_MARGIN} (each request asks "
+            f"logprobs = min(top_k + {1 + VLLM_TIE_MARGIN}, max_logprobs) so every list ends with a filtered candidate, "
+            f"even where vLLM 0.24 / 0.25 keep every token tied with the k-th; vLLM refuses a request above max_logprobs)"
         )
 
 

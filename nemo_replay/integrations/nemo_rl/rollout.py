@@ -11,13 +11,15 @@ The rollout manager then slices ``[input_len:total_len]`` into the assistant mes
 For replay the worker must see each token's whole support:
 
 - processed log-probs: engine ``vllm_cfg.logprobs_mode: processed_logprobs`` (NeMo-RL's
-  default) and ``max_logprobs >= top_k + 1``; each request ``logprobs = top_k + 1``
-  (:func:`vllm_support_request`), so every position's list ends with a filtered entry;
+  default) and ``max_logprobs >= top_k + 1``; each request asks ``logprobs = width + 1``
+  with ``width = min(top_k + 16, max_logprobs - 1)`` (:func:`vllm_support_request`), so every
+  position's list ends with a filtered entry even where vLLM 0.24 / 0.25 keep every token
+  tied with the k-th (their PyTorch path, any step of fewer than 8 rows);
 - or vLLM's sampling masks (``return_sampling_mask`` on a Model Runner V2 engine), exact
   sets of any width.
 
 :func:`generation_support_from_vllm` turns the worker's outputs into ``generation_support``
-rows laid out exactly like its ``logprobs`` tensor (int32 ``[B, total_length, k]``, the row
+rows laid out exactly like its ``logprobs`` tensor (int32 ``[B, total_length, width]``, the row
 of token t at column t, ``-1`` on prompt and padding), through the engine adapters of
 :mod:`nemo_replay.rollout.engines.vllm`. Replay's vLLM worker (:mod:`.workers`) returns them; the
 patched rollout code slices them into each message like ``logprobs`` (:mod:`.patch`), and
@@ -31,22 +33,24 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from nemo_replay.rollout.engines.vllm import support_from_vllm_output
+from nemo_replay.rollout.engines.vllm import support_from_vllm_output, vllm_row_width
 
 __all__ = ["vllm_support_request", "generation_support_from_vllm", "padding_rows", "GenerationSupport"]
 
 
-def vllm_support_request(top_k: int, *, path: str = "logprobs") -> dict:
+def vllm_support_request(top_k: int, *, path: str = "logprobs", max_logprobs: Optional[int] = None) -> dict:
     """The ``SamplingParams`` fields the worker must set on top of its own for ``path``.
 
-    ``"logprobs"``: ``{"logprobs": top_k + 1, "flat_logprobs": True}`` (NeMo-RL asks 0; a vLLM
-    without ``flat_logprobs`` keeps its dicts: the worker sets only fields it has). ``"mask"``: ``{}`` -- the
-    engine returns masks itself when started with ``return_sampling_mask``; ``logprobs=0``
-    still gives the sampled token's log-prob.
+    ``"logprobs"``: ``{"logprobs": width + 1, "flat_logprobs": True}`` with ``width =``
+    :func:`~nemo_replay.rollout.engines.vllm.vllm_row_width` ``(top_k, max_logprobs)``: a list
+    that long shows a support tied at the k-th value up to ``width`` ids whole (NeMo-RL asks 0; a
+    vLLM without ``flat_logprobs`` keeps its dicts: the worker sets only fields it has).
+    ``"mask"``: ``{}`` -- the engine returns masks itself when started with
+    ``return_sampling_mask``; ``logprobs=0`` still gives the sampled token's log-prob.
 
     Raises:
         ValueError when ``top_k`` is not an int > 1 (an unbounded or single-token support
-        cannot be replayed) or ``path`` is unknown.
+        cannot be replayed), ``max_logprobs`` leaves no room, or ``path`` is unknown.
     """
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 2:
         raise ValueError(
@@ -57,7 +61,7 @@ def vllm_support_request(top_k: int, *, path: str = "logprobs") -> dict:
         # flat_logprobs (vLLM >= 0.24, sampling_params.py): one flat list a response instead of a
         # dict and a Logprob per entry -- half the memory held until generate returns, a sixth of
         # the engine's output processing; position i still reads as a dict (FlatLogprobs.__getitem__).
-        return {"logprobs": top_k + 1, "flat_logprobs": True}
+        return {"logprobs": vllm_row_width(top_k, max_logprobs) + 1, "flat_logprobs": True}
     if path == "mask":
         return {}
     raise ValueError(f"path must be 'logprobs' or 'mask', got {path!r}")
@@ -96,7 +100,7 @@ def generation_support_from_vllm(
         input_lengths: (B,), int. The prompt lengths NeMo-RL's worker used.
         total_length: the width of its ``output_ids`` / ``logprobs`` (padded input length
             plus the longest generation).
-        width: the row width k (the requests' ``top_k``).
+        width: the row width (``vllm_row_width(top_k, max_logprobs)``: wider supports are flagged).
         vocab_size: ids must be below it when given.
         sampling_params: the requests' ``SamplingParams``, checked for the support path.
 

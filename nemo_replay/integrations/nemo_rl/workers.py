@@ -32,6 +32,7 @@ import torch
 
 from nemo_replay.integrations.nemo_rl import hooks
 from nemo_replay.integrations.nemo_rl.rollout import generation_support_from_vllm, vllm_support_request
+from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, vllm_row_width
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
 
 __all__ = ["ReplayVllmMixin", "ReplayPolicyMixin", "rebind_post_processors", "WORKERS", "worker_fqn"]
@@ -118,7 +119,7 @@ class ReplayVllmMixin:
     def _build_sampling_params(self, *, greedy: bool, stop_strings, max_new_tokens=None):
         params = super()._build_sampling_params(greedy=greedy, stop_strings=stop_strings, max_new_tokens=max_new_tokens)
         if not greedy:
-            for name, value in vllm_support_request(self.cfg["top_k"]).items():
+            for name, value in vllm_support_request(self.cfg["top_k"], max_logprobs=_max_logprobs(self)).items():
                 if name == "logprobs" or hasattr(params, name):  # flat_logprobs exists from vLLM 0.24 on
                     setattr(params, name, value)
         return params
@@ -129,18 +130,27 @@ class ReplayVllmMixin:
             result = super().generate(data, greedy=greedy)
         if greedy:
             return result
-        top_k = self.cfg["top_k"]
+        width = vllm_row_width(self.cfg["top_k"], _max_logprobs(self))  # rows tied past top_k fit whole
         if not outputs:  # an empty shard: NeMo-RL returns before generating
-            result[SUPPORT_KEY] = torch.full((0, result["output_ids"].shape[1], top_k), -1, dtype=torch.int32)
+            result[SUPPORT_KEY] = torch.full((0, result["output_ids"].shape[1], width), -1, dtype=torch.int32)
             return result
         if len(outputs) != 1:
             raise ValueError(f"{type(self).__name__}.generate: expected one llm.generate call per batch, saw {len(outputs)}")
         support = generation_support_from_vllm(
             [out.outputs[0] for out in outputs[0]], data["input_lengths"], result["output_ids"].shape[1],
-            width=top_k, vocab_size=_vocab_size(self.llm),
+            width=width, vocab_size=_vocab_size(self.llm),
         )
         result[SUPPORT_KEY] = support.rows
         return result
+
+
+def _max_logprobs(worker) -> int:
+    """The engine's ``max_logprobs``: as its model config says, else as the recipe sets it
+    (``vllm_kwargs.max_logprobs``), else vLLM's default (20): a request above it is refused."""
+    value = getattr(getattr(getattr(worker.llm, "llm_engine", None), "model_config", None), "max_logprobs", None)
+    if not isinstance(value, int) or isinstance(value, bool):
+        value = (worker.cfg.get("vllm_kwargs") or {}).get("max_logprobs", VLLM_DEFAULT_MAX_LOGPROBS)
+    return value
 
 
 def _vocab_size(llm) -> Any:

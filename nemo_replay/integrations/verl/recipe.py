@@ -32,6 +32,7 @@ import os
 from typing import Any, Mapping
 
 from nemo_replay.integrations.recipe_paths import get_path, is_int, is_number
+from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, VLLM_TIE_MARGIN
 
 __all__ = ["check_verl_config", "PLUGIN_MODULE", "ENGINE_VENDOR"]
 
@@ -45,8 +46,6 @@ ENGINE_MODULES = {
     "fsdp2": "nemo_replay.integrations.verl.fsdp",
     "megatron": "nemo_replay.integrations.verl.megatron",
 }
-#: vLLM's ``ModelConfig.max_logprobs`` default; verl passes ``engine_kwargs.vllm`` through.
-VLLM_DEFAULT_MAX_LOGPROBS = 20
 V0_MANAGER = "nemo_replay.integrations.verl.agent_loop.ReplayAgentLoopManager"
 AGENT_LOOP_NAMES = ("replay_single_turn_agent", "replay_tool_agent")
 _ROLLOUT = "actor_rollout_ref.rollout"
@@ -155,8 +154,10 @@ def _check_engine(cfg, problems: list) -> None:
             max_logprobs = vllm_kwargs.get("max_logprobs", VLLM_DEFAULT_MAX_LOGPROBS)
             if not is_int(max_logprobs) or (max_logprobs != -1 and max_logprobs < top_k + 1):
                 problems.append(
-                    f"{_ROLLOUT}.engine_kwargs.vllm.max_logprobs={max_logprobs!r}: set >= {top_k + 1} (each request asks "
-                    f"top_k + 1 log-probs so a filtered entry closes each position's list; vLLM allows 20 by default)"
+                    f"{_ROLLOUT}.engine_kwargs.vllm.max_logprobs={max_logprobs!r}: set >= {top_k + 1}, best "
+                    f"{top_k + 1 + VLLM_TIE_MARGIN} (each request asks min(top_k + {1 + VLLM_TIE_MARGIN}, max_logprobs) "
+                    f"log-probs so a filtered entry closes each position's list, ties at the k-th included; vLLM allows 20 "
+                    f"by default)"
                 )
     if name == "sglang":
         limit = (get_path(cfg, f"{_ROLLOUT}.engine_kwargs.sglang") or {}).get("sampling_mask_max_tokens", 4096)

@@ -60,7 +60,13 @@ from nemo_replay.rollout.engines.sglang import (
     check_sglang_request,
     support_from_sglang_meta_info,
 )
-from nemo_replay.rollout.engines.vllm import check_vllm_engine, check_vllm_request, support_from_vllm_output
+from nemo_replay.rollout.engines.vllm import (
+    VLLM_DEFAULT_MAX_LOGPROBS,
+    check_vllm_engine,
+    check_vllm_request,
+    support_from_vllm_output,
+    vllm_row_width,
+)
 
 __all__ = [
     "FLAGS_KEY",
@@ -105,9 +111,10 @@ class RolloutReplay:
 
     Attributes:
         enabled: record supports and carry them (``custom.replay.enabled``).
-        width: row width ``K`` of ``generation_support`` (``custom.replay.support_width``,
-            default the rollout's ``top_k``: vLLM's processed log-probs never show a wider
-            support whole). A wider support is flagged ``wider_than_row`` and left out.
+        width: row width ``K`` of ``generation_support`` (``custom.replay.support_width``;
+            default, on vLLM's log-prob path, ``vllm_row_width(top_k, max_logprobs)`` = ``top_k
+            + 16`` within ``max_logprobs - 1``, so supports tied at the k-th show whole; else
+            the rollout's ``top_k``). A wider support is flagged ``wider_than_row`` and left out.
         temperature, top_k, top_p: the rollout's training sampling settings, which decide
             whether an unrecordable request is refused (module doc).
     """
@@ -134,6 +141,16 @@ class RolloutReplay:
         enabled = replay.get("enabled", False) is True
         if width is None:
             width = top_k
+            vllm = (_plain(_field(config, "engine_kwargs")) or {}).get("vllm") or {}
+            name = _field(config, "name")
+            if (name in (None, "vllm") and not vllm.get("return_sampling_mask") and isinstance(top_k, int)
+                    and not isinstance(top_k, bool) and top_k > 1):
+                # The processed log-prob lists show ties at the k-th whole up to this width (each
+                # request asks width + 1): vLLM 0.24 / 0.25 keep every tied token below 8 rows a step.
+                max_logprobs = vllm.get("max_logprobs", VLLM_DEFAULT_MAX_LOGPROBS)
+                if isinstance(max_logprobs, int) and not isinstance(max_logprobs, bool) and (
+                        max_logprobs == -1 or max_logprobs > top_k):
+                    width = vllm_row_width(top_k, max_logprobs)
         if enabled and (isinstance(width, bool) or not isinstance(width, int) or width < 2):
             raise ValueError(
                 f"actor_rollout_ref.rollout.custom.replay.support_width={replay.get('support_width')!r} with "
@@ -203,7 +220,7 @@ class VllmSupportRecorder:
             _unrecordable(self.replay, sampling_params, "vLLM", str(exc))
             return False
         if self.path == "logprobs":
-            wanted = settings["top_k"] + 1
+            wanted = max(settings["top_k"], self.replay.width) + 1  # rows up to the width shown whole
             if sampling_params.logprobs is None or 0 <= sampling_params.logprobs < wanted:
                 sampling_params.logprobs = wanted
             if hasattr(sampling_params, "flat_logprobs"):  # vLLM >= 0.24: flat lists, not a Logprob per entry

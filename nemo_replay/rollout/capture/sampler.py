@@ -41,15 +41,16 @@ so :func:`sample` takes the rule (``ties=``) and names the engine path each one 
   top-k keeps exactly ``k``; top-p keeps rank ``r`` iff the mass ranked strictly above it
   is ``< top_p``, summed top-down in the compute dtype. This is vLLM's Triton
   top-k/top-p kernel (``topk_topp_triton.py``, ``apply_top_k_top_p_triton``), the path
-  ``apply_top_k_top_p`` in ``topk_topp_sampler.py`` takes whenever Triton is importable --
-  every CUDA install, and always under Model Runner V2, which the sampling mask needs. It
+  ``apply_top_k_top_p`` in ``topk_topp_sampler.py`` takes in vLLM 0.33 whenever Triton is
+  importable, and always under Model Runner V2, which the sampling mask needs (vLLM 0.24 /
+  0.25 take it only for a step of at least 8 rows, the PyTorch path below for fewer). It
   keeps exactly k and resolves the boundary's duplicates in index order, smaller ids first;
   its top-p has the same top-down meaning (the tokens more probable than a pivot hold
   ``>= top_p``, and ``< top_p`` without the least probable of them) but finds the pivot by
   a bisection (at most 18 steps, tolerance 1e-9) over float32 sums taken tile by tile, an
   order no sort reproduces: a token that close to the nucleus boundary may differ.
 - ``ties="keep_tied"`` -- vLLM's PyTorch path (``apply_top_k_top_p_pytorch``, taken when
-  Triton is absent), step for step, in float32 as vLLM's sampler casts the logits
+  Triton is absent, and by vLLM 0.24 / 0.25 for a step of fewer than 8 rows), step for step, in float32 as vLLM's sampler casts the logits
   (``sampler.py``): sort ``x`` ascending with torch's default sort; top-k masks
   ``x < x_(k)`` (every token tied with the k-th value stays, so a support may hold more than
   ``k``); top-p takes the float32 softmax of the sorted, top-k-masked row over the whole

@@ -79,6 +79,9 @@ from nemo_replay.rollout.engines.base import (
 
 __all__ = [
     "VLLM_FILTERED_LOGPROB",
+    "VLLM_TIE_MARGIN",
+    "VLLM_DEFAULT_MAX_LOGPROBS",
+    "vllm_row_width",
     "check_vllm_engine",
     "check_vllm_request",
     "support_from_vllm_logprobs",
@@ -92,9 +95,35 @@ VLLM_FILTERED_LOGPROB = -9999.0
 _RAW_HINT = (" (every position's list holds members only: request logprobs=top_k + 1, and check that vLLM runs with "
              "--logprobs-mode processed_logprobs -- raw log-probs are never -inf)")
 
+#: Members past ``top_k`` a row may hold and still be read whole: vLLM 0.24 / 0.25 run their
+#: PyTorch top-k/top-p path for any step of fewer than 8 rows (``topk_topp_sampler.py:345-360``),
+#: which keeps every token tied with the k-th value (``:384-392``): rows of 64..77 ids at
+#: ``top_k = 64`` were seen. Requests ask ``logprobs = row width + 1`` (:func:`vllm_row_width`).
+VLLM_TIE_MARGIN = 16
+
+
+def vllm_row_width(top_k: int, max_logprobs: Optional[int] = None) -> int:
+    """The widest support a request shows whole: ``top_k + VLLM_TIE_MARGIN``, within the engine's
+    ``max_logprobs - 1`` (None or -1: no cap). A request asks one log-prob more, so that each
+    position's list ends with a filtered entry; a tied support wider than this is flagged.
+
+    Raises:
+        ValueError when ``max_logprobs`` leaves no room for ``top_k + 1`` log-probs.
+    """
+    width = top_k + VLLM_TIE_MARGIN
+    if max_logprobs is not None and max_logprobs != -1:
+        if max_logprobs < top_k + 1:
+            raise ValueError(f"max_logprobs={max_logprobs} < top_k + 1 = {top_k + 1}: a log-prob list cannot show a "
+                             f"whole support; start vLLM with --max-logprobs {top_k + 1 + VLLM_TIE_MARGIN}")
+        width = min(width, max_logprobs - 1)
+    return width
+
+
 _PATHS = ("mask", "logprobs")
+#: vLLM's ``ModelConfig.max_logprobs`` default, the same from 0.24 to 0.33 (vllm/config/model.py).
+VLLM_DEFAULT_MAX_LOGPROBS = 20
 #: vLLM 0.33's defaults for the engine arguments checked (vllm/config/model.py).
-_VLLM_DEFAULTS = {"logprobs_mode": "raw_logprobs", "return_sampling_mask": False, "max_logprobs": 20}
+_VLLM_DEFAULTS = {"logprobs_mode": "raw_logprobs", "return_sampling_mask": False, "max_logprobs": VLLM_DEFAULT_MAX_LOGPROBS}
 
 
 def _filtered(lp: float) -> bool:

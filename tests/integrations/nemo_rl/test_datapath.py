@@ -327,11 +327,13 @@ def test_the_vllm_worker_asks_for_the_support_and_returns_rows_that_reproduce_th
     data, outputs, logits = _engine_batch(top_k)
     worker_cls = type("W", (workers.ReplayVllmMixin, _NemoRLVllmWorker), {})
     llm = _LLM(outputs)
-    worker = worker_cls({"temperature": TEMPERATURE, "top_p": 0.9, "top_k": top_k}, llm)
+    # The engine allows 2 top_k log-probs: rows as wide as 2 top_k - 1 (ties past top_k) are read whole.
+    cfg = {"temperature": TEMPERATURE, "top_p": 0.9, "top_k": top_k, "vllm_kwargs": {"max_logprobs": 2 * top_k}}
+    worker = worker_cls(cfg, llm)
     result = worker.generate(data)
-    assert llm.params[-1].logprobs == top_k + 1 and "generate" not in vars(llm)  # the recorder is gone again
+    assert llm.params[-1].logprobs == 2 * top_k and "generate" not in vars(llm)  # the recorder is gone again
     rows = result["generation_support"]
-    assert rows.shape == (2, 9, top_k) and rows.dtype == torch.int32
+    assert rows.shape == (2, 9, 2 * top_k - 1) and rows.dtype == torch.int32
     assert (rows[0, :3] == -1).all() and (rows[0, 7:] == -1).all() and (rows[1, :5] == -1).all()
     token_mask = (rows >= 0).any(-1).float()
     batch = {"input_ids": result["output_ids"], "input_lengths": torch.tensor([7, 7]), "token_mask": token_mask,

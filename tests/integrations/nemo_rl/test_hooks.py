@@ -501,7 +501,8 @@ def test_vllm_outputs_become_generation_support_that_reproduces_the_engine():
     from tests.rollout.engines.engine_outputs import vllm_offline_output, vllm_steps
 
     top_k = 6
-    assert vllm_support_request(top_k) == {"logprobs": 7, "flat_logprobs": True} and vllm_support_request(top_k, path="mask") == {}
+    assert vllm_support_request(top_k, max_logprobs=65) == {"logprobs": top_k + 17, "flat_logprobs": True}  # top_k + 16 tied ids whole
+    assert vllm_support_request(top_k, max_logprobs=10)["logprobs"] == 10 and vllm_support_request(top_k, path="mask") == {}
     with pytest.raises(ValueError, match=r"policy.generation.top_k set to an int > 1"):
         vllm_support_request(None)
     g = torch.Generator().manual_seed(5)

@@ -138,7 +138,7 @@ def test_each_overlay_over_its_base_is_accepted():
         merged = _merged(path)
         check_nemo_rl_recipe(merged)
         generation = merged["policy"]["generation"]
-        assert generation["top_k"] == 64 and generation["vllm_kwargs"]["max_logprobs"] == generation["top_k"] + 1
+        assert generation["top_k"] == 64 and generation["vllm_kwargs"]["max_logprobs"] == generation["top_k"] + 17  # ties shown whole
         assert generation["vllm_cfg"]["logprobs_mode"] == "processed_logprobs"
     megatron = _merged(ROOT / "configs" / "nemo_rl" / "grpo_math_1B_megatron_replay.yaml")
     assert megatron["policy"]["sequence_packing"]["fuse_loss"] is False
@@ -222,10 +222,10 @@ def test_max_logprobs_must_cover_top_k_plus_one():
     absent = replay_recipe()
     del absent["policy"]["generation"]["vllm_kwargs"]["max_logprobs"]
     line = _one(absent, f"{path} absent (vLLM's default 20): set an int >= 65 = top_k + 1")
-    assert "logprobs=top_k+1" in line
+    assert "best 81" in line and "logprobs = min(top_k + 17, max_logprobs)" in line and "tied with the k-th" in line
     _one(replay_recipe(policy__generation__vllm_kwargs__max_logprobs=64), f"{path}=64: set an int >= 65")
     _one(replay_recipe(policy__generation__vllm_kwargs__max_logprobs="65"), f"{path}='65': set an int >= 65")
-    _one(replay_recipe(policy__generation__top_k=128), f"{path}=65: set an int >= 129")
+    _one(replay_recipe(policy__generation__top_k=128), f"{path}=81: set an int >= 129")
     check_nemo_rl_recipe(replay_recipe(policy__generation__vllm_kwargs__max_logprobs=-1))  # vLLM: the whole vocabulary
     small = replay_recipe(policy__generation__top_k=16)
     del small["policy"]["generation"]["vllm_kwargs"]["max_logprobs"]
@@ -344,7 +344,7 @@ _ALL_BAD_LINES = [
     "policy.generation.vllm_cfg.logprobs_mode='raw_logprobs': set processed_logprobs",
     "policy.generation.vllm_cfg.async_engine=True: set false",
     "policy.generation.quant_cfg='fp8': set null",
-    "policy.generation.vllm_kwargs.max_logprobs=65: set an int >= 129",
+    "policy.generation.vllm_kwargs.max_logprobs=81: set an int >= 129",
     "data_plane.enabled=True: set false",
     "grpo.async_grpo.enabled=True: set false",
 ]

@@ -58,8 +58,9 @@ def test_overlays_compose_over_verl_and_pass_the_check(name, strategy):
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)  # verl's RolloutConfig accepts the overlay
     assert rollout.custom == {"replay": {"enabled": True, "support_width": None, "source": "logits"}}
     replay = RolloutReplay.from_rollout_config(rollout)
-    assert (replay.enabled, replay.width, replay.top_k) == (True, 64, 64)
-    assert rollout.engine_kwargs["vllm"]["max_logprobs"] == 65 and rollout.logprobs_mode == "processed_logprobs"
+    # Rows 16 wider than top_k: supports tied at the k-th value are read whole (81 log-probs a request).
+    assert (replay.enabled, replay.width, replay.top_k) == (True, 80, 64)
+    assert rollout.engine_kwargs["vllm"]["max_logprobs"] == 81 and rollout.logprobs_mode == "processed_logprobs"
     # verl's defaults outside the overlay stay: V1 trainer, sync mode, verl's own manager
     assert cfg.trainer.use_v1 is True and cfg.trainer.v1.trainer_mode == "sync"
 

@@ -279,6 +279,21 @@ def test_vllm_server_flags_a_support_wider_than_its_log_prob_list(tiny_model_dir
     np.testing.assert_allclose(output.log_probs, [s.logprobs[0] for s in engine.references[0]], rtol=0, atol=1e-6)
 
 
+def test_vllm_server_with_room_for_the_margin_reads_a_tied_support_whole(tiny_model_dir):
+    """vLLM 0.24 / 0.25 keep every token tied with the k-th below 8 rows a step (their PyTorch path,
+    topk_topp_sampler.py:345-360, 384-392): with max_logprobs room the request asks past top_k + 1
+    and the tied support is kept whole instead of flagged (rows top_k + 16 wide, within max_logprobs - 1)."""
+    cfg = verl_config(tiny_model_dir, f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={TOP_K + 3}")
+    script = [T["red"], T["green"], T["blue"]]
+    engine = SampledEngine([script], ties_at=(1,))
+    output = asyncio.run(make_server(cfg, engine).generate([T["user"]], dict(temperature=1.0, top_p=1.0, top_k=TOP_K), "r"))
+    rows = output.extra_fields[SUPPORT_KEY]
+    assert engine.seen[0].logprobs == TOP_K + 3 and rows.shape == (len(script), TOP_K + 2)
+    assert len(engine.references[0][1].mask) == TOP_K + 1 and FLAGS_KEY not in output.extra_fields
+    for j, s in enumerate(engine.references[0]):
+        assert rows[j].tolist() == support_of(s, TOP_K + 2)
+
+
 def test_vllm_server_serves_validation_unrecorded_and_refuses_unrecordable_training(tiny_model_dir):
     cfg = verl_config(tiny_model_dir)
     engine = SampledEngine([[T["yes"], EOS], [T["no"], EOS]])
