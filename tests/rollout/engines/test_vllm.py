@@ -325,3 +325,28 @@ def test_the_array_reader_equals_the_entry_by_entry_reader(seed, form):
         a, b = (support_from_vllm_logprobs(x, ids, width=width, vocab_size=V) for x in
                 (out.logprobs, [{t: {"logprob": getattr(v, "logprob", v)} for t, v in p.items()} for p in positions]))
         assert torch.equal(a.support.values, b.support.values) and torch.equal(a.flagged, b.flagged) and a.reasons == b.reasons
+
+
+@pytest.mark.parametrize("top_k, top_p, temperature, n", [(64, 1.0, 1.0, 64), (20, 1.0, 0.7, 46)])
+def test_the_margin_keeps_every_position_vllm_024_ties_past_k(top_k, top_p, temperature, n):
+    """vLLM 0.24 / 0.25 run the PyTorch top-k/top-p path for a step of fewer than 8 rows
+    (topk_topp_sampler.py:345-360), which keeps every token tied with the k-th value (:384-392;
+    the sampler's ``keep_tied`` rule, call for call). On bf16 logits that widens many supports
+    past k: asked for top_k + 1 log-probs, those positions were flagged and left the loss; asked
+    for vllm_row_width + 1, every position is read whole, rows equal to the engine's supports."""
+    from nemo_replay.rollout.engines.vllm import VLLM_TIE_MARGIN, vllm_row_width
+
+    vocab = 32000
+    logits = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * 2.5).to(torch.bfloat16).float()
+    width = vllm_row_width(top_k, top_k + 1 + VLLM_TIE_MARGIN)
+    assert width == top_k + VLLM_TIE_MARGIN
+    kept = {}
+    for asked in (top_k + 1, width + 1):
+        steps = vllm_steps(logits, temperature, top_k=top_k, top_p=top_p, num_logprobs=asked, ties="keep_tied")
+        out = vllm_offline_output(steps, asked)
+        got = support_from_vllm_logprobs(out.logprobs, out.token_ids, width=asked - 1, vocab_size=vocab)
+        kept[asked] = n - int(got.flagged.sum())
+        if asked == width + 1:
+            assert [sorted(t for t in got.support.values[j].tolist() if t >= 0) for j in range(n)] == [s.mask for s in steps]
+            assert max(len(s.mask) for s in steps) > top_k  # ties past k were there to lose
+    assert kept[width + 1] == n and kept[top_k + 1] < n, kept
