@@ -103,6 +103,55 @@ def measure(n: int, k: int) -> dict:
     return out
 
 
+def server_stall(n: int, k: int) -> dict:
+    """verl's vLLM server (``_RecordingVllmEngine``) finishing one ``n``-token response: the longest
+    gap of a 1 ms ticker on its event loop while the rows are read, off the loop (as it runs) and
+    on it (the read called in place, as it ran before)."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from nemo_replay.integrations.verl.rollout import RolloutReplay, VllmSupportRecorder, _RecordingVllmEngine
+
+    r = response(n, k)
+    completion = SimpleNamespace(token_ids=r["sampled"], logprobs=_forms(r)["offline dicts"], sampling_mask=None)
+    final = SimpleNamespace(outputs=[completion])
+    recorder = VllmSupportRecorder(RolloutReplay(True, k, 1.0, k, 1.0), vocab_size=V)
+    params = SimpleNamespace(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                             presence_penalty=0.0, frequency_penalty=0.0, logprobs=0, flat_logprobs=False)
+
+    class Engine:
+        async def generate(self, *args, **kwargs):
+            yield final
+
+    async def gap(read) -> float:
+        gaps, done = [0.0], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        await read()
+        done.set()
+        await task
+        return max(gaps)
+
+    async def off_loop():
+        async for _ in _RecordingVllmEngine(Engine(), recorder, {}).generate(sampling_params=params, request_id="r"):
+            pass
+
+    async def on_loop():
+        recorder.read(completion, params)
+
+    return {"off the loop": asyncio.run(gap(off_loop)), "on the loop": asyncio.run(gap(on_loop))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -115,6 +164,12 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     for name, seconds in got.items():
         print(f"| {name} | {1e6 * seconds:.1f} | {seconds / before:.2f} |")
+    stall = server_stall(4096, args.k)
+    print()
+    print(f"| verl's vLLM server, one 4096-token response at k = {args.k} | longest event-loop gap |")
+    print("|---|---|")
+    for name, seconds in stall.items():
+        print(f"| rows read {name} | {1e3 * seconds:.1f} ms |")
     return 0
 
 

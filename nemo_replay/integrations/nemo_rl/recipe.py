@@ -100,11 +100,19 @@ def _check_generation_engine(config, problems: list) -> None:
             f"vLLM worker, resolve_generation_worker_cls, in place of replay's)"
         )
     top_k = get_path(config, "policy.generation.top_k")
-    if not is_int(top_k) or top_k < 2:
-        return  # the top_k line already names the fix; max_logprobs is sized from a valid top_k
     path = "policy.generation.vllm_kwargs.max_logprobs"
     max_logprobs = get_path(config, path, _ABSENT)
     came = f"{path}={max_logprobs!r}"
+    if not is_int(top_k) or top_k < 2:
+        # Sized from a top_k not chosen yet: said now, so that fixing top_k does not reveal it.
+        if max_logprobs is _ABSENT or not is_int(max_logprobs) or 0 <= max_logprobs < 3:
+            have = f"{path} absent (vLLM's default {VLLM_DEFAULT_MAX_LOGPROBS})" if max_logprobs is _ABSENT else came
+            problems.append(
+                f"{have}: set it with top_k, to top_k + {1 + VLLM_TIE_MARGIN} (at least top_k + 1; e.g. "
+                f"{64 + 1 + VLLM_TIE_MARGIN} for top_k 64): each request asks that many log-probs and vLLM refuses one "
+                f"above max_logprobs"
+            )
+        return
     if max_logprobs is _ABSENT:
         came, max_logprobs = f"{path} absent (vLLM's default {VLLM_DEFAULT_MAX_LOGPROBS})", VLLM_DEFAULT_MAX_LOGPROBS
     # vLLM reads -1 as the whole vocabulary.

@@ -1,6 +1,7 @@
 """NeMo-RL's GRPO with replay switched on: ``examples/run_grpo.py``'s command line, replay's workers.
 
     python -m nemo_replay.integrations.nemo_rl.run_grpo --config examples/configs/grpo_math_1B_replay.yaml [key=value ...]
+    python -m nemo_replay.integrations.nemo_rl.run_grpo --config ... --check    # checks and prints, starts nothing
 
 Run it where ``examples/run_grpo.py`` runs (a NeMo-RL checkout at
 :data:`~.layout.NEMO_RL_COMMIT` with the rollout patch applied, :mod:`.patch`; under
@@ -27,6 +28,7 @@ import argparse
 import functools
 import importlib
 import os
+import pprint
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,15 +91,18 @@ class NemoRL:
         )
 
 
-def parse_args(argv: Optional[list[str]] = None) -> tuple[str, list[str]]:
-    """(config path, Hydra overrides), as ``examples/run_grpo.py`` reads them."""
+def parse_args(argv: Optional[list[str]] = None) -> tuple[str, list[str], bool]:
+    """(config path, Hydra overrides, ``--check``), as ``examples/run_grpo.py`` reads them."""
     parser = argparse.ArgumentParser(
         prog="python -m nemo_replay.integrations.nemo_rl.run_grpo",
         description="NeMo-RL GRPO with support-conditioned replay (same command line as examples/run_grpo.py).",
     )
     parser.add_argument("--config", required=True, help="NeMo-RL recipe YAML, e.g. examples/configs/grpo_math_1B_replay.yaml")
+    parser.add_argument("--check", action="store_true",
+                        help="load and check the recipe as a run would, print what replay will ask of NeMo-RL and vLLM, "
+                             "and exit without starting Ray")
     args, overrides = parser.parse_known_args(argv)
-    return args.config, overrides
+    return args.config, overrides, args.check
 
 
 def load_recipe(nemo: NemoRL, config_path: str, overrides: list[str]) -> dict:
@@ -108,6 +113,29 @@ def load_recipe(nemo: NemoRL, config_path: str, overrides: list[str]) -> dict:
     resolved = nemo.to_container(config)
     check_nemo_rl_recipe(resolved)
     return resolved
+
+
+def replay_summary(recipe: dict) -> list[str]:
+    """What replay will run with and ask for, one line each (``--check`` and the start of a run)."""
+    from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, vllm_row_width
+
+    gen = recipe["policy"]["generation"]
+    top_k = gen["top_k"]
+    max_logprobs = (gen.get("vllm_kwargs") or {}).get("max_logprobs", VLLM_DEFAULT_MAX_LOGPROBS)
+    width = vllm_row_width(top_k, max_logprobs)
+    lines = [
+        f"replay: policy worker {_policy_worker(recipe)}, generation worker ReplayVllmGenerationWorker (vLLM, synchronous)",
+        f"replay: sampling temperature={gen['temperature']} top_k={top_k} top_p={gen['top_p']}; vLLM is asked "
+        f"logprobs={width + 1} per token (max_logprobs={max_logprobs}, logprobs_mode="
+        f"{(gen.get('vllm_cfg') or {}).get('logprobs_mode')}, flat_logprobs where vLLM has it)",
+        f"replay: generation_support rows int32 (B, S, {width}): supports up to {width} ids read whole"
+        + ("" if width >= top_k + 16 else f" (ties past that are flagged: max_logprobs={top_k + 17} reads {top_k + 16})"),
+    ]
+    val = recipe.get("grpo", {}).get("val_period", 0)
+    if val:
+        lines.append(f"replay: validation (grpo.val_period={val}) samples with the same top_k / top_p: the recipe's "
+                     f"generation settings apply to it too")
+    return lines
 
 
 def _policy_worker(recipe: dict) -> str:
@@ -168,15 +196,23 @@ def register_worker_environments(nemo: NemoRL, recipe: dict) -> dict[str, str]:
 def main(argv: Optional[list[str]] = None, nemo: Optional[NemoRL] = None) -> int:
     nemo = nemo or NemoRL.load()
     nemo.register_omegaconf_resolvers()
-    config_path, overrides = parse_args(argv)
+    config_path, overrides, check = parse_args(argv)
     try:
         recipe = load_recipe(nemo, config_path, overrides)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"Loaded configuration from: {config_path}" + (f" with overrides {overrides}" if overrides else ""))
+    for line in replay_summary(recipe):
+        print(line)
+    if check:
+        print("replay: the recipe passes every check; no cluster was started (--check)")
+        return 0
+    print("Final config:")
+    pprint.pprint(recipe)
     config = nemo.MasterConfig(**recipe)
     config.logger["log_dir"] = nemo.get_next_experiment_dir(config.logger["log_dir"])
+    print(f"Using log directory: {config.logger['log_dir']}")
     policy_factory = wire_driver(nemo, recipe, config.logger["log_dir"])
     nemo.init_ray()
     register_worker_environments(nemo, recipe)

@@ -479,3 +479,26 @@ def test_the_launcher_stops_before_any_cluster_on_a_recipe_replay_cannot_run(tmp
     assert [c[0] for c in calls] == ["register_omegaconf_resolvers", "load_config", "parse_hydra_overrides"]
     with pytest.raises(SystemExit):
         run_grpo.main([], nemo=nemo)  # --config is required, as the usage line says
+
+
+def test_the_launchers_check_prints_what_replay_asks_and_starts_nothing(tmp_path, capsys):
+    """``--check``: the recipe loaded and checked exactly as a run loads it, then what replay runs
+    with and asks of vLLM, and no Ray (a good recipe was confirmable only by starting a cluster)."""
+    from nemo_replay.integrations.nemo_rl import run_grpo
+    from tests.integrations.nemo_rl.test_recipe import replay_recipe
+
+    calls = []
+    recipe = replay_recipe()
+    recipe["grpo"]["val_period"] = 10
+    nemo = _nemo_rl_stand_in(tmp_path, recipe, calls)
+    assert run_grpo.main(["--config", "x.yaml", "--check"], nemo=nemo) == 0
+    out = capsys.readouterr().out
+    assert [c[0] for c in calls] == ["register_omegaconf_resolvers", "load_config"]  # no Ray, no setup
+    assert "vLLM is asked logprobs=81 per token (max_logprobs=81, logprobs_mode=processed_logprobs" in out
+    assert "generation_support rows int32 (B, S, 80): supports up to 80 ids read whole" in out
+    assert "validation (grpo.val_period=10) samples with the same top_k / top_p" in out
+    assert "no cluster was started (--check)" in out
+    calls.clear()
+    code = run_grpo.main(["--config", "x.yaml", "--check", "policy.generation.vllm_kwargs.max_logprobs=65"], nemo=nemo)
+    out = capsys.readouterr().out
+    assert code == 0 and "logprobs=65 per token" in out and "(ties past that are flagged: max_logprobs=81 reads 80)" in out

@@ -147,11 +147,15 @@ def test_each_overlay_over_its_base_is_accepted():
     assert "fuse_loss" not in dtensor["policy"]["sequence_packing"]  # NeMo-RL reads it only on its Megatron path
 
 
-def test_plain_nemo_rl_recipes_are_refused_naming_top_k():
+def test_plain_nemo_rl_recipes_are_refused_naming_top_k_and_max_logprobs_at_once():
+    """The stock recipe once reported top_k alone, and max_logprobs only on the run after top_k
+    was fixed (about 25 s a round): both come in the first refusal."""
     for recipe in ("grpo_math_1B.yaml", "grpo_math_1B_megatron.yaml"):
         # NeMo-RL's recipes already set processed_logprobs, the sync engine and a cluster that fits TP=CP=1.
-        line = _one(OmegaConf.to_container(_base(recipe), resolve=True), "policy.generation.top_k=None: set an int > 1")
-        assert "bounded" in line
+        top_k, max_logprobs = _refusal(OmegaConf.to_container(_base(recipe), resolve=True))
+        assert top_k.startswith("policy.generation.top_k=None: set an int > 1") and "bounded" in top_k
+        assert max_logprobs.startswith("policy.generation.vllm_kwargs.max_logprobs absent (vLLM's default 20): set it "
+                                       "with top_k, to top_k + 17 (at least top_k + 1; e.g. 81 for top_k 64)"), max_logprobs
 
 
 # --- the checks kept from before ------------------------------------------------------------
