@@ -68,7 +68,8 @@ def record_policy(stats: "StepStats", batch, out, *, first_forward: bool = True)
             ratio against ``batch.rollout_logprobs`` the first-step ratio (``ratio_mean``,
             ``ratio_max_dev``).
 
-    Adds ``loss``, ``clip_fraction`` and ``kl`` weighted by loss-active tokens, and
+    Adds ``loss``, ``clip_fraction``, ``kl`` (and truncated IS's ``tis_weight_mean`` and
+    ``tis_truncated_fraction``) weighted by loss-active tokens, and
     ``ratio_old_max_dev`` (the ratio against the old log-probs the objective used).
     """
     mask = batch.loss_mask.bool()
@@ -80,7 +81,7 @@ def record_policy(stats: "StepStats", batch, out, *, first_forward: bool = True)
     if out.loss is not None:
         loss = out.loss.detach().double()
         stats.add_mean("loss", loss * n.to(loss.device), n)
-    for key in ("clip_fraction", "kl"):
+    for key in ("clip_fraction", "kl", "tis_weight_mean", "tis_truncated_fraction"):
         if key in out.metrics:
             stats.add_mean(key, out.metrics[key] * n, n)
     if "ratio_max_dev" in out.metrics:

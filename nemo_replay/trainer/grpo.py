@@ -13,7 +13,8 @@ One step, on every rank (NeMo-RL's GRPO loop, on Lightning Fabric):
    weights that sampled: the train/inference mismatch is measured here;
 4. **reference**: reference-model log-probs (role ``reference``, frozen initial weights);
 5. **update**: per minibatch, role ``policy`` with the trainer's objective (``self.objective``,
-   the clipped token-ratio objective + KL, handed to the strategy as ``loss_fn``; backward
+   ``trainer.objective``'s: token ratio, GSPO's sequence ratio or truncated IS, + KL, handed to
+   the strategy as ``loss_fn``; backward
    inside the strategy), gradient clip, optimizer step. The first policy forward of the step runs
    before any update: its ratio against the rollout log-probs is the first-step ratio.
 
@@ -41,7 +42,7 @@ import torch
 from nemo_replay.trainer.config.loading import to_yaml
 from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.batch import ReplayBatch
-from nemo_replay.objectives import TokenRatioObjective, group_advantages
+from nemo_replay.objectives import SequenceRatioObjective, TokenRatioObjective, TruncatedISObjective, group_advantages
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.trainer.config.validation import resolve_engine
@@ -104,6 +105,16 @@ def sampling_settings(cfg: RecipeConfig) -> SamplingSettings:
     )
 
 
+def make_objective(cfg: RecipeConfig):
+    """The policy loss ``trainer.objective`` names, with the recipe's clip and KL settings."""
+    tr = cfg.trainer
+    if tr.objective == "sequence_ratio":
+        return SequenceRatioObjective(clip_eps=tr.clip_eps, clip_eps_high=None, kl_coef=tr.kl_coef)
+    if tr.objective == "tis":
+        return TruncatedISObjective(cap=tr.tis_cap, clip_eps=tr.clip_eps, kl_coef=tr.kl_coef)
+    return TokenRatioObjective(clip_eps=tr.clip_eps, kl_coef=tr.kl_coef)
+
+
 def split_batch(batch: ReplayBatch, size: int) -> list[ReplayBatch]:
     """Consecutive slices of at most ``size`` trajectories."""
     return [batch.select(torch.arange(i, min(i + size, batch.batch_size))) for i in range(0, batch.batch_size, size)]
@@ -153,7 +164,7 @@ class GRPOTrainer:
             max_prompt_len=cfg.task.max_prompt_len, response_len=cfg.generation.max_new_tokens,
         )
         self.settings = role_settings(cfg)
-        self.objective = TokenRatioObjective(clip_eps=cfg.trainer.clip_eps, kl_coef=cfg.trainer.kl_coef)
+        self.objective = make_objective(cfg)
         # Support mass needs full logits: logits mode with replay on.
         self.recompute_settings = dataclasses.replace(
             self.settings, compute_support_mass=cfg.replay.enabled and cfg.replay.scorer.source == "logits"

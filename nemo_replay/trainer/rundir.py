@@ -50,7 +50,8 @@ RESUMABLE = frozenset({
 })
 # Optimizer and objective settings a resume may change, each only when named on purpose
 # (``nemo-replay train --resume-override trainer.lr``): the way a diverged run goes on.
-OVERRIDABLE = frozenset({"trainer.lr", "trainer.weight_decay", "trainer.grad_clip", "trainer.clip_eps", "trainer.kl_coef"})
+OVERRIDABLE = frozenset({"trainer.lr", "trainer.weight_decay", "trainer.grad_clip", "trainer.clip_eps", "trainer.kl_coef",
+                         "trainer.objective", "trainer.tis_cap"})
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", CHECKPOINTS)
 LOCK = ".lock"
 

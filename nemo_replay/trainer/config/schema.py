@@ -198,6 +198,14 @@ class TrainerConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Gradient-norm clip; 0 disables."""
+    objective: str = "token_ratio"
+    """The policy loss: ``token_ratio`` (PPO/GRPO clipped surrogate of per-token ratios),
+    ``sequence_ratio`` (GSPO: one clipped ratio per trajectory, the geometric mean of its
+    tokens'; the GSPO paper clips at 3e-4) or ``tis`` (``token_ratio`` with each token weighted
+    by ``min(exp(old - rollout), trainer.tis_cap)``, truncated importance sampling against the
+    engine's log-probs; needs ``trainer.old_logprobs: recompute``). Each adds ``kl_coef`` x KL."""
+    tis_cap: float = 2.0
+    """``objective: tis``: the largest importance weight (> 0)."""
     clip_eps: float = 0.2
     """PPO clip range."""
     kl_coef: float = 0.01

@@ -41,6 +41,9 @@ __all__ = ["collect_problems", "validate", "resolve_world_size", "model_parallel
 
 _SOURCES = ("logits", "hidden")
 _OLD_LOGPROBS = ("recompute", "rollout")
+#: ``trainer.objective`` values (nemo_replay/objectives.py: TokenRatioObjective, SequenceRatioObjective,
+#: TruncatedISObjective).
+OBJECTIVES = ("token_ratio", "sequence_ratio", "tis")
 _ACCELERATORS = ("cpu", "gpu", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
 _ENGINES = ("auto", "hf", "trainer")
@@ -287,6 +290,17 @@ def _loop(cfg: RecipeConfig, out: list[str]) -> None:
             out.append(f"trainer.{name}={getattr(tr, name)} must be >= 0 (0 {zero})")
     if tr.old_logprobs not in _OLD_LOGPROBS:
         out.append(f"trainer.old_logprobs={tr.old_logprobs!r} must be one of {', '.join(_OLD_LOGPROBS)}")
+    if tr.objective not in OBJECTIVES:
+        out.append(f"trainer.objective={tr.objective!r} must be one of {', '.join(OBJECTIVES)}")
+    elif tr.objective == "tis":
+        if not tr.tis_cap > 0:
+            out.append(f"trainer.tis_cap={tr.tis_cap} must be > 0 (the largest importance weight)")
+        if tr.old_logprobs != "recompute":
+            out.append(
+                f"trainer.objective=tis with trainer.old_logprobs={tr.old_logprobs!r}: the weight exp(old - rollout) "
+                f"is then 1 everywhere; set trainer.old_logprobs=recompute (the trainer's old-policy pass), or "
+                f"trainer.objective=token_ratio"
+            )
     if tr.accelerator not in _ACCELERATORS:
         out.append(f"trainer.accelerator={tr.accelerator!r} must be one of {', '.join(_ACCELERATORS)}")
     if tr.num_threads is not None and tr.num_threads < 1:
