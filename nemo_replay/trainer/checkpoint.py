@@ -5,7 +5,9 @@ Layout under the run folder::
     checkpoints/
       step-0000049/            a complete checkpoint: steps 0..49 are done
         state/                 model and optimizer (format below), the trainer state
-        complete.json          written last; without it the folder is never resumed from
+        complete.json          written last; without it the folder is never resumed from. It
+                               lists every other file with its size and digest
+                               (trainer/digests.py), checked before a resume reads it
       .partial-step-0000099-3fa2c1/   a save in progress (or one a crash left behind)
 
 What a checkpoint holds: the policy's weights and the optimizer state; the step; the
@@ -24,6 +26,11 @@ Two formats, chosen by what the model offers, never by a strategy's name:
 - ``fabric``: any other model through Lightning Fabric's ``save`` / ``load``: one file on a
   single device; under FSDP2 (DTensor parameters, Fabric's ``ModelParallelStrategy``) a
   sharded folder written through torch distributed checkpoint.
+
+Integrity. A checkpoint whose files are missing, resized or altered, or that its loader fails
+on (any exception, ``BaseException`` subclasses such as torch DCP's ``CheckpointException``
+included), is set aside on every rank alike and the one before it is used
+(:meth:`Checkpointer.load`, ``grpo.GRPOTrainer._resume``).
 
 Atomicity. Every rank writes into ``.partial-step-<n>-<token>``; after a barrier, rank 0
 writes ``complete.json`` (fsynced) and renames the folder to ``step-<n>`` (one ``rename``,
