@@ -49,7 +49,6 @@ import random
 import re
 import secrets
 import shutil
-import signal
 import tempfile
 import time
 import warnings
@@ -64,6 +63,7 @@ import torch.distributed as dist
 from nemo_replay.scoring.collectives import agree
 from nemo_replay.trainer import digests
 from nemo_replay.trainer.metrics import write_atomic
+from nemo_replay.trainer.preemption import start_writer_helpers
 
 __all__ = [
     "CHECKPOINTS",
@@ -313,40 +313,6 @@ class _Damaged(Exception):
 def _raise_if(problem: Optional[str]) -> None:
     if problem is not None:
         raise _Damaged(problem)
-
-
-def start_writer_helpers() -> None:
-    """Start megatron-core's checkpoint-writer helpers deaf to the stop signals; idempotent.
-
-    ``dist_checkpointing.save`` hands its write results through a ``multiprocessing``
-    ``Manager()`` queue (``strategies/filesystem_async.py``, ``_get_write_results_queue``):
-    a helper process it spawns at the first save, in the trainer's process group, beside
-    multiprocessing's resource tracker. torchrun stops a worker by sending SIGTERM to its
-    process group, and Slurm's ``scancel --signal=USR1`` reaches every process of the job:
-    the helper died of the very signal the trainer turns into "checkpoint, then stop", and
-    that checkpoint then failed (``BrokenPipeError``, rc 1, a ``.partial-*`` folder left).
-
-    Started here with :data:`~nemo_replay.trainer.preemption.STOP_SIGNALS` blocked (a
-    signal mask survives ``fork`` and ``exec``), the helpers never see those signals; they
-    still end with the trainer (the Manager's exit finalizer shuts it down) and on SIGKILL.
-    Only this thread's mask changes, for the few milliseconds of the start: a signal sent
-    meanwhile stays pending and reaches the trainer's handler right after.
-    """
-    from multiprocessing import resource_tracker
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from nemo_replay.trainer.preemption import STOP_SIGNALS
-
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
-    # One at a time: the tracker's own start unblocks SIGINT and SIGTERM when it is done.
-    for start in (resource_tracker.ensure_running, filesystem_async._get_write_results_queue):
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _format_for(model):

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["StopSignals", "STOP_SIGNALS", "PREEMPTED_EXIT", "REPEAT_WINDOW_S"]
+__all__ = ["StopSignals", "STOP_SIGNALS", "PREEMPTED_EXIT", "REPEAT_WINDOW_S", "start_writer_helpers"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry".
@@ -99,3 +99,35 @@ class StopSignals:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             mine = int(flag.item())
         return signal.Signals(mine).name if mine else None
+
+
+def start_writer_helpers() -> None:
+    """Start megatron-core's checkpoint-writer helpers deaf to the stop signals; idempotent.
+
+    ``dist_checkpointing.save`` hands its write results through a ``multiprocessing``
+    ``Manager()`` queue (``strategies/filesystem_async.py``, ``_get_write_results_queue``):
+    a helper process it spawns at the first save, in the trainer's process group, beside
+    multiprocessing's resource tracker. torchrun stops a worker by sending SIGTERM to its
+    process group, and Slurm's ``scancel --signal=USR1`` reaches every process of the job:
+    the helper died of the very signal the trainer turns into "checkpoint, then stop", and
+    that checkpoint then failed (``BrokenPipeError``, rc 1, a ``.partial-*`` folder left).
+
+    Started here with :data:`~nemo_replay.trainer.preemption.STOP_SIGNALS` blocked (a
+    signal mask survives ``fork`` and ``exec``), the helpers never see those signals; they
+    still end with the trainer (the Manager's exit finalizer shuts it down) and on SIGKILL.
+    Only this thread's mask changes, for the few milliseconds of the start: a signal sent
+    meanwhile stays pending and reaches the trainer's handler right after.
+    """
+    from multiprocessing import resource_tracker
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    # One at a time: the tracker's own start unblocks SIGINT and SIGTERM when it is done.
+    for start in (resource_tracker.ensure_running, filesystem_async._get_write_results_queue):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
