@@ -91,7 +91,7 @@ from nemo_replay.support.checked import record_checked
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["CaptureResult", "TIE_RULES", "sample", "check_capture_settings", "rank_candidates"]
+__all__ = ["CaptureResult", "TIE_RULES", "TEMPERATURE_RANGE", "sample", "check_capture_settings", "rank_candidates"]
 
 #: ``ties=`` values of :func:`sample` and the vLLM 0.33 path each reproduces (module doc).
 TIE_RULES = {

@@ -33,6 +33,7 @@ import math
 import os
 from typing import Optional
 
+from nemo_replay.rollout.capture.sampler import TEMPERATURE_RANGE
 from nemo_replay.trainer.config.errors import ConfigError
 from nemo_replay.trainer.config.paths import output_dir_problem, pretrained_problem
 from nemo_replay.trainer.config.schema import RecipeConfig, flag_docs
@@ -128,6 +129,12 @@ def _sampling(cfg: RecipeConfig, out: list[str]) -> None:
         out.append(
             f"generation.temperature={g.temperature} must be > 0 (<= 0 means greedy decoding, which RL "
             f"cannot train on{why}); set generation.temperature=1.0"
+        )
+    elif not TEMPERATURE_RANGE[0] <= g.temperature <= TEMPERATURE_RANGE[1]:
+        out.append(
+            f"generation.temperature={g.temperature} must be in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]: vLLM "
+            f"samples at 0.01 whatever lower value it is sent, and logits / temperature leave float32's range near "
+            f"0; set generation.temperature within it, e.g. 1.0"
         )
     if g.top_k is not None and g.top_k <= 1:
         out.append(

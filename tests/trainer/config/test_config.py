@@ -83,6 +83,8 @@ RULES = [
     (["generation.temperature=null"], 1, "generation.temperature is missing"),
     (["generation.temperature=0"], 1, "generation.temperature=0.0 must be > 0"),
     (["generation.temperature=-1.5"], 1, "generation.temperature=-1.5 must be > 0"),
+    (["generation.temperature=0.001"], 1, "generation.temperature=0.001 must be in [0.01, 100.0]"),  # as capture serves
+    (["generation.temperature=1e308"], 1, "generation.temperature=1e+308 must be in [0.01, 100.0]"),
     (["generation.top_k=1"], 1, "generation.top_k=1 must be > 1"),
     (["replay.sample_support.top_k=1"], 1, "replay.sample_support.top_k=1 must be > 1"),
     (["replay.sample_support.top_k=4"], 1, "narrower than generation.top_k=8"),
