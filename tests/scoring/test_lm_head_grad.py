@@ -236,7 +236,8 @@ def test_megatron_main_grad_receives_the_rows():
 # ---------------------------------------------------------------------------- FSDP2
 
 
-def _fsdp_worker(rank, world_size, batches):
+def _fsdp_worker(rank, world_size, batches, device="cpu"):
+    """(Also the CUDA check of tests/gpu/test_cuda_paths.py: one NCCL rank, ``device="cuda"``.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -245,8 +246,9 @@ def _fsdp_worker(rank, world_size, batches):
     from tests.strategies.fsdp.fixtures import tiny_llama
 
     uses = _SparseUses()
-    model = tiny_llama(seed=3)
-    mesh = init_device_mesh("cpu", (world_size,))
+    model = tiny_llama(seed=3).to(device)
+    batches = [b.to(device) for b in batches]
+    mesh = init_device_mesh(device, (world_size,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model.lm_head, mesh=mesh)
@@ -264,7 +266,7 @@ def _fsdp_worker(rank, world_size, batches):
                 strategy.run_role("policy", model, batches[:1], settings, loss_fn=objective)
                 model.set_requires_gradient_sync(True)
                 strategy.run_role("policy", model, batches[1:], settings, loss_fn=objective)
-            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
+            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu() for n, p in model.named_parameters()}
             model.zero_grad(set_to_none=True)
             out[(regime, source)] = {"grads": grads, "sparse_uses": uses.n}
     return out

@@ -1,0 +1,96 @@
+"""CUDA paths beyond the scorer's values (tests/scoring/test_scorer_devices.py holds those): host
+synchronisations per call on a real stream, and hidden mode's LM-head rows into a kept ``.grad``
+and into megatron-core's ``main_grad``, against the float64 CPU reference.
+
+``gpu``-marked: skipped without CUDA; ``bash scripts/gpu_check.sh`` runs them on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from nemo_replay import score_aligned_support
+from tests.scoring.batches import make_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _case():
+    return make_case(B=4, T=64, V=4096, k=16, H=64, seed=3, eos=(2,))
+
+
+def _channels(case, device):
+    return [t.to(device) for t in (case.sampled_ids, case.row_ids, case.loss_mask)] + [case.support.to(device)]
+
+
+def _synchronisations(fn):
+    """(result, how many synchronising CUDA calls ``fn`` made), by torch's sync debug mode."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_one_host_read_in_the_forward_and_none_in_the_hidden_backward(source):
+    case, device = _case(), "cuda"
+    channels = _channels(case, device)
+    if source == "hidden":
+        h = case.hidden.to(device, torch.float32).requires_grad_()
+        w = case.weight.to(device, torch.float32).requires_grad_()
+        call = lambda: score_aligned_support(h, *channels, lm_head_weight=w).logprobs.sum()  # noqa: E731
+    else:
+        z = case.logits.to(device, torch.float32).requires_grad_()
+        call = lambda: score_aligned_support(z, *channels).logprobs.sum()  # noqa: E731
+    call().backward()  # warm-up: caches, the support's check record
+    loss, forward = _synchronisations(call)
+    _, backward = _synchronisations(loss.backward)
+    assert forward == 1, forward
+    if source == "hidden":
+        assert backward == 0, backward
+
+
+@pytest.mark.parametrize("buffer", [".grad", "main_grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_lm_head_rows_land_in_the_kept_buffer_as_the_float64_gradient(buffer, dtype):
+    case = _case()
+    # The float64 reference on the CPU: the dense gradient of the same loss.
+    w64 = case.weight.clone().requires_grad_()
+    score_aligned_support(case.hidden, *_channels(case, "cpu"), lm_head_weight=w64).logprobs.sum().backward()
+    device = "cuda"
+    h = case.hidden.to(device, dtype)
+    w = torch.nn.Parameter(case.weight.to(device, dtype))
+    kept = torch.ones_like(w, dtype=torch.float32 if buffer == "main_grad" else dtype)
+    if buffer == ".grad":
+        w.grad = kept.clone()
+    else:  # megatron-core's DDP: a float32 buffer the backward adds into, .grad left None
+        w.main_grad, w.grad_added_to_main_grad = kept.clone(), False
+    score_aligned_support(h, *_channels(case, device), lm_head_weight=w).logprobs.sum().backward()
+    got = (w.grad if buffer == ".grad" else w.main_grad).double().cpu() - 1
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got, w64.grad, atol=tol, rtol=tol)
+
+
+def test_an_fsdp2_policy_step_over_nccl_on_one_rank():
+    """The fsdp strategy's policy pass on a FSDP2-sharded tiny Llama (float64) over one NCCL rank,
+    hidden mode against logits mode, both regimes of tests/scoring/test_lm_head_grad.py."""
+    from tests.scoring.test_lm_head_grad import _fsdp_worker
+    from tests.spawn import run_workers
+    from tests.strategies.fsdp.fixtures import BATCH_A, BATCH_B, make_batch, plain_copy, tiny_llama, with_old_and_ref
+
+    ref = plain_copy(tiny_llama(seed=3))
+    batches = [with_old_and_ref(ref, make_batch(**BATCH_A), 0.7), with_old_and_ref(ref, make_batch(**BATCH_B), 0.7)]
+    (res,) = run_workers(_fsdp_worker, 1, batches, "cuda", device="cuda")
+    for regime in ("default", "no_sync"):
+        hidden, logits = res[(regime, "hidden")]["grads"], res[(regime, "logits")]["grads"]
+        assert hidden["lm_head.weight"].abs().sum() > 0
+        for name, g in hidden.items():
+            torch.testing.assert_close(g, logits[name], atol=1e-10, rtol=1e-8, msg=f"{regime}, {name}")
