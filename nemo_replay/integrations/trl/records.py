@@ -3,7 +3,8 @@
 TRL-independent (no ``trl`` import), so it is tested on its own.
 
 One :class:`CompletionRecord` per generated completion travels in TRL's batch dict as a
-Python list under :data:`RECORDS_KEY`: TRL's ``shuffle_sequence_dict`` permutes lists with
+Python list under :data:`RECORDS_KEY`, its rows compact (:class:`CompactRows`) while they wait
+in TRL's buffer and decoded when a batch is scored: TRL's ``shuffle_sequence_dict`` permutes lists with
 the tensors and ``split_tensor_dict`` slices them, so record ``i`` stays with row ``i``.
 Every scoring call checks that it did (:func:`completion_channels`).
 
@@ -25,11 +26,13 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 from nemo_replay.rollout.capture.hf import CapturedSupport
+from nemo_replay.support.codec import decode_support, encode_support
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = [
     "RECORDS_KEY",
+    "CompactRows",
     "CompletionRecord",
     "records_from_capture",
     "records_from_vllm",
@@ -41,30 +44,70 @@ __all__ = [
 RECORDS_KEY = "replay_records"
 
 
+class CompactRows(NamedTuple):
+    """A completion's rows as they wait in TRL's buffer: one compact buffer
+    (:mod:`nemo_replay.support.codec`, the sampled tokens dropped: the record holds them) --
+    about 11 B a token for typical top-p supports where int32 rows of k = 64 hold 256.
+
+    Attributes:
+        data: (n,) uint8, the buffer.
+        vocab_size: the vocabulary the rows were coded for.
+        width: the fixed row width the rows were captured at, or None (ragged).
+    """
+
+    data: torch.Tensor
+    vocab_size: int
+    width: Optional[int]
+
+    @classmethod
+    def of(cls, support: Union[PackedTensor, RaggedSupport], token_ids: torch.Tensor, vocab_size: int) -> "CompactRows":
+        width = int(support.values.shape[1]) if isinstance(support, PackedTensor) else None
+        data = encode_support(support, vocab_size=vocab_size, sampled_ids=token_ids)
+        return cls(torch.from_numpy(data), vocab_size, width)
+
+    def rows(self, token_ids: torch.Tensor) -> Union[PackedTensor, RaggedSupport]:
+        """The rows back (ids ascending in each row), checked; fixed-width when they were."""
+        ragged = decode_support(self.data, sampled_ids=token_ids, vocab_size=self.vocab_size)
+        return ragged if self.width is None else ragged.to_padded(self.width)
+
+
 class CompletionRecord(NamedTuple):
     """One completion as the engine sampled it.
 
     Attributes:
         token_ids: (R,), int64 -- the sampled tokens (a stop token included).
         logprobs: (R,), float32 -- each token's processed log-prob over its row.
-        support: one segment of R rows: ``PackedTensor`` (values (R, w) int32) or ``RaggedSupport``.
+        support: one segment of R rows: :class:`CompactRows` (as the trainer keeps them), or a
+            ``PackedTensor`` (values (R, w) int32) or ``RaggedSupport``.
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
-    support: Union[PackedTensor, RaggedSupport]
+    support: Union[CompactRows, PackedTensor, RaggedSupport]
+
+    def rows(self) -> Union[PackedTensor, RaggedSupport]:
+        """The record's rows as the scorer takes them."""
+        return self.support.rows(self.token_ids) if isinstance(self.support, CompactRows) else self.support
 
 
-def records_from_capture(completions: Sequence[Sequence[int]], captured: CapturedSupport) -> list[CompletionRecord]:
-    """Split a batch capture (:meth:`SupportRecorder.finish`) into one record per completion."""
+def _kept(support, token_ids: torch.Tensor, vocab_size: Optional[int]):
+    """Rows as a record keeps them: compact when the vocabulary is known."""
+    return support if vocab_size is None else CompactRows.of(support, token_ids, vocab_size)
+
+
+def records_from_capture(completions: Sequence[Sequence[int]], captured: CapturedSupport, *,
+                         vocab_size: Optional[int] = None) -> list[CompletionRecord]:
+    """Split a batch capture (:meth:`SupportRecorder.finish`) into one record per completion;
+    rows kept compact (:class:`CompactRows`) when ``vocab_size`` is given."""
     lengths = captured.lengths.tolist()
     if len(lengths) != len(completions):
         raise ValueError(f"{len(completions)} completions for a capture of {len(lengths)}")
     lps = captured.logprobs.split(lengths)
-    return [
-        CompletionRecord(torch.as_tensor(list(c), dtype=torch.int64), lp, captured.support.gather([i]))
-        for i, (c, lp) in enumerate(zip(completions, lps))
-    ]
+    out = []
+    for i, (c, lp) in enumerate(zip(completions, lps)):
+        tokens = torch.as_tensor(list(c), dtype=torch.int64)
+        out.append(CompletionRecord(tokens, lp, _kept(captured.support.gather([i]), tokens, vocab_size)))
+    return out
 
 
 def _engine_order(token: int, ids: Sequence[int], values: Sequence[Optional[float]], where: str) -> dict:
@@ -132,7 +175,8 @@ def records_from_vllm(
                 f"{where}: positions {at[:8]} do not show their whole support ({got.reasons}); request more log-probs "
                 f"(ReplaySettings(vllm_logprobs=...)) or ragged rows (ReplaySettings(row_width=None) with top_k ties)"
             )
-        records.append(CompletionRecord(torch.as_tensor(list(comp), dtype=torch.int64), got.logprobs, got.support))
+        tokens = torch.as_tensor(list(comp), dtype=torch.int64)
+        records.append(CompletionRecord(tokens, got.logprobs, _kept(got.support, tokens, vocab_size)))
     return records
 
 
@@ -217,7 +261,7 @@ def completion_channels(
         )
     offsets = lengths_to_cu_seqlens(lengths).to(torch.int64)[:-1]
     row_ids = torch.where(inside, offsets[:, None] + cols[None, :], torch.full_like(tokens, -1))
-    support = join_supports([r.support for r in records])
+    support = join_supports([r.rows() for r in records])
     return Channels(
         support.to(device), ids.to(device), row_ids.to(device), mask.to(device), rollout.to(device)
     )

@@ -233,7 +233,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         width = self.replay_settings.row_width or self._replay_sampling["top_k"]
         vocab = self._hf_model(self.model).config.get_text_config().vocab_size
         captured = recorder.finish(completion_ids, row_width=width, vocab_size=vocab)
-        self._replay_active = records_from_capture(completion_ids, captured)
+        self._replay_active = records_from_capture(completion_ids, captured, vocab_size=vocab)
         return completion_ids, captured.logprob_lists()
 
     def _vllm_single_turn(self, prompt_ids, images, num_generations):
