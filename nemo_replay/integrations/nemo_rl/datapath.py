@@ -30,10 +30,11 @@ of NeMo-RL.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, MutableMapping, Optional, Sequence
 
@@ -42,7 +43,8 @@ import torch
 from nemo_replay.integrations.nemo_rl.rollout import padding_rows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
 
-__all__ = ["SUPPORT_PAD", "with_support_pad", "backfill_support", "carry_support", "install_data_path", "DataPath"]
+__all__ = ["SUPPORT_PAD", "with_support_pad", "backfill_support", "carry_support", "install_data_path", "DataPath",
+           "replay_run"]
 
 #: The pad value of support rows: never a token id.
 SUPPORT_PAD = -1
@@ -78,7 +80,7 @@ def _rows_of(message: dict, key: str, where: str) -> torch.Tensor:
     return rows
 
 
-def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY) -> int:
+def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY, worker: Optional[str] = None) -> int:
     """Give every message support rows and take flagged tokens out of the loss, in place.
 
     Runs after NeMo-RL's ``add_grpo_token_loss_masks_and_generation_logprobs``, which set
@@ -92,6 +94,7 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
         message_logs: NeMo-RL's batch of message logs; each message a dict with
             ``token_ids (n,)`` and ``token_loss_mask (n,)``, generated ones also
             ``key (n, k)`` int.
+        worker: the generation worker of the replay run (named when a generated message has no rows).
 
     Returns:
         How many generated tokens left the loss.
@@ -111,11 +114,14 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
             tokens, mask = message["token_ids"], message["token_loss_mask"]
             if key not in message:
                 if bool(mask.any()):
+                    cause = (f"this replay run's generation worker ({worker}) returned no rows for it, or the rollout "
+                             f"code did not slice them in" if worker else
+                             "the rollout code did not slice the vLLM worker's rows into it, or the generation worker "
+                             "is not replay's (launch with python -m nemo_replay.integrations.nemo_rl.run_grpo)")
                     raise ValueError(
                         f"trajectory {i}, message {j} ({message.get('role')!r}, {tokens.shape[0]} tokens) was generated "
-                        f"but carries no {key}: the rollout code did not slice the vLLM worker's rows into it (apply the "
-                        f"patch: python -m nemo_replay.integrations.nemo_rl.patch apply NEMO_RL_DIR) or the generation "
-                        f"worker is not replay's (launch with python -m nemo_replay.integrations.nemo_rl.run_grpo)"
+                        f"but carries no {key}: {cause} (the patch: python -m nemo_replay.integrations.nemo_rl.patch "
+                        f"apply NEMO_RL_DIR)"
                     )
                 if width:
                     message[key] = padding_rows(tokens.shape[0], width).to(tokens.device)
@@ -157,9 +163,38 @@ def carry_support(target: MutableMapping[str, Any], flat_messages: MutableMappin
 
 @dataclass
 class DataPath:
-    """What :func:`install_data_path` wrapped, by module and name."""
+    """What :func:`install_data_path` wrapped, by module and name; :meth:`remove` puts NeMo-RL's
+    functions back."""
 
     wrapped: list[str]
+    originals: list = field(default_factory=list)  # (owner, attribute, what was there)
+
+    def remove(self) -> None:
+        """Restore every function this install wrapped (the plug removed)."""
+        for owner, name, original in reversed(self.originals):
+            setattr(owner, name, original)
+        self.originals.clear()
+
+
+class _Run:
+    """Whether this process is running replay (:func:`replay_run`), and its generation worker."""
+
+    active = False
+    worker: Optional[str] = None
+
+
+@contextlib.contextmanager
+def replay_run(worker: Optional[str] = None):
+    """Inside, the wrapped data path insists on rows (a generated message without them is an
+    error naming ``worker``). Outside -- a run that did not ask for replay, NeMo-RL's own
+    tests -- a batch that carries no rows passes through untouched; one that carries some is
+    still checked and padded."""
+    before = (_Run.active, _Run.worker)
+    _Run.active, _Run.worker = True, worker
+    try:
+        yield
+    finally:
+        _Run.active, _Run.worker = before
 
 
 def _mark(wrapper, original):
@@ -197,7 +232,8 @@ def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: 
     batched_data_dict = batched_data_dict or importlib.import_module("nemo_rl.distributed.batched_data_dict")
     rollouts = rollouts or importlib.import_module("nemo_rl.experience.rollouts")
     _check_patched(rollouts, key)
-    wrapped = []
+    done = DataPath([])
+    wrapped = done.wrapped
 
     cls = batched_data_dict.BatchedDataDict
     if not _is_wrapped(cls.from_batches):
@@ -206,6 +242,7 @@ def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: 
         def padded_from_batches(cls_, batches, pad_value_dict=None, **kwargs):
             return from_batches(cls_, batches, with_support_pad(pad_value_dict, key=key), **kwargs)
 
+        done.originals.append((cls, "from_batches", cls.__dict__["from_batches"]))
         cls.from_batches = classmethod(_mark(padded_from_batches, from_batches))
         wrapped.append("BatchedDataDict.from_batches")
 
@@ -215,6 +252,7 @@ def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: 
         def padded_flatten(message_log_batch, pad_value_dict=None, *args, **kwargs):
             return flatten(message_log_batch, with_support_pad(pad_value_dict, key=key), *args, **kwargs)
 
+        done.originals.append((grpo, "batched_message_log_to_flat_message", flatten))
         grpo.batched_message_log_to_flat_message = _mark(padded_flatten, flatten)
         wrapped.append("grpo.batched_message_log_to_flat_message")
 
@@ -223,9 +261,11 @@ def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: 
 
         def masks_and_support(message_logs, *args, **kwargs):
             out = add_masks(message_logs, *args, **kwargs)
-            backfill_support(message_logs, key=key)
+            if _Run.active or any(key in m for log in message_logs for m in log):
+                backfill_support(message_logs, key=key, worker=_Run.worker)
             return out
 
+        done.originals.append((grpo, "add_grpo_token_loss_masks_and_generation_logprobs", add_masks))
         grpo.add_grpo_token_loss_masks_and_generation_logprobs = _mark(masks_and_support, add_masks)
         wrapped.append("grpo.add_grpo_token_loss_masks_and_generation_logprobs")
 
@@ -234,9 +274,11 @@ def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: 
 
         def preserve_with_support(target, flat_messages, *args, **kwargs):
             out = preserve(target, flat_messages, *args, **kwargs)
-            carry_support(target, flat_messages, key=key)
+            if _Run.active or key in flat_messages:
+                carry_support(target, flat_messages, key=key)
             return out
 
+        done.originals.append((grpo, "_preserve_router_replay_routed_experts", preserve))
         grpo._preserve_router_replay_routed_experts = _mark(preserve_with_support, preserve)
         wrapped.append("grpo._preserve_router_replay_routed_experts")
-    return DataPath(wrapped)
+    return done

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from nemo_replay.integrations.nemo_rl.datapath import install_data_path
+from nemo_replay.integrations.nemo_rl.datapath import install_data_path, replay_run
 from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
 from nemo_replay.integrations.nemo_rl.workers import nemo_rl_fqn, worker_fqn
 
@@ -224,17 +224,20 @@ def main(argv: Optional[list[str]] = None, nemo: Optional[NemoRL] = None) -> int
         trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
     )
     dataset, val_dataset, task_to_env, val_task_to_env = nemo.setup_response_data(tokenizer, config.data, config.env)
-    (policy, policy_generation, _gym, _cluster, dataloader, val_dataloader, loss_fn, logger, checkpointer, grpo_state,
-     master_config, _teachers, _aliases) = nemo.grpo.setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory)
-    try:
-        with checkpointer:
-            nemo.grpo.grpo_train(
-                policy, policy_generation, dataloader, val_dataloader, tokenizer, loss_fn, task_to_env,
-                val_task_to_env, logger, checkpointer, grpo_state, master_config,
-            )
-    finally:
-        nemo.grpo.shutdown_environments(task_to_env, val_task_to_env)
-        policy_generation.shutdown()
+    # The wrapped data path insists on rows inside this run only (datapath.replay_run).
+    with replay_run(worker=worker_fqn("ReplayVllmGenerationWorker")):
+        (policy, policy_generation, _gym, _cluster, dataloader, val_dataloader, loss_fn, logger, checkpointer, grpo_state,
+         master_config, _teachers, _aliases) = nemo.grpo.setup(config, tokenizer, dataset, val_dataset,
+                                                               policy_factory=policy_factory)
+        try:
+            with checkpointer:
+                nemo.grpo.grpo_train(
+                    policy, policy_generation, dataloader, val_dataloader, tokenizer, loss_fn, task_to_env,
+                    val_task_to_env, logger, checkpointer, grpo_state, master_config,
+                )
+        finally:
+            nemo.grpo.shutdown_environments(task_to_env, val_task_to_env)
+            policy_generation.shutdown()
     return 0
 
 

@@ -502,3 +502,44 @@ def test_the_launchers_check_prints_what_replay_asks_and_starts_nothing(tmp_path
     code = run_grpo.main(["--config", "x.yaml", "--check", "policy.generation.vllm_kwargs.max_logprobs=65"], nemo=nemo)
     out = capsys.readouterr().out
     assert code == 0 and "logprobs=65 per token" in out and "(ties past that are flagged: max_logprobs=81 reads 80)" in out
+
+
+def test_the_plug_acts_on_replay_runs_only_and_can_be_removed(tmp_path):
+    """With the data path installed in the process, NeMo-RL's own tests failed on the plug's errors
+    (42 of them): a batch from a run without replay had no rows and was refused. Now a batch with
+    no rows passes through untouched outside a replay run, a replay run (``replay_run``) still
+    refuses a generated message without rows and names its generation worker, and ``remove``
+    puts NeMo-RL's functions back."""
+    from nemo_replay.integrations.nemo_rl.datapath import replay_run
+
+    grpo, bdd, rollouts = _stand_ins(tmp_path)
+    originals = (grpo.add_grpo_token_loss_masks_and_generation_logprobs, grpo._preserve_router_replay_routed_experts,
+                 grpo.batched_message_log_to_flat_message, bdd.BatchedDataDict.__dict__["from_batches"])
+    done = install_data_path(grpo=grpo, batched_data_dict=bdd, rollouts=rollouts)
+    plain = _multi_turn_logs()
+    for log in plain:
+        for m in log:
+            m.pop("generation_support", None)
+    grpo.add_grpo_token_loss_masks_and_generation_logprobs(plain)  # a run without replay: untouched
+    assert not any("generation_support" in m for log in plain for m in log)
+    target = {"input_ids": torch.zeros(1, 3)}
+    grpo._preserve_router_replay_routed_experts(target, {}, {})
+    assert "generation_support" not in target
+    with replay_run(worker="nemo_replay.integrations.nemo_rl.workers.ReplayVllmGenerationWorker"):
+        with pytest.raises(ValueError, match=r"was generated but carries no generation_support: this replay run's "
+                                             r"generation worker \(nemo_replay.*ReplayVllmGenerationWorker\) returned no rows"):
+            grpo.add_grpo_token_loss_masks_and_generation_logprobs(_without_one_row())
+        with pytest.raises(ValueError, match="the flattened rollout batch has no 'generation_support'"):
+            grpo._preserve_router_replay_routed_experts({"input_ids": torch.zeros(1, 3)}, {}, {})
+    logs = _multi_turn_logs()  # rows in a batch are still checked and padded outside a run
+    grpo.add_grpo_token_loss_masks_and_generation_logprobs(logs)
+    assert logs[0][0]["generation_support"].shape == (3, K)
+    done.remove()
+    assert (grpo.add_grpo_token_loss_masks_and_generation_logprobs, grpo._preserve_router_replay_routed_experts,
+            grpo.batched_message_log_to_flat_message, bdd.BatchedDataDict.__dict__["from_batches"]) == originals
+
+
+def _without_one_row():
+    logs = _multi_turn_logs()
+    del logs[1][2]["generation_support"]
+    return logs
