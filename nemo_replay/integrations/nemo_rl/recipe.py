@@ -100,6 +100,8 @@ def _check_generation_engine(config, problems: list) -> None:
             f"vLLM worker, resolve_generation_worker_cls, in place of replay's)"
         )
     top_k = get_path(config, "policy.generation.top_k")
+    if get_path(config, "policy.generation.vllm_kwargs.return_sampling_mask", False) is True:
+        return  # exact sets from the engine (vLLM >= 0.33): no log-prob list to size
     path = "policy.generation.vllm_kwargs.max_logprobs"
     max_logprobs = get_path(config, path, _ABSENT)
     came = f"{path}={max_logprobs!r}"

@@ -121,13 +121,16 @@ def replay_summary(recipe: dict) -> list[str]:
 
     gen = recipe["policy"]["generation"]
     top_k = gen["top_k"]
-    max_logprobs = (gen.get("vllm_kwargs") or {}).get("max_logprobs", VLLM_DEFAULT_MAX_LOGPROBS)
-    width = vllm_row_width(top_k, max_logprobs)
+    vllm_kwargs = gen.get("vllm_kwargs") or {}
+    max_logprobs = vllm_kwargs.get("max_logprobs", VLLM_DEFAULT_MAX_LOGPROBS)
+    width = vllm_row_width(top_k, None if vllm_kwargs.get("return_sampling_mask") is True else max_logprobs)
+    asked = ("the engine's sampling masks (return_sampling_mask; requests keep logprobs=0)"
+             if vllm_kwargs.get("return_sampling_mask") is True else
+             f"logprobs={width + 1} per token (max_logprobs={max_logprobs}, logprobs_mode="
+             f"{(gen.get('vllm_cfg') or {}).get('logprobs_mode')}, flat_logprobs where vLLM has it)")
     lines = [
         f"replay: policy worker {_policy_worker(recipe)}, generation worker ReplayVllmGenerationWorker (vLLM, synchronous)",
-        f"replay: sampling temperature={gen['temperature']} top_k={top_k} top_p={gen['top_p']}; vLLM is asked "
-        f"logprobs={width + 1} per token (max_logprobs={max_logprobs}, logprobs_mode="
-        f"{(gen.get('vllm_cfg') or {}).get('logprobs_mode')}, flat_logprobs where vLLM has it)",
+        f"replay: sampling temperature={gen['temperature']} top_k={top_k} top_p={gen['top_p']}; vLLM is asked {asked}",
         f"replay: generation_support rows int32 (B, S, {width}): supports up to {width} ids read whole"
         + ("" if width >= top_k + 16 else f" (ties past that are flagged: max_logprobs={top_k + 17} reads {top_k + 16})"),
     ]

@@ -111,7 +111,8 @@ def _recorded(llm, outputs: list):
 class ReplayVllmMixin:
     """In front of NeMo-RL's ``VllmGenerationWorkerImpl``: supports requested, recorded and returned.
 
-    ``generation_support``: (B, total_length, top_k), int32, the row of token t at column t
+    Asks the engine for the sampling mask where it returns one, else for processed log-probs.
+    ``generation_support``: (B, total_length, width), int32, the row of token t at column t
     (token-aligned like ``logprobs``), -1 on prompt and padding columns and on generated
     tokens whose support could not be recorded (they leave the loss, :mod:`.datapath`).
     """
@@ -119,7 +120,8 @@ class ReplayVllmMixin:
     def _build_sampling_params(self, *, greedy: bool, stop_strings, max_new_tokens=None):
         params = super()._build_sampling_params(greedy=greedy, stop_strings=stop_strings, max_new_tokens=max_new_tokens)
         if not greedy:
-            for name, value in vllm_support_request(self.cfg["top_k"], max_logprobs=_max_logprobs(self)).items():
+            request = vllm_support_request(self.cfg["top_k"], path=_support_path(self), max_logprobs=_max_logprobs(self))
+            for name, value in request.items():
                 if name == "logprobs" or hasattr(params, name):  # flat_logprobs exists from vLLM 0.24 on
                     setattr(params, name, value)
         return params
@@ -130,7 +132,8 @@ class ReplayVllmMixin:
             result = super().generate(data, greedy=greedy)
         if greedy:
             return result
-        width = vllm_row_width(self.cfg["top_k"], _max_logprobs(self))  # rows tied past top_k fit whole
+        # Rows tied past top_k fit whole; the log-prob path can show at most max_logprobs - 1 of them.
+        width = vllm_row_width(self.cfg["top_k"], None if _support_path(self) == "mask" else _max_logprobs(self))
         if not outputs:  # an empty shard: NeMo-RL returns before generating
             result[SUPPORT_KEY] = torch.full((0, result["output_ids"].shape[1], width), -1, dtype=torch.int32)
             return result
@@ -142,6 +145,14 @@ class ReplayVllmMixin:
         )
         result[SUPPORT_KEY] = support.rows
         return result
+
+
+def _support_path(worker) -> str:
+    """``"mask"`` when the engine returns sampling masks (vLLM >= 0.33 started with
+    ``return_sampling_mask``: exact rows, and the request keeps NeMo-RL's ``logprobs=0``), else
+    ``"logprobs"`` (the pinned vLLM 0.25.1 has no masks)."""
+    config = getattr(getattr(worker.llm, "llm_engine", None), "model_config", None)
+    return "mask" if getattr(config, "return_sampling_mask", False) is True else "logprobs"
 
 
 def _max_logprobs(worker) -> int:

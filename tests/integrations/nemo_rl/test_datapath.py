@@ -43,7 +43,7 @@ from nemo_replay.integrations.nemo_rl import (
 from nemo_replay.integrations.nemo_rl import patch as patch_mod
 from nemo_replay.integrations.nemo_rl import workers
 from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
-from tests.rollout.engines.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
+from tests.rollout.engines.engine_outputs import RequestOutput, SamplingMask, vllm_offline_output, vllm_steps
 
 K = 5
 VOCAB = 64
@@ -543,3 +543,33 @@ def _without_one_row():
     logs = _multi_turn_logs()
     del logs[1][2]["generation_support"]
     return logs
+
+
+def test_the_vllm_worker_takes_the_sampling_mask_where_the_engine_returns_it():
+    """An engine started with ``return_sampling_mask`` (vLLM >= 0.33, Model Runner V2) returns each
+    token's exact support: the request keeps NeMo-RL's ``logprobs=0`` and the rows come from the
+    masks (the engine's ``model_config.return_sampling_mask``, vllm/config/model.py)."""
+    from types import SimpleNamespace
+
+    top_k = 6
+    data, outputs, logits = _engine_batch(top_k)
+    for out in outputs:  # the same completions as vLLM 0.33 returns them for logprobs=0 with masks on
+        gen = out.outputs[0]
+        masks = [sorted({t for t, lp in pos.items() if lp.logprob > float("-inf")}) for pos in gen.logprobs]
+        own = [{t: pos[t]} for t, pos in zip(gen.token_ids, gen.logprobs)]  # the sampled token's entry only
+        out.outputs[0] = gen.__class__(**{**vars(gen), "logprobs": own, "sampling_mask": SamplingMask(masks)})
+    llm = _LLM(outputs)
+    # max_logprobs below top_k + 1: no log-prob list could show a support, a mask does.
+    llm.llm_engine = SimpleNamespace(model_config=SimpleNamespace(return_sampling_mask=True, max_logprobs=top_k - 1))
+    worker_cls = type("W", (workers.ReplayVllmMixin, _NemoRLVllmWorker), {})
+    result = worker_cls({"temperature": TEMPERATURE, "top_p": 0.9, "top_k": top_k}, llm).generate(data)
+    assert llm.params[-1].logprobs == 0  # NeMo-RL's own request, unchanged
+    rows = result["generation_support"]
+    assert rows.shape[-1] == top_k + 16
+    token_mask = (rows >= 0).any(-1).float()
+    batch = {"input_ids": result["output_ids"], "input_lengths": torch.tensor([7, 7]), "token_mask": token_mask,
+             "sample_mask": torch.ones(2), "generation_support": rows}
+    scores = next_token_logprobs(logits / TEMPERATURE, batch)
+    active = token_mask[:, 1:] != 0
+    assert int(active.sum()) == 6
+    torch.testing.assert_close(scores.logprobs[active], result["logprobs"][:, 1:][active], atol=1e-5, rtol=0)

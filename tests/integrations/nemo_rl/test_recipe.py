@@ -440,3 +440,13 @@ def test_nemo_rls_loader_resolves_each_overlay_to_an_accepted_recipe(tmp_path):
             for part in key.split("."):
                 got, want = got[part], want[part]
             assert got == want, (parent, key, got, want)
+
+
+def test_with_the_engines_sampling_masks_max_logprobs_is_not_asked():
+    """vLLM >= 0.33 started with return_sampling_mask returns exact sets: no log-prob list to size."""
+    recipe = replay_recipe()
+    del recipe["policy"]["generation"]["vllm_kwargs"]["max_logprobs"]
+    with pytest.raises(ValueError, match="max_logprobs absent"):
+        check_nemo_rl_recipe(recipe)
+    recipe["policy"]["generation"]["vllm_kwargs"]["return_sampling_mask"] = True
+    check_nemo_rl_recipe(recipe)
