@@ -168,7 +168,11 @@ def sampled_tensor(sampled_ids: Any, n: int, where: str) -> torch.Tensor:
     else:
         if not isinstance(sampled_ids, Sequence) or isinstance(sampled_ids, (str, bytes)):
             raise ValueError(f"{where}: sampled ids must be a list of ints, got {type(sampled_ids).__name__}")
-        ids = torch.tensor([strict_int(t, f"generated token {j}", where) for j, t in enumerate(sampled_ids)], dtype=torch.int64)
+        if set(map(type, sampled_ids)) <= {int} and (not sampled_ids or max(map(abs, (min(sampled_ids), max(sampled_ids)))) < 2**62):
+            ids = torch.tensor(list(sampled_ids), dtype=torch.int64)  # plain ints: nothing to name (checked at C speed)
+        else:
+            ids = torch.tensor([strict_int(t, f"generated token {j}", where) for j, t in enumerate(sampled_ids)],
+                               dtype=torch.int64)
     if ids.numel() != n:
         raise ValueError(
             f"{where}: {n} support entries for {ids.numel()} generated tokens; the engine returns one per "
