@@ -181,36 +181,18 @@ def sampled_tensor(sampled_ids: Any, n: int, where: str) -> torch.Tensor:
     return ids
 
 
-def assemble(
-    rows: Sequence[Optional[Sequence[int]]],
-    sampled: torch.Tensor,
-    *,
-    width: Optional[int],
-    logprobs: Optional[torch.Tensor],
-    reasons: dict,
-    vocab_size: Optional[int],
-    where: str,
-) -> EngineSupport:
-    """Rows (None where already flagged) -> a checked :class:`EngineSupport`.
-
-    Args:
-        rows: n member lists; ``None`` for a position flagged upstream.
-        sampled: (n,) int64 generated tokens.
-        width: fixed row width, or None for ragged rows. A row wider than ``width`` is
-            flagged ``"wider_than_row"`` and left empty -- never cut.
-        logprobs: (n,) float32 or None.
-        reasons: counts of upstream flags by reason; updated here.
-    """
+def assemble(rows: Sequence[Optional[Sequence[int]]], sampled: torch.Tensor, **options) -> EngineSupport:
+    """Rows -> a checked :class:`EngineSupport`: ``rows`` are n member lists, ``None`` for a position
+    flagged upstream; they are flattened and handed to :func:`assemble_flat` with its keywords ``options``."""
     flagged = torch.tensor([r is None for r in rows], dtype=torch.bool)
     kept = [list(r) if r is not None else [] for r in rows]
     flat = [t for r in kept for t in r]
     if any(t < 0 or t > _INT32_MAX for t in flat):  # as Python ints: 2**64 never reaches torch's conversion
         bad = next(t for t in flat if t < 0 or t > _INT32_MAX)
-        raise ValueError(f"{where}: support holds token id {bad}, outside [0, 2**31)")
+        raise ValueError(f"{options['where']}: support holds token id {bad}, outside [0, 2**31)")
     flat = torch.tensor(flat, dtype=torch.int64)
     lengths = torch.tensor([len(r) for r in kept], dtype=torch.int64)
-    return assemble_flat(flat, lengths, flagged, sampled, width=width, logprobs=logprobs, reasons=reasons,
-                         vocab_size=vocab_size, where=where)
+    return assemble_flat(flat, lengths, flagged, sampled, **options)
 
 
 def assemble_flat(
@@ -225,8 +207,18 @@ def assemble_flat(
     vocab_size: Optional[int],
     where: str,
 ) -> EngineSupport:
-    """:func:`assemble` from arrays: ``members`` (M,) int64 the rows' ids back to back, ``lengths``
-    (n,) their sizes (0 where ``flagged``), ``flagged`` (n,) bool; no Python loop over rows."""
+    """Rows as arrays -> a checked :class:`EngineSupport`; no Python loop over rows.
+
+    Args:
+        members: (M,) int64, the rows' ids back to back.
+        lengths: (n,) their sizes (0 where ``flagged``).
+        flagged: (n,) bool, positions flagged upstream.
+        sampled: (n,) int64 generated tokens.
+        width: fixed row width, or None for ragged rows. A row wider than ``width`` is
+            flagged ``"wider_than_row"`` and left empty -- never cut.
+        logprobs: (n,) float32 or None.
+        reasons: counts of upstream flags by reason; updated here.
+    """
     n = int(sampled.numel())
     if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
         # 0 would flag every position, a float would fail deep in indexing: neither is a row width.
