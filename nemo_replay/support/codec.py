@@ -51,8 +51,10 @@ import numpy as np
 import torch
 
 from nemo_replay.support.checked import record_checked
+from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.validate import describe_row
 
 __all__ = ["MAGIC", "VERSION", "CodecError", "encode_support", "decode_support", "header_of", "rice_parameter"]
 
@@ -278,12 +280,14 @@ def decode_support(
     """A batch's rows back from :func:`encode_support`'s buffer (sorted ids, record of a passed check).
 
     Args:
-        sampled_ids: (rows,) the sampled tokens, required when the encoder dropped them.
+        sampled_ids: (rows,) the sampled tokens, required when the encoder dropped them; given
+            for rows coded with them, each non-empty row must hold its own.
         vocab_size: when given, must equal the buffer's ``V``.
         device: where the rows go (default CPU).
 
     Raises:
-        CodecError (a ValueError) for a buffer that is not one the encoder wrote (module doc).
+        CodecError (a ValueError) for a buffer that is not one the encoder wrote (module doc);
+        SupportAlignmentError (a ValueError) for a sampled token missing from its row.
     """
     raw = _as_bytes(buf)
     h = header_of(raw)
@@ -328,17 +332,21 @@ def decode_support(
         j = int(np.argmax(coded))
         raise CodecError(f"compact support: row {int(row_of[j])} decodes id {int(coded[j])}, past the {universe} ids it "
                          f"is coded among; a corrupted buffer")
-    if h.dropped:
-        if sampled_ids is None:
-            raise CodecError("compact support: the rows were coded without their sampled tokens; pass sampled_ids "
-                             "(the tokens sampled from them, one per row)")
-        sampled = torch.as_tensor(sampled_ids).cpu().numpy().astype(np.int64)
+    if h.dropped and sampled_ids is None:
+        raise CodecError("compact support: the rows were coded without their sampled tokens; pass sampled_ids "
+                         "(the tokens sampled from them, one per row)")
+    if sampled_ids is not None:
+        sampled_t = torch.as_tensor(sampled_ids)
+        if sampled_t.dtype.is_floating_point or sampled_t.dtype.is_complex or sampled_t.dtype == torch.bool:
+            raise CodecError(f"compact support: sampled_ids have dtype {sampled_t.dtype}, expected integer token ids")
+        sampled = sampled_t.cpu().numpy().astype(np.int64)
         if sampled.shape != (n,):
             raise CodecError(f"compact support: sampled_ids has shape {sampled.shape}, expected ({n},): one per row")
         if n and (sampled.min() < 0 or sampled.max() >= h.vocab_size):
             r = int(np.flatnonzero((sampled < 0) | (sampled >= h.vocab_size))[0])
             raise CodecError(f"compact support: sampled token {int(sampled[r])} of row {r} is outside [0, {h.vocab_size})")
         own = sampled[row_of]
+    if h.dropped:
         above = coded >= own
         ids = coded + above
         # Insert each non-empty row's sampled token at its sorted place: a coded id moves up by the
@@ -354,6 +362,16 @@ def decode_support(
     else:
         members = coded
         full = lengths
+        if sampled_ids is not None:
+            # Coded with the sampled tokens in: each non-empty row must hold its own (docs/design.md §2).
+            hit = np.bincount(row_of, weights=coded == own, minlength=n) > 0
+            missing = np.flatnonzero((lengths > 0) & ~hit)
+            if missing.size:
+                r = int(missing[0])
+                raise SupportAlignmentError(
+                    f"compact support: {describe_row(torch.from_numpy(cu), r)}: sampled token {int(sampled[r])} is "
+                    f"not a member of its support row {coded[row_of == r][:16].tolist()}; rows and tokens are "
+                    f"misaligned -- pass this response's own token ids")
     row_offsets = np.concatenate([[0], np.cumsum(full)]).astype(np.int64)
     out = RaggedSupport(torch.from_numpy(members.astype(np.int32)), torch.from_numpy(row_offsets),
                         torch.from_numpy(cu.astype(np.int32)))

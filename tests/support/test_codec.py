@@ -117,6 +117,22 @@ def test_the_worked_example_and_fixed_width_rows():
     assert codec.rice_parameter(np.int64(9), np.array([2]))[0] == 1
 
 
+def test_rows_coded_with_their_sampled_tokens_are_checked_against_them_at_decode():
+    """The decoder is the wire's only check (rollout/transport/wire.py): rows that kept their
+    sampled tokens must hold the ones the reader passes, named by trajectory and row."""
+    from nemo_replay.support.errors import SupportAlignmentError
+
+    support = RaggedSupport.from_rows([[[4, 9], [2]], [[], [1, 3, 8]]])
+    buf = encode_support(support, vocab_size=10)
+    out = decode_support(buf, sampled_ids=torch.tensor([9, 2, 5, 3]))  # the empty row is exempt
+    assert [out.row(i).tolist() for i in range(4)] == [[4, 9], [2], [], [1, 3, 8]]
+    with pytest.raises(SupportAlignmentError, match=r"trajectory 1, row 1: sampled token 7 is not a member of its "
+                                                    r"support row \[1, 3, 8\]"):
+        decode_support(buf, sampled_ids=torch.tensor([9, 2, 5, 7]))
+    with pytest.raises(CodecError, match="dtype torch.float32, expected integer"):
+        decode_support(buf, sampled_ids=torch.tensor([9.0, 2.0, 5.0, 3.0]))
+
+
 def test_bad_rows_are_refused_at_encode_naming_the_row():
     r = RaggedSupport.from_rows([[[1, 2], [3, 3]]])
     with pytest.raises(ValueError, match="row 1 holds id 3 twice"):

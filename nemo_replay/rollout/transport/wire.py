@@ -426,9 +426,14 @@ def support_from_wire(
             data = obj["data"]
             if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
                 raise WireError(f"{where}: 'data' must be a 1-D uint8 array envelope")
-            support = decode_support(data, sampled_ids=sampled_ids, vocab_size=vocab_size)
+            # The decoder establishes §2 (sorted in-range rows, sampled tokens members) and records it.
+            try:
+                support = decode_support(data, sampled_ids=sampled_ids, vocab_size=vocab_size)
+            except ValueError as exc:
+                raise WireError(f"{where}: {exc}") from None
             if support.batch_size != 1:
                 raise WireError(f"{where}: a response's compact support holds {support.batch_size} segments, expected 1")
+            return support
         elif "rows" in obj:
             rows = _integer(obj["rows"], 2, "rows", where)
             _in_range(rows, -1, _INT32_MAX, "rows", where)

@@ -231,5 +231,8 @@ def test_compact_rows_travel_tagged_and_old_forms_still_read():
         support_from_wire(dict(wire, data=wire["data"][:-3]), sampled_ids=sampled, vocab_size=47)
     with pytest.raises(WireError, match="codec 'nrsc-9'.*upgrade the reader"):
         support_from_wire(dict(wire, codec="nrsc-9"), sampled_ids=sampled)
-    with pytest.raises(WireError, match="pass sampled_ids"):
+    with pytest.raises(WireError, match="wire decode: support: compact support: .*pass sampled_ids"):
         support_from_wire(wire)
+    kept = support_to_wire(PackedTensor(rows, [0, 3]), vocab_size=47)  # coded with the sampled ids in
+    with pytest.raises(WireError, match="row 1: sampled token 5 is not a member"):
+        support_from_wire(kept, sampled_ids=torch.tensor([9, 5, 46]), vocab_size=47)
