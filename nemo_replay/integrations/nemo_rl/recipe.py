@@ -17,7 +17,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from nemo_replay.integrations.recipe_paths import get_path, is_int, is_number
-from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, VLLM_TIE_MARGIN
+from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, VLLM_TIE_MARGIN, max_logprobs_problem
 
 __all__ = ["check_nemo_rl_recipe"]
 
@@ -104,26 +104,19 @@ def _check_generation_engine(config, problems: list) -> None:
         return  # exact sets from the engine (vLLM >= 0.33): no log-prob list to size
     path = "policy.generation.vllm_kwargs.max_logprobs"
     max_logprobs = get_path(config, path, _ABSENT)
-    came = f"{path}={max_logprobs!r}"
     if not is_int(top_k) or top_k < 2:
         # Sized from a top_k not chosen yet: said now, so that fixing top_k does not reveal it.
         if max_logprobs is _ABSENT or not is_int(max_logprobs) or 0 <= max_logprobs < 3:
-            have = f"{path} absent (vLLM's default {VLLM_DEFAULT_MAX_LOGPROBS})" if max_logprobs is _ABSENT else came
+            have = f"{path} absent (vLLM's default {VLLM_DEFAULT_MAX_LOGPROBS})" if max_logprobs is _ABSENT else f"{path}={max_logprobs!r}"
             problems.append(
                 f"{have}: set it with top_k, to top_k + {1 + VLLM_TIE_MARGIN} (at least top_k + 1; e.g. "
                 f"{64 + 1 + VLLM_TIE_MARGIN} for top_k 64): each request asks that many log-probs and vLLM refuses one "
                 f"above max_logprobs"
             )
         return
-    if max_logprobs is _ABSENT:
-        came, max_logprobs = f"{path} absent (vLLM's default {VLLM_DEFAULT_MAX_LOGPROBS})", VLLM_DEFAULT_MAX_LOGPROBS
-    # vLLM reads -1 as the whole vocabulary.
-    if not is_int(max_logprobs) or (max_logprobs != -1 and max_logprobs < top_k + 1):
-        problems.append(
-            f"{came}: set an int >= {top_k + 1} = top_k + 1, best {top_k + 1 + VLLM_TIE_MARGIN} (each request asks "
-            f"logprobs = min(top_k + {1 + VLLM_TIE_MARGIN}, max_logprobs) so every list ends with a filtered candidate, "
-            f"even where vLLM 0.24 / 0.25 keep every token tied with the k-th; vLLM refuses a request above max_logprobs)"
-        )
+    problem = max_logprobs_problem(top_k, max_logprobs, path, absent=max_logprobs is _ABSENT)
+    if problem is not None:
+        problems.append(problem)
 
 
 def _check_trainer(config, problems: list) -> None:

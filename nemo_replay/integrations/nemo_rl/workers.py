@@ -32,8 +32,8 @@ import torch
 
 from nemo_replay.integrations.nemo_rl import hooks
 from nemo_replay.integrations.nemo_rl.rollout import generation_support_from_vllm, vllm_support_request
-from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, vllm_row_width
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
+from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, vllm_row_width
 
 __all__ = ["ReplayVllmMixin", "ReplayPolicyMixin", "rebind_post_processors", "WORKERS", "worker_fqn"]
 

@@ -32,7 +32,7 @@ import os
 from typing import Any, Mapping
 
 from nemo_replay.integrations.recipe_paths import get_path, is_int, is_number
-from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, VLLM_TIE_MARGIN
+from nemo_replay.rollout.engines.vllm import max_logprobs_problem
 
 __all__ = ["check_verl_config", "PLUGIN_MODULE", "ENGINE_VENDOR"]
 
@@ -151,14 +151,10 @@ def _check_engine(cfg, problems: list) -> None:
             )
         vllm_kwargs = get_path(cfg, f"{_ROLLOUT}.engine_kwargs.vllm") or {}
         if vllm_kwargs.get("return_sampling_mask") is not True and is_int(top_k) and top_k >= 2:
-            max_logprobs = vllm_kwargs.get("max_logprobs", VLLM_DEFAULT_MAX_LOGPROBS)
-            if not is_int(max_logprobs) or (max_logprobs != -1 and max_logprobs < top_k + 1):
-                problems.append(
-                    f"{_ROLLOUT}.engine_kwargs.vllm.max_logprobs={max_logprobs!r}: set >= {top_k + 1}, best "
-                    f"{top_k + 1 + VLLM_TIE_MARGIN} (each request asks min(top_k + {1 + VLLM_TIE_MARGIN}, max_logprobs) "
-                    f"log-probs so a filtered entry closes each position's list, ties at the k-th included; vLLM allows 20 "
-                    f"by default)"
-                )
+            path = f"{_ROLLOUT}.engine_kwargs.vllm.max_logprobs"
+            problem = max_logprobs_problem(top_k, vllm_kwargs.get("max_logprobs"), path, absent="max_logprobs" not in vllm_kwargs)
+            if problem is not None:
+                problems.append(problem)
     if name == "sglang":
         limit = (get_path(cfg, f"{_ROLLOUT}.engine_kwargs.sglang") or {}).get("sampling_mask_max_tokens", 4096)
         if is_int(top_k) and is_int(limit) and top_k > limit:

@@ -81,6 +81,7 @@ __all__ = [
     "VLLM_TIE_MARGIN",
     "VLLM_DEFAULT_MAX_LOGPROBS",
     "vllm_row_width",
+    "max_logprobs_problem",
     "check_vllm_engine",
     "check_vllm_request",
     "support_from_vllm_logprobs",
@@ -114,6 +115,19 @@ def vllm_row_width(top_k: int, max_logprobs: Optional[int] = None) -> int:
                              f"whole support; start vLLM with --max-logprobs {top_k + 1 + VLLM_TIE_MARGIN}")
         width = min(width, max_logprobs - 1)
     return width
+
+
+def max_logprobs_problem(top_k: int, max_logprobs: Any, path: str, *, absent: bool = False) -> Optional[str]:
+    """A recipe's problem line when the engine's ``max_logprobs`` (at ``path``; ``absent``: not set,
+    vLLM's default) cannot take requests of ``top_k + 1`` log-probs, else None. -1 is vLLM's whole
+    vocabulary. One rule for every recipe that starts vLLM (NeMo-RL's, verl's)."""
+    came = f"{path} absent (vLLM's default {VLLM_DEFAULT_MAX_LOGPROBS})" if absent else f"{path}={max_logprobs!r}"
+    value = VLLM_DEFAULT_MAX_LOGPROBS if absent else max_logprobs
+    if isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value >= top_k + 1):
+        return None
+    return (f"{came}: set an int >= {top_k + 1} = top_k + 1, best {top_k + 1 + VLLM_TIE_MARGIN} (each request asks "
+            f"logprobs = min(top_k + {1 + VLLM_TIE_MARGIN}, max_logprobs) so every list ends with a filtered candidate, "
+            f"even where vLLM 0.24 / 0.25 keep every token tied with the k-th; vLLM refuses a request above max_logprobs)")
 
 
 _PATHS = ("mask", "logprobs")

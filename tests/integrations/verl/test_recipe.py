@@ -95,7 +95,7 @@ def test_check_reports_every_problem_at_once():
 
 def test_check_sizes_the_engine_limits_from_top_k():
     cfg = composed("replay_fsdp", f"{R}.top_k=32", f"{R}.engine_kwargs.vllm.max_logprobs=32")
-    with pytest.raises(ValueError, match=r"max_logprobs=32: set >= 33"):
+    with pytest.raises(ValueError, match=r"max_logprobs=32: set an int >= 33"):
         check_verl_config(cfg)
     check_verl_config(composed("replay_fsdp", f"{R}.top_k=32", f"{R}.engine_kwargs.vllm.max_logprobs=33"))
     check_verl_config(composed("replay_fsdp", f"{R}.top_k=32", f"{R}.engine_kwargs.vllm.max_logprobs=4",
