@@ -338,7 +338,8 @@ def decode_support(
     if sampled_ids is not None:
         sampled_t = torch.as_tensor(sampled_ids)
         if sampled_t.dtype.is_floating_point or sampled_t.dtype.is_complex or sampled_t.dtype == torch.bool:
-            raise CodecError(f"compact support: sampled_ids have dtype {sampled_t.dtype}, expected integer token ids")
+            raise CodecError(f"compact support: sampled_ids have dtype {sampled_t.dtype}, expected integer token ids; "
+                             f"pass the response's token ids as they came (torch.long)")
         sampled = sampled_t.cpu().numpy().astype(np.int64)
         if sampled.shape != (n,):
             raise CodecError(f"compact support: sampled_ids has shape {sampled.shape}, expected ({n},): one per row")

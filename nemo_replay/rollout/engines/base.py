@@ -181,6 +181,11 @@ def sampled_tensor(sampled_ids: Any, n: int, where: str) -> torch.Tensor:
     return ids
 
 
+def _id_out_of_range(where: str, bad: int) -> ValueError:
+    return ValueError(f"{where}: support holds token id {bad}, outside [0, 2**31); an engine's token ids are int32 -- "
+                      f"pass the engine's own output for this response")
+
+
 def assemble(rows: Sequence[Optional[Sequence[int]]], sampled: torch.Tensor, **options) -> EngineSupport:
     """Rows -> a checked :class:`EngineSupport`: ``rows`` are n member lists, ``None`` for a position
     flagged upstream; they are flattened and handed to :func:`assemble_flat` with its keywords ``options``."""
@@ -189,7 +194,7 @@ def assemble(rows: Sequence[Optional[Sequence[int]]], sampled: torch.Tensor, **o
     flat = [t for r in kept for t in r]
     if any(t < 0 or t > _INT32_MAX for t in flat):  # as Python ints: 2**64 never reaches torch's conversion
         bad = next(t for t in flat if t < 0 or t > _INT32_MAX)
-        raise ValueError(f"{options['where']}: support holds token id {bad}, outside [0, 2**31)")
+        raise _id_out_of_range(options["where"], bad)
     flat = torch.tensor(flat, dtype=torch.int64)
     lengths = torch.tensor([len(r) for r in kept], dtype=torch.int64)
     return assemble_flat(flat, lengths, flagged, sampled, **options)
@@ -247,7 +252,7 @@ def assemble_flat(
             reasons["wider_than_row"] = reasons.get("wider_than_row", 0) + int(wide.sum())
     if members.numel() and (int(members.min()) < 0 or int(members.max()) > _INT32_MAX):
         bad = int(members[(members < 0) | (members > _INT32_MAX)][0])
-        raise ValueError(f"{where}: support holds token id {bad}, outside [0, 2**31)")
+        raise _id_out_of_range(where, bad)
     ragged = RaggedSupport(
         members.to(torch.int32), lengths_to_cu_seqlens(lengths).to(torch.int64), torch.tensor([0, n], dtype=torch.int32),
     )
