@@ -114,7 +114,7 @@ def _resume_hint(command: str, args: Sequence[str], output_dir) -> str:
 def _train(args: Sequence[str], ns: argparse.Namespace) -> int:
     cfg = _load(args)
     from nemo_replay.trainer.grpo import GRPOTrainer
-    from nemo_replay.trainer.preemption import PREEMPTED_EXIT
+    from nemo_replay.trainer.preemption import stopped_exit
 
     overrides = [f.strip() for item in (ns.resume_override or []) for f in item.split(",") if f.strip()]
     trainer = GRPOTrainer(cfg, resume_overrides=overrides)
@@ -123,7 +123,7 @@ def _train(args: Sequence[str], ns: argparse.Namespace) -> int:
         print(f"nemo-replay train: {trainer.resume_line()}", file=sys.stderr)
     result = trainer.fit()
     if not zero:
-        return PREEMPTED_EXIT if result.stopped_by else 0
+        return stopped_exit() if result.stopped_by else 0
     s = result.summary
     if result.stopped_by:
         done = result.history[-1]["step"] + 1 if result.history else 0
@@ -132,7 +132,7 @@ def _train(args: Sequence[str], ns: argparse.Namespace) -> int:
             f"checkpoint {result.last_checkpoint}\nresume with: {_resume_hint('train', args, result.output_dir)}",
             file=sys.stderr,
         )
-        return PREEMPTED_EXIT
+        return stopped_exit()
     print(
         f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} over {s['steps']} steps; "
         f"max |rollout - trainer| log-prob {s['mismatch_max']:.2e}; "
@@ -148,7 +148,7 @@ def _compare(args: Sequence[str], ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from nemo_replay.trainer.compare import format_summary, run_compare
-    from nemo_replay.trainer.preemption import PREEMPTED_EXIT
+    from nemo_replay.trainer.preemption import stopped_exit
 
     result = run_compare(cfg)
     zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
@@ -159,7 +159,7 @@ def _compare(args: Sequence[str], ns: argparse.Namespace) -> int:
                 f"{_resume_hint('compare', args, result.output_dir)}",
                 file=sys.stderr,
             )
-        return PREEMPTED_EXIT
+        return stopped_exit()
     if zero:
         print(format_summary(result))
     return 0

@@ -17,6 +17,7 @@ from typing import NoReturn
 __all__ = [
     "LauncherParser",
     "positive_int",
+    "count",
     "port",
     "slurm_time",
     "parse_slurm_time",
@@ -50,6 +51,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a count >= 1, e.g. 2") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1; give a count >= 1, e.g. 2")
+    return value
+
+
+def count(text: str) -> int:
+    """A count that may be 0 (``--gpus-per-node 0``: a CPU job)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a count >= 0, e.g. 8 (0 for a CPU job)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0; give a count >= 0, e.g. 8 (0 for a CPU job)")
     return value
 
 

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes import arguments
-from recipes.job import Job, add_job_arguments, checked_job, torchrun_command
+from recipes.job import Job, add_job_arguments, check_job_arguments, checked_job, torchrun_command
 
 __all__ = ["plan", "build", "main"]
 
@@ -44,14 +44,14 @@ def plan(job: Job, executor: str, *, ssh_host: Optional[str] = None, ssh_user: O
     if executor == "local":
         if job.nodes != 1:
             raise ValueError(f"the local executor runs on this machine: --nodes must be 1, got {job.nodes}")
-        executor_args = {"ntasks_per_node": job.gpus_per_node, "launcher": "torchrun", "env_vars": {"OMP_NUM_THREADS": "1"}}
+        executor_args = {"ntasks_per_node": job.procs, "launcher": "torchrun", "env_vars": {"OMP_NUM_THREADS": "1"}}
         command = torchrun_command(job, node_rank="0", master="localhost:" + str(job.master_port))
     elif executor == "slurm":
         executor_args = {
             "account": job.account,
             "partition": job.partition,
             "nodes": job.nodes,
-            "ntasks_per_node": job.gpus_per_node,
+            "ntasks_per_node": job.procs,
             "gpus_per_node": job.gpus_per_node,
             "container_image": job.container_image,
             "container_mounts": list(job.container_mounts),
@@ -116,6 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_job_arguments(parser)
     try:
         ns = parser.parse_args(argv)
+        check_job_arguments(parser, ns)
         _check_cross(parser, ns)
     except SystemExit as exc:
         return int(exc.code or 0)

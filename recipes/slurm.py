@@ -19,10 +19,19 @@ requeues the job (``scontrol requeue``; ``#SBATCH --requeue``, logs appended); t
 job runs the same command into the same pinned ``trainer.output_dir`` and resumes.
 ``--no-requeue`` leaves the job ended after its checkpoint.
 
+Without GPUs or pyxis (a CPU cluster, or the one-node Slurm of ``scripts/slurm_cluster.sh``):
+``--gpus-per-node 0 --procs-per-node N`` asks for no GRES and runs N CPU ranks per node
+(``trainer.accelerator=cpu``); ``--no-container`` drops the pyxis flags, so the task runs on
+the node's own software in the environment ``sbatch`` was called from (``--setup`` defaults
+to none then; ``--workdir`` is the folder it runs in, default where ``sbatch`` was called)::
+
+    python recipes/slurm.py --nodes 1 --gpus-per-node 0 --procs-per-node 2 --no-container \\
+        --time 00:10:00 --signal-lead 60 -- trainer.steps=20 trainer.checkpoint_every=2
+
 ``--dry-run`` prints the batch script and the ``sbatch`` command without writing or
 submitting anything. Without it the script goes to ``--script-dir`` and is submitted.
 Every argument is checked first (one-line errors, exit 2), then the recipe is validated
-for ``nodes * gpus_per_node`` ranks (``--no-validate`` skips that); nothing is written
+for ``nodes * processes per node`` ranks (``--no-validate`` skips that); nothing is written
 before both pass.
 """
 
@@ -41,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes import arguments
-from recipes.job import Job, add_job_arguments, checked_job, torchrun_command
+from recipes.job import Job, add_job_arguments, check_job_arguments, checked_job, torchrun_command
 
 __all__ = ["render_sbatch", "main"]
 
@@ -59,7 +68,8 @@ def _on_usr1(lead: int, requeue: bool) -> list[str]:
         "on_usr1() {",
         '    echo "nemo-replay: USR1: asking the run to checkpoint and stop (job ${SLURM_JOB_ID})"',
         '    scancel --signal=USR1 "${SLURM_JOB_ID}"',
-        '    wait "${STEP_PID}" || true',
+        '    status=0; wait "${STEP_PID}" || status=$?',
+        '    echo "nemo-replay: the job step exited ${status} (75: it checkpointed and stopped)"',
         f"    {then}",
         "    exit 0",
         "}",
@@ -73,7 +83,7 @@ def render_sbatch(job: Job, *, signal_lead: int = 300, requeue: bool = True) -> 
         f"--job-name={job.job_name}",
         f"--nodes={job.nodes}",
         "--ntasks-per-node=1",
-        f"--gpus-per-node={job.gpus_per_node}",
+        *([f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
         f"--time={job.time}",
         f"--signal=B:USR1@{signal_lead}",
         "--exclusive",
@@ -86,14 +96,17 @@ def render_sbatch(job: Job, *, signal_lead: int = 300, requeue: bool = True) -> 
         directives.append(f"--partition={job.partition}")
     if job.account:
         directives.append(f"--account={job.account}")
-    container = [f"--container-image={job.container_image}", f"--container-workdir={job.workdir}", "--no-container-mount-home"]
-    if job.container_mounts:
-        container.insert(1, f"--container-mounts={','.join(job.container_mounts)}")
+    if job.container:
+        place = [f"--container-image={job.container_image}", f"--container-workdir={job.workdir}", "--no-container-mount-home"]
+        if job.container_mounts:
+            place.insert(1, f"--container-mounts={','.join(job.container_mounts)}")
+    else:
+        place = [f"--chdir={job.workdir}"] if job.workdir else []
     # USR1 is for the trainer ranks: the task's bash and torchrun ignore it (and pass the
     # ignore on; the trainer installs its own handler).
     # SIGTERM (preemption): torchrun waits up to --signal-lead seconds for the stop checkpoint.
     task = 'trap "" USR1; ' + torchrun_command(job, shutdown_timeout=max(signal_lead, 30))
-    srun = ["srun", f"--nodes={job.nodes}", "--ntasks-per-node=1", *container, "bash -c " + shlex.quote(task)]
+    srun = ["srun", f"--nodes={job.nodes}", "--ntasks-per-node=1", *place, "bash -c " + shlex.quote(task)]
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH {d}" for d in directives]
     lines += [
@@ -103,10 +116,12 @@ def render_sbatch(job: Job, *, signal_lead: int = 300, requeue: bool = True) -> 
         'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export MASTER_PORT={job.master_port}",
         "export OMP_NUM_THREADS=1",
+        'echo "nemo-replay: job ${SLURM_JOB_ID} started on $(hostname) (SLURM_RESTART_COUNT=${SLURM_RESTART_COUNT:-0})"',
         "",
         *_on_usr1(signal_lead, requeue),
         "",
-        "# One task per node inside the container; torchrun starts one process per GPU.",
+        "# One task per node" + (" inside the container" if job.container else "")
+        + "; torchrun starts " + ("one process per GPU." if job.gpus_per_node else f"{job.procs} CPU processes."),
         " \\\n    ".join(srun) + " &",
         "STEP_PID=$!",
         'wait "${STEP_PID}"',
@@ -143,6 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-requeue", action="store_true", help="do not requeue the job after a time-limit checkpoint")
     try:
         ns = parser.parse_args(argv)
+        check_job_arguments(parser, ns)
         _check_cross(parser, ns)
     except SystemExit as exc:
         return int(exc.code or 0)

@@ -13,6 +13,11 @@ written stay. Copies of one request are not a second signal: a signal arriving w
 :data:`REPEAT_WINDOW_S` of the first is ignored, because one Ctrl-C under torchrun reaches a
 worker twice (from the terminal, then torchrun's SIGTERM), and Slurm signals every process
 of a job step, launchers included.
+
+Once a stop's checkpoint is complete, the process leaves with :func:`stopped_exit`: it
+ignores further stop signals while it exits, so the launcher's own SIGTERM (torchrun sends
+one to the other workers as soon as the first exits 75) cannot turn a checkpointed stop
+into a death by signal.
 """
 
 from __future__ import annotations
@@ -27,12 +32,24 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["StopSignals", "STOP_SIGNALS", "PREEMPTED_EXIT", "REPEAT_WINDOW_S", "start_writer_helpers"]
+__all__ = ["StopSignals", "STOP_SIGNALS", "PREEMPTED_EXIT", "REPEAT_WINDOW_S", "start_writer_helpers", "stopped_exit"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry".
 PREEMPTED_EXIT = 75
 REPEAT_WINDOW_S = 1.0
+
+
+def stopped_exit() -> int:
+    """:data:`PREEMPTED_EXIT`, after setting every stop signal to be ignored for the rest of the exit.
+
+    Call it only once the stop checkpoint is complete on every rank (the run returned
+    ``stopped_by``): nothing is left that a signal could save or lose.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+    return PREEMPTED_EXIT
 
 
 class StopSignals:

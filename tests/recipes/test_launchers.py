@@ -52,11 +52,11 @@ def test_slurm_dry_run_script(capsys):
     bash_c = srun[srun.index("-c") + 1]
     assert bash_c.startswith('trap "" USR1; ')  # the step's bash and torchrun leave USR1 to the trainer ranks
     argv = _torchrun_argv(bash_c)
-    assert argv[0] == "torchrun"
+    assert argv[:3] == ["python", "-m", "nemo_replay.trainer.torchrun"]  # torchrun, exit 75 after a stop checkpoint
     assert {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--node-rank=$SLURM_NODEID"} <= set(argv)
     assert "--shutdown-timeout=300" in argv  # torchrun's 30 s would SIGKILL a long step before its stop checkpoint
     assert "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in argv
-    module = argv.index("-m")
+    module = len(argv) - 1 - argv[::-1].index("-m")  # the workload module, after the launcher's own -m
     assert argv[module + 1 : module + 4] == ["nemo_replay", "train", MEGATRON]
     assert argv[-5:-2] == ["trainer.devices=8", "trainer.num_nodes=2", "trainer.accelerator=gpu"]
     # A pinned run folder: a requeued job runs the same line and resumes there.
@@ -85,8 +85,34 @@ def test_slurm_dry_run_as_a_script_without_setup():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "bash -c 'trap \"\" USR1; torchrun --nnodes=1 --nproc-per-node=2" in proc.stdout
+    assert "bash -c 'trap \"\" USR1; python -m nemo_replay.trainer.torchrun --nnodes=1 --nproc-per-node=2" in proc.stdout
     assert "pip install" not in proc.stdout
+
+
+def test_slurm_cpu_job_without_a_container(capsys, tmp_path, monkeypatch):
+    """``--gpus-per-node 0 --no-container``: no GRES, no pyxis flags, CPU ranks, no setup, the recipe checked for them."""
+    monkeypatch.chdir(tmp_path)
+    rc = slurm.main(["--gpus-per-node", "0", "--procs-per-node", "2", "--no-container", "--time", "00:20:00",
+                     "--signal-lead", "60", "--dry-run", "--", "trainer.steps=3"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    script = out.split("\n", 1)[1]
+    assert "--gpus-per-node" not in script and "container" not in script.replace("without a container", "")
+    assert "# One task per node; torchrun starts 2 CPU processes." in script
+    srun = shlex.split(script[script.index("\nsrun") + 1 : script.index(" &\nSTEP_PID")].replace("\\\n", " "))
+    assert srun[:3] == ["srun", "--nodes=1", "--ntasks-per-node=1"] and srun[3] == "bash"  # no --chdir: where sbatch runs
+    argv = _torchrun_argv(srun[-1])
+    assert "pip install" not in srun[-1] and "--nproc-per-node=2" in argv
+    assert argv[argv.index("train") + 1 : argv.index("train") + 4] == [
+        "trainer.devices=2", "trainer.num_nodes=1", "trainer.accelerator=cpu"]
+    # --workdir is where the task runs; the recipe is looked up there, before anything is written.
+    assert slurm.main(["--gpus-per-node", "0", "--procs-per-node", "2", "--no-container", "--workdir", str(REPO),
+                       "--dry-run", "--", "configs/fsdp_gpu.yaml"]) == 0
+    assert f"--chdir={REPO}" in capsys.readouterr().out
+    assert slurm.main(["--gpus-per-node", "0", "--procs-per-node", "3", "--no-container", "--workdir", str(REPO),
+                       "--dry-run", "--", "configs/megatron_moe_gpu.yaml"]) == 2
+    assert "does not divide world size 3" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
 
 
 def test_nemo_run_dry_runs_without_nemo_run(capsys):
@@ -112,7 +138,7 @@ def test_nemo_run_dry_runs_without_nemo_run(capsys):
     plan = json.loads(capsys.readouterr().out.split("\n", 1)[1])
     assert rc == 0
     assert plan["executor_args"]["ntasks_per_node"] == 2 and plan["executor_args"]["launcher"] == "torchrun"
-    assert plan["per_node_command"].startswith("torchrun --nnodes=1 --nproc-per-node=2 --node-rank=0")
+    assert plan["per_node_command"].startswith("python -m nemo_replay.trainer.torchrun --nnodes=1 --nproc-per-node=2 --node-rank=0")
     assert "--rdzv-endpoint=localhost:29500" in plan["per_node_command"]
     assert "nemo_run" not in sys.modules
 
@@ -138,6 +164,10 @@ BAD_ARGUMENTS = [
     (["--partition", "batch queue"], "argument --partition: 'batch queue' is not a Slurm name"),
     (["--workdir", "relative/dir"], "argument --workdir: 'relative/dir' must be an absolute path"),
     (["--container-image", "img; reboot"], "argument --container-image: 'img; reboot' is not a container image"),
+    (["--gpus-per-node", "-1"], "argument --gpus-per-node: -1 must be >= 0"),
+    (["--gpus-per-node", "8", "--procs-per-node", "2"], "--procs-per-node: torchrun starts one process per GPU, so it must be --gpus-per-node (8), got 2"),
+    (["--no-container", "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3"], "--no-container runs without a container; drop --container-image"),
+    (["--no-container", "--container-mounts", "/a:/b"], "drop --container-mounts or --no-container"),
 ]
 
 

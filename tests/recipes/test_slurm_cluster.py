@@ -1,0 +1,236 @@
+"""The Slurm launcher on a real Slurm: submitted, signalled, requeued, killed, resumed.
+
+Needs a running Slurm (``scripts/slurm_cluster.sh start`` as root starts a one-node one;
+``.ci/run`` does). Each test submits the batch script ``recipes/slurm.py`` renders and
+writes, unchanged, for the reference trainer with 2 CPU ranks under torchrun
+(``--gpus-per-node 0 --procs-per-node 2 --no-container``), then interrupts one job's life
+three times and checks that it ends exactly where a job that was never interrupted ends:
+
+1. ``scancel --signal=USR1 --batch`` (what ``--signal=B:USR1@N`` delivers before the time
+   limit): the batch shell's trap passes USR1 to the ranks, they checkpoint the step they
+   were in, the step exits 75, the trap requeues; the requeued job (``SLURM_RESTART_COUNT=1``
+   in its log) resumes right after that step.
+2. ``scontrol requeue`` from outside (no USR1 to the batch shell; Slurm sends SIGTERM to the
+   job): the requeued job resumes no earlier than the last periodic checkpoint.
+3. SIGKILL to every process of the job (a node lost, the OOM killer; Slurm's own ``scancel
+   --signal=KILL`` is a cancel that sends SIGTERM first): no checkpoint, the job fails; submitting the
+   same script again resumes from the last complete checkpoint.
+
+Then its metrics rows (all but the step time) and its final weights equal the uninterrupted
+job's, bit for bit. megatron-core runs on CPU through the test shims, installed in the job's
+workers by ``tests/recipes/cpu_shims_site`` on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cluster_problem() -> str | None:
+    if shutil.which("sbatch") is None:
+        return "Slurm is not installed"
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    if ping.returncode != 0 or "UP" not in ping.stdout:
+        return f"no Slurm controller answers ({(ping.stdout + ping.stderr).strip()[:200]})"
+    return None
+
+
+_PROBLEM = _cluster_problem()
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(
+        _PROBLEM is not None,
+        reason=f"needs a running Slurm: {_PROBLEM}; as root: scripts/slurm_cluster.sh install && "
+        f'eval "$(scripts/slurm_cluster.sh start)", then python -m pytest -m slurm',
+    ),
+]
+
+STEPS = 14
+RECIPE = [
+    "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.micro_batch_size=8", "trainer.minibatches_per_step=2",
+    "trainer.progress_bar=false", "trainer.plot=false", "generation.max_new_tokens=4", "model.hidden_size=32",
+    "model.intermediate_size=64", f"trainer.steps={STEPS}", "trainer.checkpoint_every=3", "trainer.num_threads=1",
+]
+STRATEGIES = {
+    "fsdp": [],
+    "megatron": ["replay.strategy=megatron", "parallel.tensor=2"],
+}
+
+
+def _env(strategy: str) -> dict:
+    shims = [str(REPO / "tests" / "recipes" / "cpu_shims_site")] if strategy == "megatron" else []
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([*shims, str(REPO)]), OMP_NUM_THREADS="1")
+
+
+def _submit(cwd: Path, strategy: str, name: str, out: str) -> tuple[str, Path]:
+    """``recipes/slurm.py`` as a user runs it; (job id, the batch script it wrote)."""
+    cmd = [sys.executable, str(REPO / "recipes" / "slurm.py"), "--nodes", "1", "--gpus-per-node", "0",
+           "--procs-per-node", "2", "--no-container", "--time", "00:20:00", "--signal-lead", "60",
+           "--job-name", name, "--", f"trainer.output_dir={out}", *RECIPE, *STRATEGIES[strategy]]
+    done = subprocess.run(cmd, cwd=cwd, env=_env(strategy), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = re.search(r"Submitted batch job (\d+)", done.stdout)
+    assert job, done.stdout
+    (script,) = (cwd / "logs").glob(f"{name}-*.sbatch")
+    return job.group(1), script
+
+
+def _job(job: str) -> dict:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
+    return dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+
+
+def _ended(job: str):
+    """The job's final state once it left the queue and ran out (COMPLETED, FAILED, ...), else None."""
+    state = _job(job).get("JobState")
+    return None if state in (None, "PENDING", "RUNNING", "COMPLETING", "REQUEUED", "CONFIGURING") else state
+
+
+def _wait(what: str, ok, log: Path, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = ok()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-4000:] if log.exists() else "(no log)"
+            pytest.fail(f"timed out waiting for {what}; job log:\n{tail}")
+        time.sleep(0.2)
+
+
+def _kill_outright(job: str) -> None:
+    """SIGKILL to the job's processes (``scontrol listpids``) and all their descendants, at once."""
+    listed = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True, check=True).stdout
+    pids = {int(line.split()[0]) for line in listed.splitlines()[1:] if line.split()}
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    children: dict = {}
+    for line in table.splitlines():
+        pid, ppid = map(int, line.split())
+        children.setdefault(ppid, []).append(pid)
+    todo, every = list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid not in every:
+            every.add(pid)
+            todo += children.get(pid, [])
+    assert len(every) >= 4, (listed, every)  # the batch shell, srun, the launcher and its 2 ranks at least
+    for pid in every:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    for r in rows:
+        r.pop("step_time_s")
+    return rows
+
+
+def _latest_checkpoint(out: Path) -> int:
+    steps = [int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*") if (p / "complete.json").exists()]
+    return max(steps, default=-1)
+
+
+def _weights(out: Path, tmp: Path) -> dict:
+    """Every tensor of the final checkpoint (torch distributed checkpoint, read without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step = _latest_checkpoint(out)
+    assert step == STEPS - 1, step
+    folder = out / "checkpoints" / f"step-{step:07d}"
+    state = next(p for p in (folder, *folder.iterdir()) if p.is_dir() and (p / ".metadata").exists())
+    target = tmp / f"{out.name}.pt"
+    dcp_to_torch_save(state, target)
+    flat = {}
+
+    def walk(value, key):
+        if torch.is_tensor(value):
+            flat[key] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}/{k}")
+
+    walk(torch.load(target, weights_only=False), "")
+    return flat
+
+
+def _after(log: Path, restart: int) -> str:
+    """The log of the job's ``restart``-th start (``SLURM_RESTART_COUNT``) to its next start."""
+    text = log.read_text()
+    parts = re.split(r"nemo-replay: job \d+ started on \S+ \(SLURM_RESTART_COUNT=(\d+)\)", text)
+    found = {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+    return found.get(restart, "")
+
+
+def _resumed_after(segment: str) -> int:
+    m = re.search(r"resuming \S+ after step (\d+)", segment)
+    assert m, segment[-3000:]
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job_ends(strategy, tmp_path):
+    ref_job, _ = _submit(tmp_path, strategy, f"ref-{strategy}", "runs/ref")
+    ref_log = tmp_path / "logs" / f"ref-{strategy}-{ref_job}.out"
+    state = _wait("the uninterrupted job to end", lambda: _ended(ref_job), ref_log)
+    assert state == "COMPLETED" and _job(ref_job)["ExitCode"] == "0:0", ref_log.read_text()[-4000:]
+
+    out = tmp_path / "runs" / "run"
+    job, script = _submit(tmp_path, strategy, f"run-{strategy}", "runs/run")
+    log = tmp_path / "logs" / f"run-{strategy}-{job}.out"
+
+    # 1. USR1 to the batch shell: checkpoint the step in flight, exit 75, requeue, resume after it.
+    _wait("step 1", lambda: len(_rows(out)) >= 2, log)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    _wait("the requeued job to start", lambda: _job(job).get("Restarts") == "1" and _after(log, 1), log)
+    first = _after(log, 0)
+    assert "nemo-replay: the job step exited 75 (75: it checkpointed and stopped)" in first, first[-4000:]
+    stopped = re.search(r"stopped by SIGUSR1 after (\d+) of", first)
+    assert stopped, first[-4000:]
+    _wait("the resumed run", lambda: "resuming" in _after(log, 1), log)
+    assert _resumed_after(_after(log, 1)) == int(stopped.group(1)) - 1  # the step in flight, not a periodic one
+
+    # 2. An external requeue: nothing older than the last periodic checkpoint is lost.
+    resumed = _resumed_after(_after(log, 1))
+    _wait("a periodic checkpoint after the resume", lambda: _latest_checkpoint(out) > resumed, log)
+    periodic = _latest_checkpoint(out)
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    _wait("the second start", lambda: _job(job).get("Restarts") == "2" and "resuming" in _after(log, 2), log)
+    assert _resumed_after(_after(log, 2)) >= periodic
+
+    # 3. Killed outright: the same script, submitted again, resumes from the last complete checkpoint.
+    resumed = _resumed_after(_after(log, 2))
+    _wait("a checkpoint after the second resume", lambda: _latest_checkpoint(out) > resumed, log)
+    _kill_outright(job)
+    _wait("the killed job to end", lambda: _ended(job), log)
+    assert "stopped by" not in _after(log, 2) and _job(job)["JobState"] == "FAILED", _after(log, 2)[-4000:]
+    kept = _latest_checkpoint(out)
+    again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=_env(strategy), capture_output=True, text=True, check=True)
+    job2 = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
+    log2 = tmp_path / "logs" / f"run-{strategy}-{job2}.out"
+    _wait("the resubmitted job to end", lambda: _ended(job2), log2)
+    assert _job(job2)["JobState"] == "COMPLETED", log2.read_text()[-4000:]
+    assert _resumed_after(log2.read_text()) == kept
+
+    # Where an uninterrupted job ends, bit for bit.
+    assert _rows(out) == _rows(tmp_path / "runs" / "ref")
+    ref, got = _weights(tmp_path / "runs" / "ref", tmp_path), _weights(out, tmp_path)
+    assert ref.keys() == got.keys() and len(ref) > 10
+    for key in ref:
+        assert torch.equal(ref[key], got[key]), key
