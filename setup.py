@@ -26,6 +26,10 @@ EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 # below 5.11 (the resolver would downgrade every other extra's transformers); it gets its own
 # environment (README "Using it with verl", .ci/run).
 EXTRAS["verl"] = ["verl==0.9.1", "cachetools>=5", "fastapi>=0.100", "uvicorn>=0.20", "TransferQueue>=0.1.10"]
+# NeMo-Run launcher (recipes/nemo_run_recipe.py). nemo-run 0.11.1 imports leptonai.api.v1, which
+# leptonai 0.47 no longer has (nemo_run/core/execution/lepton.py:30); 0.27.3 has it. Not in "all":
+# it pins urllib3 < 2 and an older httpx and pulls Ray, so it gets its own environment (.ci/run).
+EXTRAS["nemo-run"] = ["nemo-run==0.11.1", "leptonai==0.27.3"]
 
 setup(
     name="nemo_replay",

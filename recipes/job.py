@@ -35,7 +35,7 @@ DEFAULT_SETUP = 'pip install --quiet -e ".[all]"'
 DEFAULT_WORKDIR = "/workspace/nemo_replay"
 
 __all__ = [
-    "Job", "DEFAULT_IMAGE", "DEFAULT_SETUP", "DEFAULT_WORKDIR", "add_job_arguments", "check_job_arguments", "job_from_args",
+    "Job", "DEFAULT_IMAGE", "DEFAULT_SETUP", "DEFAULT_WORKDIR", "add_job_arguments", "add_signal_lead_argument", "check_job_arguments", "job_from_args",
     "checked_job", "torchrun_command",
     "validate_recipe", "pinned_output_dir",
 ]
@@ -200,8 +200,25 @@ def pinned_output_dir(job_name: str) -> str:
     return f"trainer.output_dir=runs/{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
+def add_signal_lead_argument(parser: argparse.ArgumentParser) -> None:
+    """``--signal-lead``: when Slurm asks the run to checkpoint and stop before ``--time`` (checked by
+    :func:`check_job_arguments`)."""
+    parser.add_argument(
+        "--signal-lead", type=arguments.signal_lead, default=300,
+        help="seconds before the time limit at which the run checkpoints and stops (default 300)",
+    )
+
+
 def check_job_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Rules between the shared arguments (``parser.error``: one line, exit 2)."""
+    lead = getattr(ns, "signal_lead", None)
+    if lead is not None:
+        limit = arguments.parse_slurm_time(ns.time)
+        if lead >= limit:
+            parser.error(
+                f"argument --signal-lead: {lead} s is not before the end of --time={ns.time} ({limit} s); "
+                f"lower --signal-lead or raise --time"
+            )
     if ns.procs_per_node is not None and ns.gpus_per_node and ns.procs_per_node != ns.gpus_per_node:
         parser.error(
             f"argument --procs-per-node: torchrun starts one process per GPU, so it must be --gpus-per-node "

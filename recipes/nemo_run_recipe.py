@@ -1,22 +1,46 @@
-"""NeMo-Run recipe: the main job on a local executor or a Slurm executor.
+"""NeMo-Run recipe: the main job on NeMo-Run's local executor or its Slurm executor.
 
-    python recipes/nemo_run_recipe.py --executor local --gpus-per-node 2 --dry-run
+    python recipes/nemo_run_recipe.py --executor local --gpus-per-node 0 --procs-per-node 2 -- trainer.steps=20
     python recipes/nemo_run_recipe.py --executor slurm --nodes 2 --gpus-per-node 8 \\
         --partition batch --account myacct --container-mounts /lustre/repo:/workspace/nemo_replay \\
         -- configs/fsdp_gpu.yaml trainer.steps=200
 
-The task is ``python -m nemo_replay train [CONFIG] [overrides]`` (a ``run.Script`` with
-``m=True``) under NeMo-Run's ``torchrun`` launcher, which renders the per-node torchrun
-line (one process per GPU, c10d rendezvous on the first node). The Slurm executor runs it
-in the NGC container through pyxis (``container_image``, ``container_mounts``); submit
-from a login node (``run.LocalTunnel``) or from your machine (``--ssh-host``:
-``run.SSHTunnel``).
+The task is a ``run.Script`` whose inline script runs, on every node, the same line as
+``recipes/slurm.py``: torchrun through ``python -m nemo_replay.trainer.torchrun`` (exit 75
+when the run checkpointed and stopped), one process per GPU or ``--procs-per-node`` CPU
+ranks, c10d rendezvous on the first node of the allocation. NeMo-Run's own ``torchrun``
+launcher is not used: Slurm's ``--signal`` reaches every process of the step, and torchrun
+dies of SIGUSR1 (its default action) with its workers mid-checkpoint; the script and the
+package's launcher ignore USR1 and leave it to the trainer ranks.
 
-``nemo_run`` is imported only to submit (``pip install nemo-run``). ``--dry-run`` needs
-neither NeMo-Run nor a cluster: it prints the executor, the task and the torchrun line
-every node would run. Every argument is checked before anything is submitted (one-line
-errors, exit 2): the shared ones in :mod:`recipes.arguments`, the local executor's single
-node, and NeMo-Run being installed when submitting.
+Executors. ``local`` runs on this machine. ``slurm`` submits through ``run.LocalTunnel``
+(from a login node) or ``run.SSHTunnel`` (``--ssh-host``), with ``run.Packager()``: the
+task runs the checkout in ``--workdir`` (the container's mount of the repository, or with
+``--no-container`` a folder on the nodes, default the one the recipe is run from), so
+nothing is archived (NeMo-Run's default ``GitArchivePackager`` needs the submitting folder
+to be a git checkout). NeMo-Run writes the experiment under ``--base-dir`` (default
+``~/.nemo_run``, expanded): ``experiments/<name>/<name>_<id>/<task>/``, with the Slurm
+logs there, one per start (``log--.<task>_<job>_<SLURM_RESTART_COUNT>.out``); the local
+tunnel's ``job_dir`` is that same folder, where ``sbatch`` finds the script.
+
+Preemption on Slurm: the executor asks for ``--signal=USR1@<--signal-lead>`` (to the job
+step, NeMo-Run's batch script has no trap), ``--requeue``, and ``retries=<--retries>``:
+NeMo-Run's script requeues the job when the step exits non-zero and fewer restarts have
+happened. The ranks checkpoint on USR1 and exit 75; the requeued job runs the same line
+into the same pinned ``trainer.output_dir`` and resumes. A job stopped at its time limit
+without USR1 gets SIGTERM: the ranks checkpoint if the step and the checkpoint fit in
+Slurm's ``KillWait``.
+
+The recipe waits for the experiment (unless ``--detach``) and exits 0 when every task
+succeeded: NeMo-Run's status, or, where it reports UNKNOWN (Slurm without accounting,
+where ``sacct`` has nothing), the job's state from ``scontrol show job``.
+
+``nemo_run`` is imported only to submit (``pip install -e ".[nemo-run]"``, in an environment
+of its own: README). ``--dry-run`` needs neither NeMo-Run nor a cluster: it prints the
+executor, the task script and what every node runs. Every argument is checked before
+anything is submitted (one-line errors, exit 2): the shared ones in
+:mod:`recipes.arguments` and :mod:`recipes.job`, the local executor's single node and
+missing container, and NeMo-Run being installed when submitting.
 """
 
 from __future__ import annotations
@@ -24,6 +48,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -32,44 +59,66 @@ if __package__ in (None, ""):  # run as a script: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes import arguments
-from recipes.job import Job, add_job_arguments, check_job_arguments, checked_job, torchrun_command
+from recipes.job import Job, add_job_arguments, add_signal_lead_argument, check_job_arguments, checked_job, torchrun_command
 
-__all__ = ["plan", "build", "main"]
+__all__ = ["plan", "build", "task_script", "outcome", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BASE_DIR = "~/.nemo_run"
 
 
-def plan(job: Job, executor: str, *, ssh_host: Optional[str] = None, ssh_user: Optional[str] = None, job_dir: str = "~/.nemo_run/jobs") -> dict:
+def task_script(job: Job, executor: str, shutdown_timeout: int = 600) -> str:
+    """The inline script every node runs: into the checkout, USR1 left to the ranks, then torchrun."""
+    lines = ['trap "" USR1  # Slurm signals every process of the step: the trainer ranks act on it']
+    if job.workdir:
+        lines.append(f"cd {shlex.quote(job.workdir)}")
+    if executor == "local":
+        master, node_rank = f"localhost:{job.master_port}", "0"
+    else:
+        lines += ['export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                  f"export MASTER_PORT={job.master_port}"]
+        master, node_rank = "$MASTER_ADDR:$MASTER_PORT", "$SLURM_NODEID"
+    lines.append(torchrun_command(job, node_rank=node_rank, master=master, shutdown_timeout=shutdown_timeout))
+    return "\n".join(lines) + "\n"
+
+
+def plan(job: Job, executor: str, *, ssh_host: Optional[str] = None, ssh_user: Optional[str] = None,
+         base_dir: str = DEFAULT_BASE_DIR, job_dir: Optional[str] = None, signal_lead: int = 300, retries: int = 3) -> dict:
     """Everything the submission consists of, as plain data (what ``--dry-run`` prints)."""
+    base_dir = os.path.abspath(os.path.expanduser(base_dir))
+    env = {"OMP_NUM_THREADS": "1"}
     if executor == "local":
         if job.nodes != 1:
             raise ValueError(f"the local executor runs on this machine: --nodes must be 1, got {job.nodes}")
-        executor_args = {"ntasks_per_node": job.procs, "launcher": "torchrun", "env_vars": {"OMP_NUM_THREADS": "1"}}
-        command = torchrun_command(job, node_rank="0", master="localhost:" + str(job.master_port))
+        executor_args = {"ntasks_per_node": 1, "env_vars": env}
     elif executor == "slurm":
         executor_args = {
-            "account": job.account,
+            "account": job.account or "",
             "partition": job.partition,
             "nodes": job.nodes,
-            "ntasks_per_node": job.procs,
-            "gpus_per_node": job.gpus_per_node,
-            "container_image": job.container_image,
-            "container_mounts": list(job.container_mounts),
+            "ntasks_per_node": 1,
+            "gpus_per_node": job.gpus_per_node or None,
+            "container_image": job.container_image if job.container else None,
+            "container_mounts": list(job.container_mounts) if job.container else [],
             "time": job.time,
-            "launcher": "torchrun",
-            "env_vars": {"OMP_NUM_THREADS": "1"},
-            "tunnel": {"kind": "ssh", "host": ssh_host, "user": ssh_user, "job_dir": job_dir} if ssh_host else {"kind": "local", "job_dir": job_dir},
+            "exclusive": True,
+            "signal": f"USR1@{signal_lead}",
+            "retries": retries,
+            "additional_parameters": {"requeue": True},
+            "env_vars": env,
+            "packager": "plain",
+            "tunnel": ({"kind": "ssh", "host": ssh_host, "user": ssh_user, "job_dir": job_dir or "~/.nemo_run/experiments"}
+                       if ssh_host else {"kind": "local", "job_dir": os.path.join(base_dir, "experiments")}),
         }
-        command = torchrun_command(job)
     else:
         raise ValueError(f"--executor must be 'local' or 'slurm', got {executor!r}")
     return {
         "name": job.job_name,
+        "base_dir": base_dir,
         "executor": executor,
         "executor_args": executor_args,
-        "task": {"path": "nemo_replay", "entrypoint": "python", "m": True, "args": job.workload_args()},
+        "task": {"inline": task_script(job, executor, 600 if executor == "local" else max(signal_lead, 30))},
         "world_size": job.world_size,
-        "per_node_command": command,
     }
 
 
@@ -78,8 +127,8 @@ def build(p: dict):
     try:
         import nemo_run as run
     except ImportError as exc:
-        raise ValueError("submitting needs NeMo-Run: `pip install nemo-run` (or use --dry-run)") from exc
-    task = run.Script(path=p["task"]["path"], entrypoint=p["task"]["entrypoint"], m=p["task"]["m"], args=p["task"]["args"])
+        raise ValueError('submitting needs NeMo-Run: `pip install -e ".[nemo-run]"` (or use --dry-run)') from exc
+    task = run.Script(inline=p["task"]["inline"])
     args = dict(p["executor_args"])
     if p["executor"] == "local":
         return task, run.LocalExecutor(**args)
@@ -88,7 +137,36 @@ def build(p: dict):
         args["tunnel"] = run.SSHTunnel(host=tunnel["host"], user=tunnel["user"], job_dir=tunnel["job_dir"])
     else:
         args["tunnel"] = run.LocalTunnel(job_dir=tunnel["job_dir"])
+    args["packager"] = run.Packager()
     return task, run.SlurmExecutor(**{k: v for k, v in args.items() if v is not None})
+
+
+def _rewritten_paths(p: dict) -> list[str]:
+    """Paths of the plan that NeMo-Run would rewrite: without a container, its Slurm executor replaces
+    every ``/nemo_run`` in the batch script and the task script with the job's folder (0.11.1)."""
+    if p["executor"] != "slurm" or p["executor_args"]["container_image"]:
+        return []
+    words = [p["base_dir"], *shlex.split(p["task"]["inline"], comments=True)]
+    return [w for w in words if "/nemo_run" in w]
+
+
+def _slurm_state(job_id: str) -> str:
+    """``JobState`` from ``scontrol show job`` (kept for MinJobAge after the end), or UNKNOWN."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True)
+    fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+    return fields.get("JobState", "UNKNOWN")
+
+
+def outcome(statuses: dict, executor: str) -> int:
+    """0 when every task succeeded; prints one line per task (state, job id, folder)."""
+    failed = 0
+    for name, info in statuses.items():
+        state = str(info.get("status", "UNKNOWN")).split(" ")[0]
+        if state == "UNKNOWN" and executor == "slurm" and info.get("job_id"):
+            state = {"COMPLETED": "SUCCEEDED"}.get(_slurm_state(info["job_id"]), _slurm_state(info["job_id"]))
+        print(f"nemo-run: task {name} (job {info.get('job_id')}): {state}; logs under {info.get('local_dir')}")
+        failed += state != "SUCCEEDED"
+    return 0 if failed == 0 else 1
 
 
 def _check_cross(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
@@ -100,8 +178,14 @@ def _check_cross(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
         )
     if ns.executor == "local" and (ns.ssh_host or ns.ssh_user):
         parser.error("argument --ssh-host/--ssh-user: only the slurm executor submits over SSH; drop them or use --executor slurm")
+    if ns.executor == "local" and (ns.container_image is not None or ns.container_mounts is not None):
+        flag = "--container-image" if ns.container_image is not None else "--container-mounts"
+        parser.error(f"argument {flag}: the local executor runs on this machine without a container; drop {flag}")
+    if ns.job_dir is not None and not ns.ssh_host:
+        parser.error("argument --job-dir: it names the folder on the login node of --ssh-host; with the local tunnel, "
+                     "NeMo-Run's folder is --base-dir")
     if not ns.dry_run and importlib.util.find_spec("nemo_run") is None:
-        parser.error("NeMo-Run is not installed: `pip install nemo-run` to submit, or pass --dry-run to print the plan")
+        parser.error('NeMo-Run is not installed: `pip install -e ".[nemo-run]"` to submit, or pass --dry-run to print the plan')
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -111,7 +195,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--executor", choices=("local", "slurm"), default="local")
     parser.add_argument("--ssh-host", type=arguments.partition, default=None, help="submit over SSH to this login node (Slurm)")
     parser.add_argument("--ssh-user", type=arguments.name, default=None)
-    parser.add_argument("--job-dir", default="~/.nemo_run/jobs", help="where NeMo-Run keeps job metadata")
+    parser.add_argument("--job-dir", type=arguments.abs_path, default=None,
+                        help="with --ssh-host: NeMo-Run's job folder on the login node (default ~/.nemo_run/experiments)")
+    parser.add_argument("--base-dir", type=arguments.abs_path, default=None,
+                        help=f"where NeMo-Run writes the experiment (default {DEFAULT_BASE_DIR}, expanded)")
+    parser.add_argument("--retries", type=arguments.count, default=3,
+                        help="Slurm: times NeMo-Run requeues the job after a non-zero exit, a stop checkpoint included (default 3)")
+    add_signal_lead_argument(parser)
     parser.add_argument("--detach", action="store_true", help="return after submitting")
     add_job_arguments(parser)
     try:
@@ -120,10 +210,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _check_cross(parser, ns)
     except SystemExit as exc:
         return int(exc.code or 0)
+    if ns.executor == "local":
+        ns.no_container = True  # this machine's own software, in --workdir or here
+    if ns.no_container and ns.workdir is None:
+        ns.workdir = os.getcwd()  # NeMo-Run starts the task in its own job folder: come back here
     job = checked_job(ns, REPO_ROOT)
     if job is None:
         return 2
-    p = plan(job, ns.executor, ssh_host=ns.ssh_host, ssh_user=ns.ssh_user, job_dir=ns.job_dir)
+    p = plan(job, ns.executor, ssh_host=ns.ssh_host, ssh_user=ns.ssh_user, base_dir=ns.base_dir or DEFAULT_BASE_DIR,
+             job_dir=ns.job_dir, signal_lead=ns.signal_lead, retries=ns.retries)
+    mangled = _rewritten_paths(p)
+    if mangled:
+        print(
+            f"nemo_run_recipe.py: {mangled[0]!r} holds '/nemo_run', which NeMo-Run's Slurm executor without a container "
+            f"rewrites to the job's folder everywhere in its batch and task scripts; use a folder whose path has no "
+            f"'/nemo_run' (see --help)", file=sys.stderr,
+        )
+        return 2
     if ns.dry_run:
         print("# dry run: NeMo-Run would submit")
         print(json.dumps(p, indent=2))
@@ -131,10 +234,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     task, executor = build(p)  # reports a missing NeMo-Run install
     import nemo_run as run
 
-    with run.Experiment(p["name"]) as exp:
+    with run.Experiment(p["name"], base_dir=p["base_dir"]) as exp:
         exp.add(task, executor=executor, name=p["name"])
         exp.run(detach=ns.detach)
-    return 0
+    if ns.detach:
+        return 0
+    return outcome(exp.status(return_dict=True) or {}, p["executor"])
 
 
 if __name__ == "__main__":

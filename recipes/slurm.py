@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes import arguments
-from recipes.job import Job, add_job_arguments, check_job_arguments, checked_job, torchrun_command
+from recipes.job import Job, add_job_arguments, add_signal_lead_argument, check_job_arguments, checked_job, torchrun_command
 
 __all__ = ["render_sbatch", "main"]
 
@@ -132,12 +132,6 @@ def render_sbatch(job: Job, *, signal_lead: int = 300, requeue: bool = True) -> 
 
 def _check_cross(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Rules between arguments and about this machine, before anything is written."""
-    limit = arguments.parse_slurm_time(ns.time)
-    if ns.signal_lead >= limit:
-        parser.error(
-            f"argument --signal-lead: {ns.signal_lead} s is not before the end of --time={ns.time} ({limit} s); "
-            f"lower --signal-lead or raise --time"
-        )
     script_dir = Path(ns.script_dir)
     if any(p.exists() and not p.is_dir() for p in (script_dir, *script_dir.parents)):
         parser.error(f"argument --script-dir: {ns.script_dir!r} is (or is under) a file; name a folder")
@@ -151,10 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     add_job_arguments(parser)
     parser.add_argument("--script-dir", default="logs", help="where the batch script is written before sbatch")
-    parser.add_argument(
-        "--signal-lead", type=arguments.signal_lead, default=300,
-        help="seconds before the time limit at which the run checkpoints and stops (default 300)",
-    )
+    add_signal_lead_argument(parser)
     parser.add_argument("--no-requeue", action="store_true", help="do not requeue the job after a time-limit checkpoint")
     try:
         ns = parser.parse_args(argv)

@@ -11,6 +11,10 @@ It is torchrun (``torch.distributed.run``, same arguments) with two differences:
   when every local worker exited with :data:`~nemo_replay.trainer.preemption.PREEMPTED_EXIT`
   (the run checkpointed and stopped), the launcher exits 75 too, so a scheduler or a
   script can tell "stopped, resume me" from "failed".
+- **SIGUSR1.** Slurm's ``--signal=USR1@<lead>`` (and ``scancel --signal=USR1``) reaches every
+  process of a job step, this launcher included, and USR1's default action ends a process:
+  torchrun would die and its workers be killed with it, mid-checkpoint. Here the launcher
+  ignores USR1 (its workers install their own handler and act on it).
 - **Shutdown timeout.** torchrun kills its workers (SIGKILL) 30 s after passing a SIGTERM
   on (``--shutdown-timeout``, or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``): a step longer than
   that never reaches its stop checkpoint. Unless given, it is :data:`SHUTDOWN_TIMEOUT_S`.
@@ -23,6 +27,7 @@ torchrun's status.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -72,6 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     argv = with_shutdown_timeout(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # for the workers only (see the module doc)
     codes: dict = {}
     _record_worker_statuses(codes)
     try:

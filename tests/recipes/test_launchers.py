@@ -115,39 +115,53 @@ def test_slurm_cpu_job_without_a_container(capsys, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_nemo_run_dry_runs_without_nemo_run(capsys):
+def test_nemo_run_dry_runs_without_nemo_run(capsys, tmp_path, monkeypatch):
     rc = nemo_run_recipe.main([
         "--executor", "slurm", "--nodes", "2", "--gpus-per-node", "8", "--account", "proj", "--partition", "batch",
-        "--container-mounts", "/lustre/repo:/workspace/nemo_replay", "--dry-run", "--", MEGATRON,
+        "--container-mounts", "/lustre/repo:/workspace/nemo_replay", "--signal-lead", "120", "--dry-run", "--", MEGATRON,
     ])
     out = capsys.readouterr().out
     assert rc == 0
     plan = json.loads(out.split("\n", 1)[1])
     ex = plan["executor_args"]
     assert plan["executor"] == "slurm" and plan["world_size"] == 16
-    assert (ex["nodes"], ex["ntasks_per_node"], ex["gpus_per_node"], ex["launcher"]) == (2, 8, 8, "torchrun")
+    assert (ex["nodes"], ex["ntasks_per_node"], ex["gpus_per_node"], ex["packager"]) == (2, 1, 8, "plain")
     assert ex["container_image"].startswith("nvcr.io/nvidia/") and ex["container_mounts"] == ["/lustre/repo:/workspace/nemo_replay"]
-    args = plan["task"].pop("args")
-    assert plan["task"] == {"path": "nemo_replay", "entrypoint": "python", "m": True}
-    assert args[:5] == ["train", MEGATRON, "trainer.devices=8", "trainer.num_nodes=2", "trainer.accelerator=gpu"]
-    assert len(args) == 6 and args[5].startswith("trainer.output_dir=runs/nemo-replay-")
-    argv = _torchrun_argv(plan["per_node_command"])
-    assert "--nnodes=2" in argv and "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" in argv
+    # Preemption through NeMo-Run's own script: USR1 to the step, requeue on a non-zero exit.
+    assert (ex["signal"], ex["retries"], ex["additional_parameters"]) == ("USR1@120", 3, {"requeue": True})
+    assert ex["tunnel"] == {"kind": "local", "job_dir": os.path.join(os.path.expanduser("~/.nemo_run"), "experiments")}
+    script = plan["task"]["inline"].splitlines()
+    assert script[0].startswith('trap "" USR1') and script[1] == "cd /workspace/nemo_replay"
+    assert script[2] == 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+    setup, command = script[4].split(" && ")
+    assert setup == 'pip install --quiet -e ".[all]"'
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "nemo_replay.trainer.torchrun"]
+    assert {"--nnodes=2", "--nproc-per-node=8", "--node-rank=$SLURM_NODEID", "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT",
+            "--shutdown-timeout=120"} <= set(argv)
+    train = argv.index("train")
+    assert argv[train - 2 :] [:2] == ["-m", "nemo_replay"] and argv[train + 1 : train + 5] == [
+        MEGATRON, "trainer.devices=8", "trainer.num_nodes=2", "trainer.accelerator=gpu"]
+    assert argv[-1].startswith("trainer.output_dir=runs/nemo-replay-")
 
-    rc = nemo_run_recipe.main(["--executor", "local", "--gpus-per-node", "2", "--setup", "", "--dry-run"])
+    # Local: this machine, no container, the run in the folder the recipe is run from.
+    monkeypatch.chdir(tmp_path)
+    rc = nemo_run_recipe.main(["--executor", "local", "--gpus-per-node", "0", "--procs-per-node", "2", "--dry-run"])
     plan = json.loads(capsys.readouterr().out.split("\n", 1)[1])
-    assert rc == 0
-    assert plan["executor_args"]["ntasks_per_node"] == 2 and plan["executor_args"]["launcher"] == "torchrun"
-    assert plan["per_node_command"].startswith("python -m nemo_replay.trainer.torchrun --nnodes=1 --nproc-per-node=2 --node-rank=0")
-    assert "--rdzv-endpoint=localhost:29500" in plan["per_node_command"]
+    assert rc == 0 and plan["executor_args"]["ntasks_per_node"] == 1
+    script = plan["task"]["inline"].splitlines()
+    assert script[1] == f"cd {tmp_path}" and "pip install" not in plan["task"]["inline"]
+    assert script[2].startswith("python -m nemo_replay.trainer.torchrun --nnodes=1 --nproc-per-node=2 --node-rank=0")
+    assert "--rdzv-endpoint=localhost:29500" in script[2] and "trainer.accelerator=cpu" in script[2]
     assert "nemo_run" not in sys.modules
+    assert os.listdir(tmp_path) == []
 
 
 def test_nemo_run_errors_name_the_fix():
     with pytest.raises(ValueError, match="--nodes must be 1"):
         nemo_run_recipe.plan(nemo_run_recipe.Job(nodes=2), "local")
     if importlib.util.find_spec("nemo_run") is None:  # submitting needs it; the dry run does not
-        with pytest.raises(ValueError, match="pip install nemo-run"):
+        with pytest.raises(ValueError, match=r"pip install -e \"\.\[nemo-run\]\""):
             nemo_run_recipe.build(nemo_run_recipe.plan(nemo_run_recipe.Job(), "local"))
 
 
@@ -182,7 +196,15 @@ def test_every_bad_argument_is_one_line_exit_2_and_nothing_is_written(launcher, 
             (["--signal-lead", "70000"], "argument --signal-lead: 70000 must be in [1, 65535]"),
         ]
     else:
-        cases += [(["--executor", "local", "--nodes", "2"], "the local executor runs on this machine, so --nodes must be 1")]
+        cases += [
+            (["--executor", "local", "--nodes", "2"], "the local executor runs on this machine, so --nodes must be 1"),
+            (["--executor", "local", "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3"],
+             "the local executor runs on this machine without a container; drop --container-image"),
+            (["--executor", "slurm", "--job-dir", "/x"], "argument --job-dir: it names the folder on the login node of --ssh-host"),
+            (["--executor", "slurm", "--time", "00:04:00"], "argument --signal-lead: 300 s is not before the end of --time"),
+            (["--executor", "slurm", "--gpus-per-node", "0", "--no-container", "--base-dir", "/tmp/nemo_run", "--dry-run"],
+             "'/tmp/nemo_run' holds '/nemo_run', which NeMo-Run's Slurm executor without a container rewrites"),
+        ]
     for argv, expected in cases:
         # Not a dry run: a check that came after writing would leave a script behind.
         assert module.main(argv) == 2, argv
@@ -200,7 +222,7 @@ def test_submitting_without_the_tools_says_what_to_do(tmp_path, capsys, monkeypa
     if importlib.util.find_spec("nemo_run") is None:
         assert nemo_run_recipe.main(["--executor", "slurm", "--nodes", "2"]) == 2
         err = capsys.readouterr().err
-        assert "NeMo-Run is not installed: `pip install nemo-run`" in err and "Traceback" not in err
+        assert 'NeMo-Run is not installed: `pip install -e ".[nemo-run]"`' in err and "Traceback" not in err
     assert os.listdir(tmp_path) == []
 
 

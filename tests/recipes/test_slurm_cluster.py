@@ -23,10 +23,8 @@ workers by ``tests/recipes/cpu_shims_site`` on ``PYTHONPATH``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,27 +34,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.recipes.cluster import ended, job_fields, rows, skip_without_slurm
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cluster_problem() -> str | None:
-    if shutil.which("sbatch") is None:
-        return "Slurm is not installed"
-    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
-    if ping.returncode != 0 or "UP" not in ping.stdout:
-        return f"no Slurm controller answers ({(ping.stdout + ping.stderr).strip()[:200]})"
-    return None
-
-
-_PROBLEM = _cluster_problem()
-pytestmark = [
-    pytest.mark.slurm,
-    pytest.mark.skipif(
-        _PROBLEM is not None,
-        reason=f"needs a running Slurm: {_PROBLEM}; as root: scripts/slurm_cluster.sh install && "
-        f'eval "$(scripts/slurm_cluster.sh start)", then python -m pytest -m slurm',
-    ),
-]
+pytestmark = [pytest.mark.slurm, skip_without_slurm()]
 
 STEPS = 14
 RECIPE = [
@@ -86,17 +69,6 @@ def _submit(cwd: Path, strategy: str, name: str, out: str) -> tuple[str, Path]:
     assert job, done.stdout
     (script,) = (cwd / "logs").glob(f"{name}-*.sbatch")
     return job.group(1), script
-
-
-def _job(job: str) -> dict:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
-    return dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
-
-
-def _ended(job: str):
-    """The job's final state once it left the queue and ran out (COMPLETED, FAILED, ...), else None."""
-    state = _job(job).get("JobState")
-    return None if state in (None, "PENDING", "RUNNING", "COMPLETING", "REQUEUED", "CONFIGURING") else state
 
 
 def _wait(what: str, ok, log: Path, timeout: float = 300):
@@ -132,14 +104,6 @@ def _kill_outright(job: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    for r in rows:
-        r.pop("step_time_s")
-    return rows
 
 
 def _latest_checkpoint(out: Path) -> int:
@@ -188,17 +152,17 @@ def _resumed_after(segment: str) -> int:
 def test_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job_ends(strategy, tmp_path):
     ref_job, _ = _submit(tmp_path, strategy, f"ref-{strategy}", "runs/ref")
     ref_log = tmp_path / "logs" / f"ref-{strategy}-{ref_job}.out"
-    state = _wait("the uninterrupted job to end", lambda: _ended(ref_job), ref_log)
-    assert state == "COMPLETED" and _job(ref_job)["ExitCode"] == "0:0", ref_log.read_text()[-4000:]
+    state = _wait("the uninterrupted job to end", lambda: ended(ref_job), ref_log)
+    assert state == "COMPLETED" and job_fields(ref_job)["ExitCode"] == "0:0", ref_log.read_text()[-4000:]
 
     out = tmp_path / "runs" / "run"
     job, script = _submit(tmp_path, strategy, f"run-{strategy}", "runs/run")
     log = tmp_path / "logs" / f"run-{strategy}-{job}.out"
 
     # 1. USR1 to the batch shell: checkpoint the step in flight, exit 75, requeue, resume after it.
-    _wait("step 1", lambda: len(_rows(out)) >= 2, log)
+    _wait("step 1", lambda: len(rows(out)) >= 2, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
-    _wait("the requeued job to start", lambda: _job(job).get("Restarts") == "1" and _after(log, 1), log)
+    _wait("the requeued job to start", lambda: job_fields(job).get("Restarts") == "1" and _after(log, 1), log)
     first = _after(log, 0)
     assert "nemo-replay: the job step exited 75 (75: it checkpointed and stopped)" in first, first[-4000:]
     stopped = re.search(r"stopped by SIGUSR1 after (\d+) of", first)
@@ -211,25 +175,25 @@ def test_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job_ends(stra
     _wait("a periodic checkpoint after the resume", lambda: _latest_checkpoint(out) > resumed, log)
     periodic = _latest_checkpoint(out)
     subprocess.run(["scontrol", "requeue", job], check=True)
-    _wait("the second start", lambda: _job(job).get("Restarts") == "2" and "resuming" in _after(log, 2), log)
+    _wait("the second start", lambda: job_fields(job).get("Restarts") == "2" and "resuming" in _after(log, 2), log)
     assert _resumed_after(_after(log, 2)) >= periodic
 
     # 3. Killed outright: the same script, submitted again, resumes from the last complete checkpoint.
     resumed = _resumed_after(_after(log, 2))
     _wait("a checkpoint after the second resume", lambda: _latest_checkpoint(out) > resumed, log)
     _kill_outright(job)
-    _wait("the killed job to end", lambda: _ended(job), log)
-    assert "stopped by" not in _after(log, 2) and _job(job)["JobState"] == "FAILED", _after(log, 2)[-4000:]
+    _wait("the killed job to end", lambda: ended(job), log)
+    assert "stopped by" not in _after(log, 2) and job_fields(job)["JobState"] == "FAILED", _after(log, 2)[-4000:]
     kept = _latest_checkpoint(out)
     again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=_env(strategy), capture_output=True, text=True, check=True)
     job2 = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
     log2 = tmp_path / "logs" / f"run-{strategy}-{job2}.out"
-    _wait("the resubmitted job to end", lambda: _ended(job2), log2)
-    assert _job(job2)["JobState"] == "COMPLETED", log2.read_text()[-4000:]
+    _wait("the resubmitted job to end", lambda: ended(job2), log2)
+    assert job_fields(job2)["JobState"] == "COMPLETED", log2.read_text()[-4000:]
     assert _resumed_after(log2.read_text()) == kept
 
     # Where an uninterrupted job ends, bit for bit.
-    assert _rows(out) == _rows(tmp_path / "runs" / "ref")
+    assert rows(out) == rows(tmp_path / "runs" / "ref")
     ref, got = _weights(tmp_path / "runs" / "ref", tmp_path), _weights(out, tmp_path)
     assert ref.keys() == got.keys() and len(ref) > 10
     for key in ref:
