@@ -57,7 +57,7 @@ class SamplingSettings:
         temperature, top_k, top_p, min_p: passed to :func:`nemo_replay.capture.sample`.
         max_new_tokens: tokens sampled per response.
         stop_token_id: a sampled token that ends a response (kept with its row), or None.
-        row_width: columns of fixed-width support rows (>= top_k); None: ``top_k``.
+        row_width: columns of fixed-width support rows (>= top_k); None: ragged rows, each its support.
     """
 
     temperature: float
@@ -214,7 +214,8 @@ def rollout_batch(
         responses: B responses, each (R_i,) int, R_i >= 1.
         logprobs: (sum R_i,), float32, response-major: each token's processed log-prob.
         support: one segment of R_i rows per response (fixed-width or CSR).
-        row_width: fixed-width rows narrower than this are padded with -1 to it.
+        row_width: fixed-width rows narrower than this are padded with -1 to it; None: the
+            batch carries CSR rows (fixed-width ones lose their -1 padding).
         routes: per-trajectory MoE routes of the real tokens, or None.
 
     Right-aligned ``(B, A)`` response coordinates, ``A = max R_i``: token j of trajectory i
@@ -227,8 +228,9 @@ def rollout_batch(
     loss_mask = torch.arange(A, device=device)[None, :] >= (A - resp_len)[:, None]
     rollout_lp = torch.zeros(len(responses), A, dtype=torch.float32, device=device)
     rollout_lp[loss_mask] = logprobs.to(device=device, dtype=torch.float32)  # row-major = response-major
-    if row_width:
-        support = support.widen(row_width)
+    # Rows cost what they hold: CSR unless fixed-width rows were asked for (the scorer pads
+    # them on the device, to the width they were captured at: docs/design.md §4).
+    support = support.widen(row_width) if row_width else RaggedSupport.of(support)
     full = [torch.cat([p.to(device=device, dtype=torch.int64), r.to(device=device, dtype=torch.int64)]) for p, r in zip(prompts, responses)]
     sequences, attention_mask = left_pad(full, pad_id, device)
     batch = ReplayBatch(

@@ -101,7 +101,7 @@ def sampling_settings(cfg: RecipeConfig) -> SamplingSettings:
     return SamplingSettings(
         temperature=float(g.temperature), top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
         max_new_tokens=g.max_new_tokens, stop_token_id=g.stop_token_id,
-        row_width=cap.top_k if g.top_k is not None else None,
+        row_width=cap.top_k,
     )
 
 

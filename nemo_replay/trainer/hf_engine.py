@@ -95,7 +95,7 @@ class HFEngine:
             policy: the trainer's model (weights to sync).
             prompts: B prompts, each (P_i,) int, P_i >= 1.
             seed: seeds ``generate``'s draws (a forked RNG).
-            row_width: fixed support width (``replay.sample_support.top_k``); None: ``top_k``.
+            row_width: fixed support width (``replay.sample_support.top_k``); None: ragged rows.
 
         Returns:
             a :class:`~nemo_replay.trainer.generation.Rollout` on the engine's device; a

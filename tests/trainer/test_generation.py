@@ -54,11 +54,15 @@ def test_replay_reproduces_sampler_logprobs(model, top_k, top_p, stop, width):
     settings = SamplingSettings(1.3, top_k, top_p, 0.0, 5, stop, width)
     ro = generate(lambda s, m: _logits(model, s, m)[:, -1], task.prompts(16, g), settings, generator=g)
     b = ro.batch
-    # Rows: one per response token, in the sampler's form and width.
+    # Rows: one per response token, CSR (each row its support, no padding) unless a width is asked for.
     assert b.support.lengths.tolist() == b.response_lengths.tolist()
-    assert isinstance(b.support, RaggedSupport if top_k is None else PackedTensor)
-    if top_k is not None:
-        assert b.support.values.shape[1] == (width or top_k)
+    assert isinstance(b.support, RaggedSupport if width is None else PackedTensor)
+    if width is not None:
+        assert b.support.values.shape[1] == width
+    else:
+        assert bool((b.support.member_ids >= 0).all()) and int(b.support.row_lengths.min()) >= 1
+        if top_k is not None:
+            assert int(b.support.row_lengths.max()) <= top_k
     # The sampler checked its rows; padding them to the run's width keeps that record.
     assert checked(b.support) is not None
     if stop is not None:
@@ -79,6 +83,11 @@ def test_replay_reproduces_sampler_logprobs(model, top_k, top_p, stop, width):
     assert torch.equal(sc.valid_mask[:, -A:], mask)
     diff = (sc.logprobs[:, -A:] - b.rollout_logprobs)[mask].abs()
     assert diff.max() < 1e-5
+    if width is None and top_k is not None:
+        # The CSR rows score bit for bit as the sampler's fixed-width rows they came from.
+        padded = score_aligned_support(logits, ch.sampled_ids, ch.row_ids, ch.loss_mask, b.support.to_padded(top_k),
+                                       temperature=1.3, trajectory_ids=ch.trajectory_ids)
+        assert torch.equal(padded.logprobs, sc.logprobs) and torch.equal(padded.valid_mask, sc.valid_mask)
     # Without replay the same tokens score differently: the truncation is real here.
     full = torch.log_softmax(logits.double() / 1.3, -1).gather(-1, ch.sampled_ids[..., None])[..., 0][:, -A:]
     assert (full - b.rollout_logprobs.double())[mask].abs().max() > 1e-2

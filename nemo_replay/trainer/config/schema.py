@@ -41,9 +41,11 @@ class SampleSupportConfig:
     """Keep the support row of every sampled token with the rollout batch. Replay needs it;
     with ``replay.enabled: false`` the rows are dropped either way."""
     top_k: Optional[int] = None
-    """Width of the fixed-width support rows; null follows ``generation.top_k``. Must be
-    >= ``generation.top_k`` (extra columns are -1 padding). With ``generation.top_k: null``
-    leave it null: rows are then ragged (CSR) and hold the whole top-p / min-p set."""
+    """null (default): ragged (CSR) rows, each as long as the support it records (under
+    ``top_k: 64, top_p: 0.95`` most rows hold a few ids), padded to a fixed width only on
+    the device where the scorer wants one. A number: fixed-width rows of that width, -1
+    padded, carried through the batch; it must be >= ``generation.top_k`` and needs
+    ``generation.top_k`` set."""
 
 
 @dataclass
