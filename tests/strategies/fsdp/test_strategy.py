@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ from nemo_replay import get_strategy
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.strategies.fsdp import FSDPStrategy
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
 from tests.strategies.fsdp.fixtures import (
     BATCH_A,
     BATCH_B,
@@ -93,6 +97,32 @@ def test_roles_match_reference_hidden_equals_logits(model, reference_model, remo
     for name in got["logits"][1]:
         torch.testing.assert_close(got["logits"][1][name], got["hidden"][1][name], **TOL)
     assert got["logits"][1]["lm_head.weight"].abs().max() > 0
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_csr_rows_score_and_train_bit_for_bit_as_the_fixed_width_rows(model, reference_model, source):
+    """Rows that cost what they hold change no number: every output and gradient is the fixed-width run's."""
+    fixed = _batches(reference_model)
+    assert all(isinstance(b.support, PackedTensor) for b in fixed)
+    csr = [dataclasses.replace(b, support=RaggedSupport.of(b.support)) for b in fixed]
+    strategy = FSDPStrategy()
+    settings = RoleSettings(temperature=TEMPERATURE, source=source, compute_entropy=True,
+                            compute_support_mass=source == "logits")
+    runs = []
+    for batches in (fixed, csr):
+        outs = strategy.run_role("recompute", model, batches, settings)
+        model.zero_grad(set_to_none=True)
+        policy = strategy.run_role("policy", model, batches, settings, loss_fn=OBJECTIVE)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        runs.append((outs + policy, grads))
+    (outs_a, grads_a), (outs_b, grads_b) = runs
+    for a, b in zip(outs_a, outs_b):
+        for key in ("logprobs", "valid_mask", "fallback_mask", "entropy", "support_logmass", "loss"):
+            x, y = getattr(a, key), getattr(b, key)
+            assert (x is None and y is None) or torch.equal(x, y), key
+    for name, g in grads_a.items():
+        assert torch.equal(g, grads_b[name]), name
 
 
 def test_replay_off_and_full_vocab_reference(model, reference_model):

@@ -22,6 +22,8 @@ The tests below assert on what the ranks return.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,6 +31,7 @@ from nemo_replay.batch import ReplayBatch
 from nemo_replay.objectives import SequenceRatioObjective, TokenRatioObjective, clipped_policy_loss
 from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
 from tests.strategies.megatron.batches import (
     TEMPERATURE,
     make_batch,
@@ -82,6 +85,9 @@ def _phase_tp1(out):
     strategy = get_strategy("megatron").factory()
     stats = RoleSettings(temperature=TEMPERATURE, compute_entropy=True, compute_support_mass=True)
     out["tp1_recompute"] = _outputs(strategy.run_role("recompute", model, batches, stats), batches)
+    # The same rows in CSR form (the synthetic EOS's all -1 row becomes an empty one).
+    csr = [dataclasses.replace(b, support=RaggedSupport.of(b.support)) for b in batches]
+    out["tp1_recompute_csr"] = _outputs(strategy.run_role("recompute", model, csr, stats), csr)
     out["tp1_reference_full"] = _outputs(
         strategy.run_role("reference", model, batches, RoleSettings(temperature=TEMPERATURE, reference_full_vocab=True)), batches
     )
@@ -96,6 +102,10 @@ def _phase_tp1(out):
     _zero_grads(model)
     out["tp1_policy"] = _outputs(strategy.run_role("policy", model, policy_batches, POLICY, loss_fn=OBJECTIVE), policy_batches)
     out["tp1_grads"] = H.full_grads(model, 1, None)
+    _zero_grads(model)
+    csr_policy = [dataclasses.replace(b, support=RaggedSupport.of(b.support)) for b in policy_batches]
+    out["tp1_policy_csr"] = _outputs(strategy.run_role("policy", model, csr_policy, POLICY, loss_fn=OBJECTIVE), csr_policy)
+    out["tp1_grads_csr"] = H.full_grads(model, 1, None)
     # Autograd reference of the same objective: plain forwards, float64 scoring, 1/num_microbatches.
     _zero_grads(model)
     for b in policy_batches:
@@ -401,6 +411,21 @@ def test_recompute_reproduces_the_sampler_and_the_float64_reference(ranks):
     _close(eos["logprobs"][0, -1], r["naive_full"][0][0, -1], atol=1e-5)
     assert all(o["entropy"] is not None and (o["entropy"] >= 0).all() for o in r["tp1_recompute"])
     assert all((o["support_logmass"] <= 0).all() for o in r["tp1_recompute"])
+
+
+def test_csr_rows_score_and_train_bit_for_bit_as_the_fixed_width_rows(ranks):
+    """Rows that cost what they hold change no number: recompute and policy (log-probs, every
+    output channel, every gradient) on CSR rows equal the fixed-width run's exactly."""
+    r = ranks[0]
+    for fixed, csr in ((r["tp1_recompute"], r["tp1_recompute_csr"]), (r["tp1_policy"], r["tp1_policy_csr"])):
+        for a, b in zip(fixed, csr):
+            assert a.keys() == b.keys()
+            for key in a:
+                same = torch.equal(a[key], b[key]) if torch.is_tensor(a[key]) else a[key] == b[key]
+                assert same, (key, a[key], b[key])
+    assert r["tp1_grads"].keys() == r["tp1_grads_csr"].keys()
+    for name, grad in r["tp1_grads"].items():
+        assert torch.equal(grad, r["tp1_grads_csr"][name]), name
 
 
 def test_full_vocabulary_paths_match_the_reference(ranks):
