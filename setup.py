@@ -30,6 +30,18 @@ EXTRAS["verl"] = ["verl==0.9.1", "cachetools>=5", "fastapi>=0.100", "uvicorn>=0.
 # leptonai 0.47 no longer has (nemo_run/core/execution/lepton.py:30); 0.27.3 has it. Not in "all":
 # it pins urllib3 < 2 and an older httpx and pulls Ray, so it gets its own environment (.ci/run).
 EXTRAS["nemo-run"] = ["nemo-run==0.11.1", "leptonai==0.27.3"]
+# NeMo-RL integration (nemo_replay.integrations.nemo_rl) against NeMo-RL's source tree at 7ea279a, which is not
+# a package on an index: NEMO_RL_SRC names it. What its driver-side modules import (grpo.py, rollouts.py,
+# batched_data_dict.py, the vLLM worker module without vLLM, utils/config.py, utils/logger.py), at NeMo-RL's own
+# bounds (its pyproject.toml); mlflow-skinny is the module NeMo-RL's logger imports, without mlflow's server.
+# Not in "all": NeMo-RL caps transformers below 5.9 (the resolver would downgrade every other extra's
+# transformers); it gets its own environment (scripts/nemo_rl_env.sh).
+EXTRAS["nemo-rl"] = [
+    "ray[default]>=2.55.1", "hydra-core", "omegaconf", "torchdata", "tensordict", "datasets>=4.0.0",
+    "transformers>=5.5.0,<5.9.0", "pillow>=12.3.0", "pyzmq", "nvidia-ml-py", "fastapi", "uvicorn",
+    "mlflow-skinny>=3.13.0", "swanlab", "wandb>=0.28.0", "tensorboard", "matplotlib", "scipy",
+    "soundfile>=0.13.1",
+]
 
 setup(
     name="nemo_replay",

@@ -50,6 +50,14 @@ __all__ = ["SUPPORT_PAD", "with_support_pad", "backfill_support", "carry_support
 SUPPORT_PAD = -1
 
 _WRAPPED = "__nemo_replay_wraps__"
+_PATCH_HINT = "python -m nemo_replay.integrations.nemo_rl.patch apply NEMO_RL_DIR"
+#: Why a generated message has no rows, when nothing more is known.
+_UNKNOWN_CAUSE = (
+    f"the rollout code did not slice the vLLM worker's rows into it (the patch: {_PATCH_HINT}), or the generation "
+    f"worker is not replay's (launch with python -m nemo_replay.integrations.nemo_rl.run_grpo)"
+)
+#: The keys every result of a vLLM generate call carries (NeMo-RL's GenerationOutputSpec, vllm_generation.py:681-686).
+_GENERATION_KEYS = ("output_ids", "generation_lengths", "logprobs")
 
 
 def with_support_pad(pad_value_dict: Optional[dict] = None, *, key: str = SUPPORT_KEY) -> dict:
@@ -80,7 +88,7 @@ def _rows_of(message: dict, key: str, where: str) -> torch.Tensor:
     return rows
 
 
-def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY, worker: Optional[str] = None) -> int:
+def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY, cause: Optional[str] = None) -> int:
     """Give every message support rows and take flagged tokens out of the loss, in place.
 
     Runs after NeMo-RL's ``add_grpo_token_loss_masks_and_generation_logprobs``, which set
@@ -94,7 +102,9 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
         message_logs: NeMo-RL's batch of message logs; each message a dict with
             ``token_ids (n,)`` and ``token_loss_mask (n,)``, generated ones also
             ``key (n, k)`` int.
-        worker: the generation worker of the replay run (named when a generated message has no rows).
+        cause: why a generated message has no rows, as the caller knows it (the wrapped data
+            path says what the replay run's generate calls returned, :func:`_missing_rows_cause`);
+            default: the two places rows can be lost.
 
     Returns:
         How many generated tokens left the loss.
@@ -114,14 +124,9 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
             tokens, mask = message["token_ids"], message["token_loss_mask"]
             if key not in message:
                 if bool(mask.any()):
-                    cause = (f"this replay run's generation worker ({worker}) returned no rows for it, or the rollout "
-                             f"code did not slice them in" if worker else
-                             "the rollout code did not slice the vLLM worker's rows into it, or the generation worker "
-                             "is not replay's (launch with python -m nemo_replay.integrations.nemo_rl.run_grpo)")
                     raise ValueError(
                         f"trajectory {i}, message {j} ({message.get('role')!r}, {tokens.shape[0]} tokens) was generated "
-                        f"but carries no {key}: {cause} (the patch: python -m nemo_replay.integrations.nemo_rl.patch "
-                        f"apply NEMO_RL_DIR)"
+                        f"but carries no {key}: {cause or _UNKNOWN_CAUSE}"
                     )
                 if width:
                     message[key] = padding_rows(tokens.shape[0], width).to(tokens.device)
@@ -177,24 +182,66 @@ class DataPath:
 
 
 class _Run:
-    """Whether this process is running replay (:func:`replay_run`), and its generation worker."""
+    """Whether this process is running replay (:func:`replay_run`), its generation worker, and what
+    the run's last generate call returned: (how many data-parallel ranks answered, the ranks whose
+    results carried no rows), None before the first."""
 
     active = False
     worker: Optional[str] = None
+    last_generation: Optional[tuple[int, list[int]]] = None
 
 
 @contextlib.contextmanager
 def replay_run(worker: Optional[str] = None):
-    """Inside, the wrapped data path insists on rows (a generated message without them is an
-    error naming ``worker``). Outside -- a run that did not ask for replay, NeMo-RL's own
-    tests -- a batch that carries no rows passes through untouched; one that carries some is
-    still checked and padded."""
-    before = (_Run.active, _Run.worker)
-    _Run.active, _Run.worker = True, worker
+    """Inside, the wrapped data path insists on rows: a generate call some of whose data-parallel
+    ranks returned none is an error naming those ranks, and a generated message without rows is an
+    error saying which ranks of the last generate call returned none, or that they all returned rows
+    and the rollout code lost them. Outside -- a run that did not ask for replay, NeMo-RL's own
+    tests -- a batch that carries no rows passes through untouched; one that carries some is still
+    checked and padded."""
+    before = (_Run.active, _Run.worker, _Run.last_generation)
+    _Run.active, _Run.worker, _Run.last_generation = True, worker, None
     try:
         yield
     finally:
-        _Run.active, _Run.worker = before
+        _Run.active, _Run.worker, _Run.last_generation = before
+
+
+def _note_generation(batches: Sequence[Any], key: str) -> None:
+    """Inside a replay run: note a join of generate results in ``_Run.last_generation``.
+
+    ``VllmGeneration.generate`` joins one result a data-parallel rank (vllm_generation.py:676-678).
+    When some ranks' results carry ``key`` and others' do not, the join is refused here naming
+    those ranks (NeMo-RL's own check says only that a key is missing from some batches). Empty
+    results (a rank given no prompts) are never counted as missing rows.
+    """
+    if not batches or not all(all(k in b for k in _GENERATION_KEYS) for b in batches):
+        return
+    without = [rank for rank, b in enumerate(batches) if key not in b and len(b["output_ids"])]
+    carrying = [rank for rank, b in enumerate(batches) if key in b]
+    _Run.last_generation = (len(batches), without)
+    if without and carrying:
+        ours = f"this replay run's ({_Run.worker})" if _Run.worker else "replay's"
+        raise ValueError(
+            f"the vLLM workers of data-parallel ranks {without} (of {len(batches)}) returned no {key} while ranks "
+            f"{carrying} did: the worker of ranks {without} is not {ours}; every rank's generation worker must be "
+            f"replay's (the launcher swaps it in through vllm_generation.resolve_generation_worker_cls)"
+        )
+
+
+def _missing_rows_cause() -> str:
+    """Inside a replay run: why a generated message has no rows, from what the last generate call returned."""
+    ours = f"this replay run's generation worker ({_Run.worker})" if _Run.worker else "replay's generation worker"
+    if _Run.last_generation is None:
+        return f"{ours} returned no rows for it, or the rollout code did not slice them in (the patch: {_PATCH_HINT})"
+    num_ranks, without = _Run.last_generation
+    if without:
+        return (f"the last generate call's vLLM workers returned no rows (data-parallel ranks {without} of "
+                f"{num_ranks}): the worker that answered there is not {ours}, or the call was greedy (greedy calls "
+                f"record none)")
+    return (f"the last generate call's vLLM workers all returned rows ({num_ranks} data-parallel ranks), so the "
+            f"rollout code that built this message did not slice them in (the patch slices them in generate_responses, "
+            f"generate_responses_async and AsyncRolloutImpl._generate_response: {_PATCH_HINT})")
 
 
 def _mark(wrapper, original):
@@ -240,6 +287,8 @@ def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: 
         from_batches = cls.from_batches.__func__
 
         def padded_from_batches(cls_, batches, pad_value_dict=None, **kwargs):
+            if _Run.active:
+                _note_generation(batches, key)
             return from_batches(cls_, batches, with_support_pad(pad_value_dict, key=key), **kwargs)
 
         done.originals.append((cls, "from_batches", cls.__dict__["from_batches"]))
@@ -262,7 +311,7 @@ def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: 
         def masks_and_support(message_logs, *args, **kwargs):
             out = add_masks(message_logs, *args, **kwargs)
             if _Run.active or any(key in m for log in message_logs for m in log):
-                backfill_support(message_logs, key=key, worker=_Run.worker)
+                backfill_support(message_logs, key=key, cause=_missing_rows_cause() if _Run.active else None)
             return out
 
         done.originals.append((grpo, "add_grpo_token_loss_masks_and_generation_logprobs", add_masks))

@@ -13,7 +13,8 @@ for field, tests/rollout/engines/engine_outputs.py), the tokenizer's ``batch_dec
 4. ``add_grpo_token_loss_masks_and_generation_logprobs`` and
    ``batched_message_log_to_flat_message`` as ``grpo_train`` calls them (grpo.py:3150-3162),
    ``_build_async_grpo_train_data`` (grpo.py:2130-2146) and the ``logprob_data`` dict of
-   grpo.py:3218-3235;
+   grpo.py:3218-3235; all inside a replay run, as the launcher runs them, where a generated
+   message whose rows were lost names the rollout code (both ranks returned rows);
 5. ``replay_prepare_fn`` with NeMo-RL's ``LossInputType``: the sampler's log-probs back;
 6. the launcher's entry points (``run_grpo.NemoRL.load``) resolve in NeMo-RL, and replay's vLLM
    worker is a Ray actor with the options NeMo-RL gives its own.
@@ -21,34 +22,17 @@ for field, tests/rollout/engines/engine_outputs.py), the tokenizer's ``batch_dec
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from types import SimpleNamespace
 
 import torch
 
-
-def _cpu_shims() -> None:
-    """What this CPU test process stands in for, before NeMo-RL is imported (tests only):
-
-    - below Python 3.12 pydantic refuses ``typing.TypedDict`` fields, which NeMo-RL's
-      ``MasterConfig`` (grpo.py:357) has; NeMo-RL targets 3.13, where they are
-      ``typing_extensions``' own, so they are that here;
-    - a CPU build of torch has no NVTX, which wraps the vLLM worker's ``generate``
-      (nemo_rl/utils/nsys.py:118): its range markers become no-ops.
-    """
-    if sys.version_info < (3, 12):
-        import typing
-
-        import typing_extensions
-
-        typing.TypedDict = typing_extensions.TypedDict
-    if not torch.cuda.is_available():
-        torch.cuda.nvtx.range_push = lambda msg: 0
-        torch.cuda.nvtx.range_pop = lambda: 0
+from tests.integrations.nemo_rl.pytest_plugins.nemo_rl_cpu_shims import install_cpu_shims
 
 
 def main() -> None:
-    _cpu_shims()
+    install_cpu_shims()
     from nemo_rl.algorithms import grpo
     from nemo_rl.algorithms.loss.interfaces import LossInputType
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -56,15 +40,23 @@ def main() -> None:
     from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
 
     from nemo_replay.integrations.nemo_rl import install_data_path, replay_prepare_fn
-    from nemo_replay.integrations.nemo_rl.workers import ReplayVllmMixin
+    from nemo_replay.integrations.nemo_rl.datapath import replay_run
+    from nemo_replay.integrations.nemo_rl.workers import ReplayVllmMixin, worker_fqn
+    from nemo_replay.rollout.engines.vllm import vllm_row_width
     from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
     from tests.rollout.engines.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
 
     assert rollouts.__file__.startswith(sys.argv[1]), f"nemo_rl came from {rollouts.__file__}, not the patched copy"
     installed = install_data_path()
     assert len(installed.wrapped) == 4, installed
+    # The data path runs as the launcher runs it: inside a replay run (run_grpo.main).
+    run = contextlib.ExitStack()
+    run.enter_context(replay_run(worker=worker_fqn("ReplayVllmGenerationWorker")))
 
     top_k, vocab, pad = 6, 64, 0
+    # The engine allows 2 top_k log-probs: each request asks width + 1 of them, rows are width wide.
+    max_logprobs = 2 * top_k
+    width = vllm_row_width(top_k, max_logprobs)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (3, 5, 4, 2)]
     gen_lengths = [4, 2, 5, 7]  # the shards' widths differ: 5 + 4 and 4 + 7
@@ -82,17 +74,19 @@ def main() -> None:
             self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, get_vocab_size=lambda: vocab))
 
         def generate(self, prompts_in, params, use_tqdm=True):
-            assert params.logprobs == top_k + 1, params.__dict__
+            assert params.logprobs == width + 1, params.__dict__
             out = []
             for i in self.rows:
                 p, n = prompts[i], gen_lengths[i]
                 steps = vllm_steps(logits[i, len(p) - 1 : len(p) - 1 + n], TEMPERATURE, top_k=top_k, top_p=0.9,
-                                   num_logprobs=top_k + 1, seed=i)
-                out.append(RequestOutput(str(i), None, p.tolist(), None, [vllm_offline_output(steps, top_k + 1)], True))
+                                   num_logprobs=params.logprobs, seed=i)
+                out.append(RequestOutput(str(i), None, p.tolist(), None, [vllm_offline_output(steps, params.logprobs)],
+                                         True))
             return out
 
     cfg = {"top_k": top_k, "top_p": 0.9, "temperature": TEMPERATURE, "max_new_tokens": 8, "stop_token_ids": None,
-           "stop_strings": None, "_pad_token_id": pad, "vllm_cfg": {"use_tqdm": False}, "vllm_kwargs": {}}
+           "stop_strings": None, "_pad_token_id": pad, "vllm_cfg": {"use_tqdm": False},
+           "vllm_kwargs": {"max_logprobs": max_logprobs}}
     worker_cls = type("ReplayWorker", (ReplayVllmMixin, VllmGenerationWorkerImpl), {})
 
     def shard(rows):
@@ -111,7 +105,7 @@ def main() -> None:
 
     joined = Generation().generate(None)
     rows = joined["generation_support"]
-    assert rows.dtype == torch.int32 and rows.shape == (4, 4 + 7, top_k), rows.shape
+    assert rows.dtype == torch.int32 and rows.shape == (4, 4 + 7, width), rows.shape
     assert (rows[:2, 9:] == -1).all(), "from_batches padded the narrower shard's rows with another value"
 
     batch = BatchedDataDict({"message_log": [[{"role": "user", "content": "", "token_ids": p}] for p in prompts]})
@@ -120,9 +114,17 @@ def main() -> None:
     batch, _, _ = rollouts.generate_responses(Generation(), BatchedDataDict({}), batch, tokenizer, input_lengths)
     for i, log in enumerate(batch["message_log"]):
         reply = log[-1]
-        assert reply["generation_support"].shape == (gen_lengths[i], top_k)
+        assert reply["generation_support"].shape == (gen_lengths[i], width)
         assert (reply["generation_support"] == reply["token_ids"][:, None]).any(1).all()
 
+    lost = [[dict(m) for m in log] for log in batch["message_log"]]
+    del lost[2][-1]["generation_support"]
+    try:  # both ranks of the last generate call returned rows: the cause named is the rollout code
+        grpo.add_grpo_token_loss_masks_and_generation_logprobs(lost)
+    except ValueError as exc:
+        assert "all returned rows (2 data-parallel ranks), so the rollout code" in str(exc), exc
+    else:
+        raise AssertionError("a generated message without rows passed a replay run")
     grpo.add_grpo_token_loss_masks_and_generation_logprobs(batch["message_log"])
     flat, lengths = grpo.batched_message_log_to_flat_message(
         batch["message_log"], pad_value_dict={"token_ids": pad}, make_sequence_length_divisible_by=8,
@@ -136,7 +138,7 @@ def main() -> None:
     })
     grpo._preserve_router_replay_routed_experts(logprob_data, flat, policy_config)
     W = train_data["input_ids"].shape[1]
-    assert W == 16 and train_data["generation_support"].shape == (4, W, top_k)
+    assert W == 16 and train_data["generation_support"].shape == (4, W, width)
     assert logprob_data["generation_support"] is flat["generation_support"]
     assert (train_data["generation_support"][0, 7:] == -1).all(), "flattening padded the rows with another value"
 
@@ -147,6 +149,7 @@ def main() -> None:
     assert int(mask.sum()) == sum(gen_lengths)
     err = (out["next_token_logprobs"][mask] - train_data["generation_logprobs"][:, 1:][mask]).abs().max()
     assert float(err) < 1e-5, float(err)
+    run.close()
     # The launcher's NeMo-RL entry points resolve, and replay's vLLM worker is a Ray actor with NeMo-RL's options.
     from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorker
 

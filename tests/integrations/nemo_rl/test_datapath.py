@@ -545,6 +545,53 @@ def _without_one_row():
     return logs
 
 
+def _rank_result(num_prompts, rows=True):
+    """One data-parallel rank's generate result: the keys VllmGeneration.generate requires (vllm_generation.py:681)."""
+    out = {"output_ids": torch.zeros(num_prompts, 4, dtype=torch.int64), "generation_lengths": torch.ones(num_prompts),
+           "unpadded_sequence_lengths": torch.ones(num_prompts), "logprobs": torch.zeros(num_prompts, 4)}
+    if rows:
+        out["generation_support"] = torch.full((num_prompts, 4, K), -1, dtype=torch.int32)
+    return out
+
+
+def test_a_missing_rows_error_names_the_ranks_that_returned_none_or_the_rollout_code(tmp_path):
+    """A generated message without rows said only that the run's worker returned none *or* the rollout
+    code lost them. Inside a replay run the data path now notes which data-parallel ranks of each
+    generate call returned rows: a call where some did and some did not is refused naming them, and a
+    message without rows names the ranks of the last call that returned none, or says that all
+    returned rows and the rollout code did not slice them in. Outside a run nothing is noted."""
+    from nemo_replay.integrations.nemo_rl.datapath import replay_run
+
+    grpo, bdd, rollouts = _stand_ins(tmp_path)
+    done = install_data_path(grpo=grpo, batched_data_dict=bdd, rollouts=rollouts)
+    worker = "nemo_replay.integrations.nemo_rl.workers.ReplayVllmGenerationWorker"
+    join, add_masks = bdd.BatchedDataDict.from_batches, grpo.add_grpo_token_loss_masks_and_generation_logprobs
+    join([_rank_result(2), _rank_result(2, rows=False)])  # outside a run: NeMo-RL's from_batches decides
+    assert len(bdd.calls) == 1
+    with replay_run(worker=worker):
+        with pytest.raises(ValueError, match=r"the vLLM workers of data-parallel ranks \[1, 2\] \(of 3\) returned no "
+                                             r"generation_support while ranks \[0\] did: the worker of ranks \[1, 2\] "
+                                             r"is not this replay run's \(nemo_replay.*ReplayVllmGenerationWorker\)"):
+            join([_rank_result(2), _rank_result(1, rows=False), _rank_result(3, rows=False)])
+        join([_rank_result(2), _rank_result(0, rows=False)])  # a rank given no prompts returned nothing to miss
+        join([_rank_result(2, rows=False), _rank_result(2, rows=False)])
+        join([{"input_ids": torch.zeros(2, 3)}])  # not a generate call: the last one still stands
+        with pytest.raises(ValueError, match=r"trajectory 1, message 2 .* carries no generation_support: the last "
+                                             r"generate call's vLLM workers returned no rows \(data-parallel ranks "
+                                             r"\[0, 1\] of 2\): the worker that answered there is not this replay "
+                                             r"run's generation worker \(nemo_replay.*ReplayVllmGenerationWorker\)"):
+            add_masks(_without_one_row())
+        join([_rank_result(2), _rank_result(2)])
+        with pytest.raises(ValueError, match=r"carries no generation_support: the last generate call's vLLM workers "
+                                             r"all returned rows \(2 data-parallel ranks\), so the rollout code that "
+                                             r"built this message did not slice them in .*patch apply NEMO_RL_DIR"):
+            add_masks(_without_one_row())
+    with pytest.raises(ValueError, match=r"carries no generation_support: the rollout code did not slice the vLLM "
+                                         r"worker's rows into it .*, or the generation worker is not replay's"):
+        add_masks(_without_one_row())  # outside the run: rows in the batch are checked, the run's calls forgotten
+    done.remove()
+
+
 def test_the_vllm_worker_takes_the_sampling_mask_where_the_engine_returns_it():
     """An engine started with ``return_sampling_mask`` (vLLM >= 0.33, Model Runner V2) returns each
     token's exact support: the request keeps NeMo-RL's ``logprobs=0`` and the rows come from the

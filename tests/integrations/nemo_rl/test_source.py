@@ -2,10 +2,12 @@
 
 Runs when ``NEMO_RL_SRC`` names a NeMo-RL checkout at commit 7ea279a (``git clone
 https://github.com/NVIDIA-NeMo/RL && git -C RL checkout 7ea279a``); ``NEMO_RL_PYTHON`` names
-a Python that imports NeMo-RL's data-path modules (default: this one; NeMo-RL's ``grpo.py``
-needs Python >= 3.12 for its pydantic models). ``PYTHONPATH`` entries are kept after the
-patched copy and this repository. The tree itself is never modified: its ``nemo_rl`` package
-is copied and patched with the package's command.
+a Python that imports NeMo-RL's data-path modules (default: this one): the environment
+scripts/nemo_rl_env.sh builds (Ray, Hydra and the rest of NeMo-RL's driver packages; on Python
+3.11 the check stands typing_extensions' TypedDict in for pydantic, pytest_plugins/
+nemo_rl_cpu_shims.py). ``PYTHONPATH`` entries are kept after the patched copy and this
+repository. The tree itself is never modified: its ``nemo_rl`` package is copied and patched
+with the package's command.
 """
 
 from __future__ import annotations
