@@ -135,7 +135,7 @@ def records_from_vllm(
     vocab_size: Optional[int],
     sampling_params: dict,
 ) -> list[CompletionRecord]:
-    """Records from what TRL's ``VLLMGeneration.generate`` returns with ``logprobs = top_k + 1``.
+    """Records from what TRL's ``VLLMGeneration.generate`` returns with ``logprobs >= top_k + 1``.
 
     Args:
         completions: B lists of generated token ids.
@@ -159,7 +159,7 @@ def records_from_vllm(
         )
     if token_ids is None or logprobs is None:
         raise ValueError(
-            "ReplayGRPOTrainer (vLLM): the generation returned no log-probs; the trainer requests logprobs=top_k + 1 "
+            "ReplayGRPOTrainer (vLLM): the generation returned no log-probs; the trainer requests logprobs >= top_k + 1 "
             "from vLLM -- is the server started by `trl vllm-serve` with --logprobs-mode processed_logprobs?"
         )
     records = []

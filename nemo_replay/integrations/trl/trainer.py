@@ -9,7 +9,8 @@ nothing else:
 - ``_generate_single_turn``: records each token's support while TRL's own code samples --
   around ``model.generate`` with the capture hooks of :mod:`nemo_replay.rollout.capture.hf` (after
   the temperature / top-k / top-p / min-p warpers), or from vLLM's processed log-probs
-  (``logprobs = top_k + 1``) through the vLLM adapter. It returns the processed log-prob of
+  (``logprobs = top_k + 17`` within the engine's ``max_logprobs``, so a support tied at the
+  k-th value shows whole) through the vLLM adapter. It returns the processed log-prob of
   every sampled token, which TRL keeps as ``sampling_per_token_logps``.
 - ``_generate_and_score_completions``: puts one record per completion into the batch dict
   (``replay_records``), where TRL's shuffle and split carry it with its row.
@@ -57,6 +58,7 @@ from nemo_replay.integrations.trl.records import (
 from nemo_replay.integrations.trl.settings import ReplaySettings, as_settings
 from nemo_replay.rollout.capture.sampler import check_capture_settings
 from nemo_replay.rollout.capture.hf import SupportRecorder, check_generation_config, record_support
+from nemo_replay.rollout.engines.vllm import VLLM_TIE_MARGIN, vllm_row_width
 from nemo_replay.scoring.scorer import score_aligned_support
 from nemo_replay.strategies.fsdp.head import hidden_mode_problems
 
@@ -109,6 +111,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self._replay_measure = False
         self._replay_full_entropy: Optional[list] = None  # policy-pass full-vocabulary entropies (logits mode)
         self._replay_sampling: Optional[dict] = None  # effective temperature / top_k / top_p / min_p (_effective_sampling)
+        self._replay_max_logprobs = _VLLM_MAX_LOGPROBS  # the engine's cap; a server reports its own (_vllm_problems)
         self._replay_stats = {"train": torch.zeros(len(_STATS), dtype=torch.float64), "eval": torch.zeros(len(_STATS), dtype=torch.float64)}
         if not settings.enabled:
             return
@@ -116,7 +119,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if problems:
             raise ValueError("ReplayGRPOTrainer cannot replay this setup:\n  - " + "\n  - ".join(problems))
         if self.use_vllm:
-            self.vllm_generation.logprobs = settings.vllm_logprobs or self._replay_sampling["top_k"] + 1
+            self.vllm_generation.logprobs = self._vllm_logprobs(self._replay_sampling["top_k"])
 
     # ------------------------------------------------------------------ checks
     def _replay_problems(self) -> list[str]:
@@ -195,19 +198,37 @@ class ReplayGRPOTrainer(GRPOTrainer):
             )
         return sampling, problems
 
+    def _vllm_logprobs(self, top_k: int) -> int:
+        """Log-probs each request asks vLLM for: ``ReplaySettings(vllm_logprobs=...)``, else the tie-margin
+        width of :func:`~nemo_replay.rollout.engines.vllm.vllm_row_width` plus one, within the engine's
+        ``max_logprobs``. vLLM < 0.33 keeps every token tied with the k-th value in a step of fewer than 8
+        rows, so ``top_k + 1`` would not show such a support whole (docs/engines.md)."""
+        if self.replay_settings.vllm_logprobs:
+            return self.replay_settings.vllm_logprobs
+        return vllm_row_width(top_k, self._replay_max_logprobs) + 1
+
     def _vllm_problems(self, top_k: Optional[int]) -> list[str]:
         if top_k is None or top_k < 2:
             return ["use_vllm=True: vLLM's log-prob lists show a whole support only when top_k > 1 bounds it; set GRPOConfig(top_k=...)"]
         out = []
-        wanted = self.replay_settings.vllm_logprobs or top_k + 1
-        if wanted < top_k + 1:
-            out.append(f"ReplaySettings(vllm_logprobs={wanted}) must be >= top_k + 1 = {top_k + 1} to show each whole support")
-        if self.vllm_mode == "colocate" and wanted > _VLLM_MAX_LOGPROBS:
-            out.append(f"colocated vLLM returns at most {_VLLM_MAX_LOGPROBS} log-probs per token (max_logprobs); top_k + 1 = {wanted}: lower top_k")
         if self.vllm_mode == "server" and self.accelerator.is_main_process:
-            mode = self.vllm_generation.vllm_client.get_server_info()["model_config"]["logprobs_mode"]
+            config = self.vllm_generation.vllm_client.get_server_info()["model_config"]
+            mode = config["logprobs_mode"]
             if mode != "processed_logprobs":
                 out.append(f"the vLLM server runs with --logprobs-mode {mode}; restart it with --logprobs-mode processed_logprobs")
+            self._replay_max_logprobs = config.get("max_logprobs", _VLLM_MAX_LOGPROBS)
+        cap = self._replay_max_logprobs
+        if cap not in (None, -1) and cap < top_k + 1:
+            where = "colocated vLLM (TRL starts it with vLLM's default)" if self.vllm_mode == "colocate" else "the vLLM server"
+            out.append(f"{where} returns at most {cap} log-probs per token (max_logprobs); a whole support needs top_k + 1 = "
+                       f"{top_k + 1}: lower top_k" + ("" if self.vllm_mode == "colocate" else f" or restart it with --max-logprobs {top_k + 1 + VLLM_TIE_MARGIN}"))
+            return out
+        wanted = self._vllm_logprobs(top_k)
+        if wanted < top_k + 1:
+            out.append(f"ReplaySettings(vllm_logprobs={wanted}) must be >= top_k + 1 = {top_k + 1} to show each whole support")
+        elif cap not in (None, -1) and wanted > cap:
+            out.append(f"ReplaySettings(vllm_logprobs={wanted}) is more than the {cap} log-probs per token vLLM returns "
+                       f"(max_logprobs); ask for at most {cap}")
         return out
 
     def _hidden_mode_problems(self) -> list[str]:
@@ -237,7 +258,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         return completion_ids, captured.logprob_lists()
 
     def _vllm_single_turn(self, prompt_ids, images, num_generations):
-        """TRL's vLLM turn with ``logprobs = top_k + 1``, read into supports by the vLLM adapter."""
+        """TRL's vLLM turn with ``logprobs`` of :meth:`_vllm_logprobs`, read into supports by the vLLM adapter."""
         if self.state.global_step != self._last_loaded_step:
             with profiling_context(self, "sync_weights"):
                 self.vllm_generation.sync_weights()

@@ -26,6 +26,7 @@ from nemo_replay.integrations.trl import ReplayGRPOTrainer, ReplaySettings  # no
 from nemo_replay.integrations.trl.records import RECORDS_KEY, completion_channels, records_from_vllm  # noqa: E402
 from nemo_replay.rollout.capture.sampler import check_capture_settings, sample  # noqa: E402
 from nemo_replay.rollout.capture.hf import check_generation_config  # noqa: E402
+from nemo_replay.rollout.engines.vllm import vllm_row_width  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<bos>"] + [f"w{i}" for i in range(45)]  # V = 48
 EOS = 1
@@ -193,6 +194,32 @@ def test_vllm_records_need_the_request_parameters():
         records_from_vllm([[3]], [[[-0.1]]], [[[3]]], width=None, vocab_size=48, sampling_params=None)
 
 
+def test_a_support_tied_at_the_kth_value_is_read_whole_with_the_requested_logprobs():
+    """vLLM < 0.33 keeps every token tied with the k-th value in a step of fewer than 8 rows
+    (v1/sample/ops/topk_topp_sampler.py:345-360 in 0.25.1): at top_k = 4 a row of 6. With
+    ``top_k + 1`` log-probs the list shows 5 finite entries and no filtered one, so the support
+    is not known whole; the trainer's request (the tie margin) shows it, and it is read."""
+    top_k, vocab = 4, 48
+    x = torch.full((vocab,), -math.inf, dtype=torch.float64)
+    x[10:16] = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 1.0])  # ids 12..15 tie at the 4th value
+    processed = x - torch.logsumexp(x[10:16], 0)
+    ranked = sorted(range(vocab), key=lambda t: (-processed[t], t))
+
+    def read(n: int):
+        ids = [ranked[:n]]
+        lps = [[float(processed[t]) if math.isfinite(processed[t]) else -math.inf for t in ranked[:n]]]
+        params = dict(temperature=1.0, top_k=top_k, top_p=1.0, min_p=0.0, repetition_penalty=1.0, logprobs=n)
+        return records_from_vllm([[10]], [lps], [ids], width=None, vocab_size=vocab, sampling_params=params)
+
+    with pytest.raises(ValueError, match=r"positions \[0\] do not show their whole support"):
+        read(top_k + 1)
+    requested = vllm_row_width(top_k, 20) + 1  # what ReplayGRPOTrainer asks colocated vLLM for at top_k = 4
+    assert requested == 20
+    (record,) = read(requested)
+    rows = record.support.rows(record.token_ids)  # the compact form a record keeps, decoded
+    assert sorted(int(t) for t in rows.all_ids.tolist() if t >= 0) == [10, 11, 12, 13, 14, 15]
+
+
 @pytest.mark.parametrize(
     "over, replay, match",
     [
@@ -279,7 +306,8 @@ def test_vllm_path_reads_processed_logprobs_and_fixes_trl_importance_ratio(check
     trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path, max_steps=1)
     trainer.use_vllm, trainer.vllm_mode, trainer._last_loaded_step = True, "colocate", -1
     trainer.vllm_generation = VLLMGenerationOutputs(trainer, top_k=5, top_p=0.9, temperature=0.9, max_tokens=6)
-    trainer.vllm_generation.logprobs = trainer.top_k + 1  # what __init__ sets with use_vllm=True
+    trainer.vllm_generation.logprobs = trainer._vllm_logprobs(trainer.top_k)  # what __init__ sets with use_vllm=True
+    assert trainer.vllm_generation.logprobs == min(trainer.top_k + 16, 19) + 1  # the tie margin, under max_logprobs 20
     trainer.train()
     assert trainer.vllm_generation.synced == 1
     assert _logged(trainer, "replay/mismatch_max")[0] <= 1e-5
