@@ -3,14 +3,12 @@
 Importing the package is cheap: it never imports megatron-core or transformers. Strategies
 load on first lookup (:func:`get_strategy`).
 
-``nemo_replay.capture`` is the rollout sampler, :mod:`nemo_replay.rollout.capture.sampler` (one module
-under two names, so ``nemo_replay.capture.sample`` and ``from nemo_replay.capture import sample``
-both work).
+``nemo_replay.capture`` is the rollout sampler's short name (it re-exports
+:mod:`nemo_replay.rollout.capture.sampler`), so ``nemo_replay.capture.sample`` and
+``from nemo_replay.capture import sample`` both work.
 """
 
-import sys
-
-from nemo_replay.rollout.capture import sampler as capture
+from nemo_replay import capture
 from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.strategies.registry import (
@@ -22,8 +20,6 @@ from nemo_replay.strategies.registry import (
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
-
-sys.modules[f"{__name__}.capture"] = capture
 
 __version__ = "0.1.0"
 
