@@ -1,8 +1,10 @@
 """The megatron strategy's boundary with ``megatron.core.parallel_state``.
 
-:meth:`MegatronParallel.from_parallel_state` is the only place the package reads Megatron's
+:meth:`MegatronParallel.from_parallel_state` is the only place the strategy reads Megatron's
 global process groups. Everything downstream (layout, scorer, route replay, result
-broadcast) receives the groups held here as explicit arguments. A trainer that manages
+broadcast) receives the groups held here as explicit arguments. (verl's Megatron engine
+hands its loss functions no groups, so ``integrations/verl/megatron.py`` reads them from
+``parallel_state`` where verl's own code does.) A trainer that manages
 its own groups builds a :class:`MegatronParallel` directly and passes it to the strategy.
 """
 
