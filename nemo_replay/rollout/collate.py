@@ -116,8 +116,8 @@ def collate_support(
 
     Args:
         per_trajectory: trajectory i's ``R_i`` rows: int ``(R_i, k)``, a one-segment
-            PackedTensor / RaggedSupport, or a finished SupportTrace. All fixed-width with
-            one ``k``, or all ragged.
+            PackedTensor / RaggedSupport, or a finished SupportTrace (CSR rows). All
+            fixed-width with one ``k``, or all ragged.
         response_lengths: (B,) int, the trainer's ``R`` per batch position.
         sampled_ids: per trajectory, ``(R_i,)`` int response tokens (defaults to a
             SupportTrace's own tokens). Each non-empty row must contain its token.

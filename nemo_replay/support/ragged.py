@@ -86,8 +86,7 @@ class RaggedSupport(Segmented):
         keep = values >= 0
         row_offsets = lengths_to_cu_seqlens(keep.sum(1).cpu()).to(torch.int64)
         out = cls(values[keep].to(torch.int32), row_offsets.to(values.device), support.cu_seqlens)
-        out._set_width(max(int(values.shape[1]), 1))
-        return carry_checked([support], out)
+        return carry_checked([support], out.bounded(int(values.shape[1])))
 
     # ------------------------------------------------------------------ views
     @property
@@ -120,6 +119,15 @@ class RaggedSupport(Segmented):
             lengths = self.row_lengths
             self._set_width(max(int(lengths.max()) if lengths.numel() else 0, 1))
         return self._width[0]
+
+    def bounded(self, width: int) -> "RaggedSupport":
+        """These rows, whose padded copies are ``width`` wide (the fixed width they were captured
+        at, so that scores from them equal the fixed-width rows' bit for bit; >= the widest row)."""
+        widest = int(self.row_lengths.max()) if self.num_rows else 0
+        if width < max(widest, 1):
+            raise ValueError(f"RaggedSupport.bounded: width {width} is narrower than the widest row ({widest} ids)")
+        self._set_width(width)
+        return self
 
     def _cached_width(self) -> int | None:
         w = self._width

@@ -84,7 +84,8 @@ def test_traces_collate_with_their_own_tokens():
         traces.append(tr)
     out = collate_support(traces, response_lengths=[4, 5, 3])
     assert out.cu_seqlens.tolist() == [0, 4, 9, 12]
-    assert (out.values[[2, 3, 7, 8, 10, 11]] == -1).all()
+    assert isinstance(out, RaggedSupport) and (out.row_lengths[[2, 3, 7, 8, 10, 11]] == 0).all()  # CSR from the traces
+    assert (out.to_padded().values[[2, 3, 7, 8, 10, 11]] == -1).all() and out.width_bound == K
 
 
 def test_collation_errors_name_where():

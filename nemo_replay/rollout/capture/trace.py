@@ -133,7 +133,9 @@ class SupportTrace:
     """One support row per response token, accumulated turn by turn (see the module doc).
 
     Args:
-        top_k: row width for fixed-width rows; None for ragged (CSR) rows.
+        top_k: the width of the fixed-width rows turns bring (each checked against it; a
+            RaggedSupport's rows must fit it); None for ragged (CSR) input. The trace keeps
+            every row as CSR either way: a row costs its members, not ``top_k`` columns.
         eos_id: the EOS token id (needed to recognise a stripped sampled EOS).
         vocab_size: ids must be below it when given.
     """
@@ -146,11 +148,9 @@ class SupportTrace:
         self.vocab_size = vocab_size
         self._tokens = TokenAlignedAccumulator((), torch.int64)
         self._kinds = TokenAlignedAccumulator((), torch.int8)
-        if top_k is not None:
-            self._rows = TokenAlignedAccumulator((top_k,), torch.int32, fill=-1)
-        else:
-            self._members = TokenAlignedAccumulator((), torch.int32)
-            self._lengths = TokenAlignedAccumulator((), torch.int64, fill=0)
+        # CSR whatever the input form: a row costs its members, not top_k columns.
+        self._members = TokenAlignedAccumulator((), torch.int32)
+        self._lengths = TokenAlignedAccumulator((), torch.int64, fill=0)
         self._pending_eos = None  # (row, kind) of the stripped EOS, waiting for the EOS to reappear
         self._closed = False
         self._turns = 0
@@ -205,23 +205,15 @@ class SupportTrace:
         return ragged.member_ids.to(torch.int32).cpu(), ragged.row_lengths.cpu()
 
     def _append_rows(self, rows) -> None:
-        if self.top_k is not None:
-            self._rows.append(rows)
-        else:
-            members, lengths = rows
-            self._members.append(members)
-            self._lengths.append(lengths)
+        members, lengths = rows
+        self._members.append(members)
+        self._lengths.append(lengths)
 
     def _append_padding(self, n: int) -> None:
-        if self.top_k is not None:
-            self._rows.append_fill(n)
-        else:
-            self._lengths.append_fill(n)
+        self._lengths.append_fill(n)
 
     def _take_row(self, rows, j: int):
-        """Row ``j`` of normalised rows, in the same normalised form."""
-        if self.top_k is not None:
-            return rows[j : j + 1]
+        """Row ``j`` of ``(members, lengths)`` rows, in the same form."""
         members, lengths = rows
         start = int(lengths[:j].sum())
         return members[start : start + int(lengths[j])], lengths[j : j + 1]
@@ -251,7 +243,7 @@ class SupportTrace:
         flags = torch.as_tensor(flagged).cpu()
         if flags.dtype != torch.bool or flags.shape != (n,):
             raise ValueError(f"{where}: flagged must be a bool ({n},) mask, got {flags.dtype} {tuple(flags.shape)}")
-        filled = (norm != -1).any(1) if self.top_k is not None else norm[1] > 0
+        filled = norm[1] > 0
         if (flags & filled).any():
             j = int(torch.nonzero(flags & filled)[0])
             raise ValueError(f"{where}: position {j} is flagged but its row is not empty; a flagged position has no support")
@@ -289,10 +281,15 @@ class SupportTrace:
         sampled = _as_ids(sampled_ids, where)
         n = sampled.numel()
         norm = self._normalise_rows(rows, n, where)
-        check = norm if self.top_k is not None else RaggedSupport(
-            norm[0], lengths_to_cu_seqlens(norm[1]).to(torch.int64), torch.tensor([0, n], dtype=torch.int32)
-        )
-        validate_support(check, sampled_ids=sampled, vocab_size=self.vocab_size, where=where)
+        if self.top_k is not None:  # fixed-width input, checked as such, kept as CSR
+            validate_support(norm, sampled_ids=sampled, vocab_size=self.vocab_size, where=where)
+            keep = norm >= 0  # padding is trailing (checked)
+            norm = (norm[keep], keep.sum(1))
+        else:
+            check = RaggedSupport(
+                norm[0], lengths_to_cu_seqlens(norm[1]).to(torch.int64), torch.tensor([0, n], dtype=torch.int32)
+            )
+            validate_support(check, sampled_ids=sampled, vocab_size=self.vocab_size, where=where)
         kinds = torch.where(self._flags(flagged, norm, n, where), _FLAGGED, _SAMPLED).to(torch.int8)
         kept = sampled if response_ids is None else _as_ids(response_ids, where)
         stripped = False
@@ -309,11 +306,8 @@ class SupportTrace:
         if stripped:
             self._pending_eos = (self._take_row(norm, n - 1), int(kinds[-1]))
             kinds = kinds[:-1]
-            if self.top_k is None:
-                members, lengths = norm
-                norm = (members[: int(lengths[:-1].sum())], lengths[:-1])
-            else:
-                norm = norm[:-1]
+            members, lengths = norm
+            norm = (members[: int(lengths[:-1].sum())], lengths[:-1])
         self._tokens.append(kept)
         self._kinds.append(kinds)
         self._append_rows(norm)
@@ -356,7 +350,7 @@ class SupportTrace:
     # ------------------------------------------------------------------ results
     @property
     def num_rows(self) -> int:
-        return len(self._rows) if self.top_k is not None else len(self._lengths)
+        return len(self._lengths)
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -372,15 +366,15 @@ class SupportTrace:
         kinds = self._kinds.values()
         return (kinds == _SAMPLED) | (kinds == _SYNTHETIC_EOS)
 
-    def support(self) -> Union[PackedTensor, RaggedSupport]:
-        """The R rows as one segment: ``PackedTensor`` int32 [R, top_k] or ``RaggedSupport``."""
+    def support(self) -> RaggedSupport:
+        """The R rows as one segment of CSR rows (padding and observation rows empty); with
+        ``top_k``, their padded copies are ``top_k`` wide (:meth:`RaggedSupport.bounded`)."""
         R = self.num_rows
-        if self.top_k is not None:
-            return PackedTensor(self._rows.values(), [0, R])
         lengths = self._lengths.values()
-        return RaggedSupport(
+        rows = RaggedSupport(
             self._members.values(), lengths_to_cu_seqlens(lengths).to(torch.int64), torch.tensor([0, R], dtype=torch.int32)
         )
+        return rows if self.top_k is None else rows.bounded(self.top_k)
 
     def check_response(self, response_ids) -> None:
         """The trainer's response tokens must be exactly the traced ones, row for row."""

@@ -10,6 +10,7 @@ from nemo_replay import capture
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.canonical import canonical_channels
 from nemo_replay.rollout.capture.trace import RouteTrace, SupportTrace, TokenAlignedAccumulator
+from nemo_replay.support.ragged import RaggedSupport
 
 EOS, V, K, TEMP = 2, 64, 5, 0.9
 
@@ -59,8 +60,12 @@ def test_three_turn_conversation_one_row_per_response_token(top_k):
     sampled_at = [0, 1, 2, 5, 6, 7, 11, 12]
     padding_at = [3, 4, 8, 9, 10, 13]
     assert trace.loss_mask.tolist() == [True] * 3 + [False] * 2 + [True] * 3 + [False] * 3 + [True] * 3
-    sup = trace.support()
-    padded = sup.values if top_k is not None else sup.to_padded(V).values
+    sup = trace.support()  # CSR, each row its members: observation and EOS rows are empty
+    assert isinstance(sup, RaggedSupport) and sup.row_lengths[padding_at].eq(0).all()
+    assert sup.member_ids.numel() == int(sup.row_lengths.sum()) and bool((sup.member_ids >= 0).all())
+    if top_k is not None:
+        assert sup.width_bound == top_k  # padded copies have the engine's width
+    padded = sup.to_padded(top_k or V).values
     assert (padded[padding_at] == -1).all()
     engine_rows = [t.support.values if top_k is not None else t.support.to_padded(V).values for t in (t1, t2, t3)]
     assert torch.equal(padded[sampled_at], torch.cat(engine_rows))
@@ -100,7 +105,7 @@ def test_stripped_eos_keeps_its_row_only_when_it_comes_back():
     trace.add_turn(t2.ids, t2.support, response_ids=t2.ids[:-1])
     trace.add_synthetic_eos()  # the trainer's final EOS is the sampled one coming back
     assert trace.response_ids.tolist() == [int(t1.ids[0]), 50, 51] + t2.ids.tolist()
-    rows = trace.support().values
+    rows = trace.support().to_padded().values
     assert torch.equal(rows[0], t1.support.values[0]) and (rows[1:3] == -1).all()
     assert torch.equal(rows[3:], t2.support.values)
     assert trace.loss_mask.tolist() == [True, False, False, True, True]
@@ -256,7 +261,7 @@ def test_flagged_engine_positions_stay_in_the_response_but_leave_the_loss():
     trace.add_observation([EOS, 11])  # ... and comes back, still flagged
     assert trace.response_ids.tolist() == [5, 7, 9, EOS, 11]
     assert trace.loss_mask.tolist() == [True, False, True, False, False]
-    assert trace.support().values.tolist() == rows.tolist() + [[-1, -1]]
+    assert trace.support().to_padded().values.tolist() == rows.tolist() + [[-1, -1]]
     with pytest.raises(ValueError, match="position 0 is flagged but its row is not empty"):
         SupportTrace(top_k=2).add_turn([5], rows[:1], flagged=torch.tensor([True]))
     with pytest.raises(ValueError, match=r"flagged must be a bool \(1,\) mask"):
