@@ -49,7 +49,7 @@ def _capture(logits: torch.Tensor, gen) -> tuple[list, list]:
     from nemo_replay import capture
 
     r = capture.sample(logits, temperature=1.0, top_k=K, top_p=0.95, generator=gen)
-    vals = r.support.values
+    vals = r.support.to_padded().values
     return [row[row >= 0].tolist() for row in vals], r.ids.tolist()
 
 

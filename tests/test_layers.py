@@ -12,8 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nemo_replay"
 # Rooms (a top-level module or folder of the package) from the ground floor up.
 FLOORS = [
     {"support"},
-    {"layout", "rollout", "capture"},  # capture: the sampler's second name (nemo_replay.capture)
-    {"batch", "scoring", "objectives", "diagnostics"},
+    {"layout", "rollout"},
+    {"batch", "scoring", "objectives", "diagnostics", "capture"},  # capture: the sampler's short name, re-exporting rollout's
     {"strategies"},
     {"roles"},
     {"integrations", "trainer"},

@@ -115,6 +115,7 @@ class Segmented:
     ``validate(...)``             the §2 invariants and membership, naming the row
     ``resegment(cu_seqlens)``     the same rows under new trajectory boundaries
     ``widen(width)``              rows padded to at least ``width`` columns
+    ``to_padded(width=None)``     the fixed-width form (``width_bound`` wide by default)
     ``gather``, ``cat``, ``to``   batch operations; a passed check carries over
     ============================  ====================================================
     """
@@ -338,6 +339,11 @@ class PackedTensor(Segmented):
             return self
         wide = self.gather_padded(torch.arange(self.num_rows, device=self.device), width)
         return carry_checked([self], PackedTensor(wide, self.cu_seqlens))
+
+    def to_padded(self, width: int | None = None) -> "PackedTensor":
+        """The fixed-width form, which this already is (``RaggedSupport.to_padded``'s twin, so
+        callers need not ask which form they hold): padded to ``width`` when it is wider."""
+        return self if width is None else self.widen(width)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, PackedTensor):

@@ -214,9 +214,10 @@ class RaggedSupport(Segmented):
         return torch.where(present, members, torch.full_like(members, -1))
 
     def to_padded(self, width: int | None = None) -> PackedTensor:
-        """The fixed-width form: ``[num_rows, width]`` int32 rows with trailing -1."""
-        values = self.padded_rows(torch.arange(self.num_rows), width)
-        return PackedTensor(values, self.cu_seqlens)
+        """The fixed-width form: ``[num_rows, width]`` int32 rows with trailing -1; ``width``
+        defaults to :attr:`width_bound` (the captured width of rows that had one)."""
+        values = self.padded_rows(torch.arange(self.num_rows), self.width_bound if width is None else width)
+        return carry_checked([self], PackedTensor(values, self.cu_seqlens))  # padding keeps checked rows valid
 
     # ------------------------------------------------------------------ batch ops
     def gather(self, segments: torch.Tensor | Sequence[int]) -> "RaggedSupport":

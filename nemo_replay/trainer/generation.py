@@ -230,7 +230,10 @@ def rollout_batch(
     rollout_lp[loss_mask] = logprobs.to(device=device, dtype=torch.float32)  # row-major = response-major
     # Rows cost what they hold: CSR unless fixed-width rows were asked for (the scorer pads
     # them on the device, to the width they were captured at: docs/design.md §4).
-    support = support.widen(row_width) if row_width else RaggedSupport.of(support)
+    if not row_width:
+        support = RaggedSupport.of(support)
+    elif support.width_bound <= row_width:
+        support = support.to_padded(row_width)  # rows wider than the width (ties) stay as they came
     full = [torch.cat([p.to(device=device, dtype=torch.int64), r.to(device=device, dtype=torch.int64)]) for p, r in zip(prompts, responses)]
     sequences, attention_mask = left_pad(full, pad_id, device)
     batch = ReplayBatch(

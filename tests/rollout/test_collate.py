@@ -33,9 +33,9 @@ def test_batch_order_with_group_repeats_scores_like_the_sampler(top_k):
     trajs = trajectories(top_k)
     index = [2, 0, 0, 1]
     lengths = torch.tensor([2, 3, 1])[index]
-    batch_support = collate_support(
-        [r.support for _, r in trajs], response_lengths=lengths, sampled_ids=[r.ids for _, r in trajs], index=index, vocab_size=V
-    )
+    # fixed: the sampler's rows padded to top_k, as an engine adapter hands them over.
+    given = [r.support.to_padded() if top_k else r.support for _, r in trajs]
+    batch_support = collate_support(given, response_lengths=lengths, sampled_ids=[r.ids for _, r in trajs], index=index, vocab_size=V)
     assert isinstance(batch_support, PackedTensor if top_k else RaggedSupport)
     assert batch_support.cu_seqlens.tolist() == [0, 1, 3, 5, 8]
     src_rows = [rows(r.support, j) for _, r in trajs for j in range(r.ids.numel())]
@@ -90,7 +90,7 @@ def test_traces_collate_with_their_own_tokens():
 
 def test_collation_errors_name_where():
     trajs = trajectories(K)
-    sup = [r.support for _, r in trajs]
+    sup = [r.support.to_padded() for _, r in trajs]  # fixed-width, as an engine adapter hands them over
     ids = [r.ids for _, r in trajs]
     with pytest.raises(ValueError, match=r"batch position 1 \(trajectory 0\) has 2 support rows but its response length is 3"):
         collate_support(sup, response_lengths=[1, 3], index=[2, 0])

@@ -84,7 +84,8 @@ def test_capture_and_collation_outputs_are_recorded():
     fixed = capture.sample(logits, temperature=1.0, top_k=8, top_p=0.9, generator=g)
     ragged = capture.sample(logits, temperature=1.0, top_k=None, top_p=0.5, generator=g)
     assert fixed.support.checked == Checked(50) and ragged.support.checked == Checked(50)
-    batch = collate_support([fixed.support.values[:3], fixed.support.values[3:]], response_lengths=[3, 3, 3],
+    rows = fixed.support.to_padded().values  # fixed-width rows, as an engine adapter hands them over
+    batch = collate_support([rows[:3], rows[3:]], response_lengths=[3, 3, 3],
                             sampled_ids=[fixed.ids[:3], fixed.ids[3:]], index=[1, 0, 1], vocab_size=50)
     assert batch.checked == Checked(50)
 

@@ -71,24 +71,24 @@ On bf16 logits ties at the top-k boundary are the common case (large vocabularie
 many equal values in their upper tail), so the two rules give different supports for most
 rows: capture with the rule of the engine path that will be replayed against.
 
-Output. With ``top_k`` set and ``ties="index_order"``, rows are fixed width:
-``int32 [N, top_k]``, members in rank order then trailing ``-1`` (when min-p / top-p removed
-some of the ``k``, or ``V < k``), packed as a :class:`PackedTensor` of one segment.
-Otherwise -- no ``top_k``, or ``ties="keep_tied"``, whose rows may be wider than ``top_k`` --
-rows are ragged: a :class:`RaggedSupport` of one segment with ``N`` rows (CSR, members in
-rank order). A support is never cut to fit a width.
+Output. Rows cost what they hold: a :class:`RaggedSupport` of one segment with ``N`` rows
+(CSR: int32 members in rank order, int64 row offsets), each row exactly its support. With
+``top_k`` and ``ties="index_order"`` its padded copies are ``top_k`` wide (``width_bound``),
+as the engine's fixed-width rows are; ``keep_tied`` rows may be wider than ``top_k``. A
+support is never cut to fit a width; a consumer that wants fixed-width rows pads them where
+it needs them (``to_padded``, or the scorer on the device).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
 
 from nemo_replay.support.checked import record_checked
-from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
+from nemo_replay.support.packed import lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["CaptureResult", "TIE_RULES", "TEMPERATURE_RANGE", "sample", "check_capture_settings", "rank_candidates"]
@@ -109,13 +109,12 @@ class CaptureResult(NamedTuple):
     Attributes:
         ids: (N,), int64. The sampled token of each row of logits.
         logprobs: (N,), float32. ``log q(ids)`` under the processed distribution.
-        support: ``PackedTensor`` (values (N, top_k) int32, cu_seqlens [0, N]) when top_k is
-            set and ``ties="index_order"``, else ``RaggedSupport`` of one segment with N rows.
+        support: ``RaggedSupport`` of one segment with N rows, each row its support.
     """
 
     ids: torch.Tensor
     logprobs: torch.Tensor
-    support: Union[PackedTensor, RaggedSupport]
+    support: RaggedSupport
 
 
 #: The temperatures capture serves (:func:`check_capture_settings`).
@@ -168,9 +167,9 @@ def check_capture_settings(
             errors.append(f"top_k={top_k!r}: expected an int > 1 or None (no top-k bound)")
         elif top_k <= 1:
             errors.append(
-                f"top_k={top_k}: fixed-width support rows need top_k > 1 (top_k=1 is greedy; engines "
+                f"top_k={top_k}: a top-k bound must be > 1 (top_k=1 is greedy; engines "
                 f"spell 'no bound' as 0 or -1, which here is top_k=None); set {prefix}top_k > 1 "
-                f"or leave it unset for ragged rows"
+                f"or leave it unset for no bound"
             )
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
         errors.append(f"top_p={top_p!r}: expected a number in (0, 1]; 1.0 disables top-p")
@@ -355,9 +354,9 @@ def sample(
         top_p: in (0, 1]; 1.0 disables.
         min_p: in [0, 1); 0.0 disables.
         ties: which tokens survive where several share the boundary value (module doc):
-            ``"index_order"`` (vLLM's Triton path: exactly ``top_k``, fixed-width rows) or
+            ``"index_order"`` (vLLM's Triton path: at most ``top_k`` per row) or
             ``"keep_tied"`` (vLLM's PyTorch path, its float32 bottom-up top-p included:
-            every token tied with the k-th, ragged rows; which of several tokens tied at a
+            every token tied with the k-th, so rows may be wider; which of several tokens tied at a
             cut survive is torch's unstable sort's choice, as in the engine, so only the
             engine's reported support is exact). See :data:`TIE_RULES`.
         generator: a ``torch.Generator`` on the logits' device for reproducible draws.
@@ -403,15 +402,11 @@ def sample(
     ids = cand_ids.gather(1, pick).squeeze(1)
     logprobs = logq.gather(1, pick).squeeze(1).to(torch.float32)
 
+    members = cand_ids[keep].to(torch.int32)  # row-major: rank order inside each row
+    row_offsets = lengths_to_cu_seqlens(keep.sum(1).cpu()).to(torch.int64)
+    support = RaggedSupport(members, row_offsets.to(logits.device), torch.tensor([0, N], dtype=torch.int32))
     if top_k is not None and ties == "index_order":
-        values = torch.full((N, top_k), -1, dtype=torch.int32, device=logits.device)
-        C = cand_ids.shape[1]
-        values[:, :C] = cand_ids.masked_fill(~keep, -1)
-        support: Union[PackedTensor, RaggedSupport] = PackedTensor(values, [0, N])
-    else:
-        members = cand_ids[keep].to(torch.int32)  # row-major: rank order inside each row
-        row_offsets = lengths_to_cu_seqlens(keep.sum(1).cpu()).to(torch.int64)
-        support = RaggedSupport(members, row_offsets.to(logits.device), torch.tensor([0, N], dtype=torch.int32))
+        support = support.bounded(top_k)  # the engine's row width (exactly k kept)
     # Correct by construction (docs/design.md §2): distinct ranked candidates below V, padding
     # trailing, the draw one of them. Recorded, so the scorer does not sort the rows again.
     record_checked(support, logits.shape[-1])

@@ -106,7 +106,7 @@ def make_batch(seed: int = 0, dtype=torch.float32):
                 continue
             got = capture.sample(raw[i, col - 1][None], temperature=TEMPERATURE, top_k=WIDTH, top_p=TOP_P, generator=g)
             ids[i, col] = int(got.ids[0])
-            members = [int(m) for m in got.support.values[0] if m >= 0]
+            members = [int(m) for m in got.support.to_padded().values[0] if m >= 0]
             rows[i, col, : len(members)] = torch.tensor(members, dtype=torch.int32)
             token_mask[i, col] = 1.0
             gen_lp[i, col] = float(got.logprobs[0])

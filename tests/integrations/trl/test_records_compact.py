@@ -17,7 +17,7 @@ def _capture(top_k, lengths, V=2000, seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
     r = sample(torch.randn(n, V, generator=g) * 3, temperature=1.0, top_k=top_k, top_p=0.9, generator=g)
-    support = PackedTensor(r.support.values, [0, *torch.tensor(lengths).cumsum(0).tolist()])
+    support = PackedTensor(r.support.to_padded().values, [0, *torch.tensor(lengths).cumsum(0).tolist()])
     return CapturedSupport(support, r.logprobs, torch.tensor(lengths)), r.ids, V
 
 
@@ -30,7 +30,7 @@ def test_compact_records_give_the_scorer_the_rows_plain_records_give():
     assert all(isinstance(r.support, CompactRows) for r in compact)
     assert all(isinstance(r.support, PackedTensor) for r in plain)
     held = sum(r.support.data.numel() for r in compact)
-    assert held < sum(r.support.values.numel() * 4 for r in plain) / 3  # int32 rows of 16 against the buffer
+    assert held < sum(r.support.to_padded().values.numel() * 4 for r in plain) / 3  # int32 rows of 16 against the buffer
     C = max(lengths)
     completion_ids = torch.zeros(3, C, dtype=torch.int64)
     mask = torch.zeros(3, C, dtype=torch.bool)
@@ -38,7 +38,7 @@ def test_compact_records_give_the_scorer_the_rows_plain_records_give():
         completion_ids[i, : len(c)] = torch.tensor(c)
         mask[i, : len(c)] = True
     a, b = completion_channels(plain, completion_ids, mask), completion_channels(compact, completion_ids, mask)
-    assert isinstance(b.support, PackedTensor) and b.support.values.shape == a.support.values.shape  # width kept
+    assert isinstance(b.support, PackedTensor) and b.support.to_padded().values.shape == a.support.to_padded().values.shape  # width kept
     as_sets = lambda s: [sorted(t for t in row.tolist() if t >= 0) for row in s.values]  # noqa: E731
     assert as_sets(a.support) == as_sets(b.support)  # the same sets (compact rows come back ids ascending)
     for x, y in zip(a[1:], b[1:]):

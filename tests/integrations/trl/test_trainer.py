@@ -284,7 +284,7 @@ class VLLMGenerationOutputs:
                 z = model(input_ids=torch.tensor([seq])).logits[:, -1].float()
                 tok, _, support = sample(z, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, generator=g)
                 x = z[0].double() / self.temperature
-                members = [int(t) for t in support.values[0] if t >= 0]
+                members = [int(t) for t in support.to_padded().values[0] if t >= 0]
                 processed = torch.full_like(x, -math.inf)
                 processed[members] = x[members] - torch.logsumexp(x[members], 0)
                 ranked = sorted(range(x.numel()), key=lambda t: (-processed[t], t))[: self.logprobs]

@@ -44,7 +44,7 @@ def reference_logprob(x_row: torch.Tensor, members: list[int], token: int) -> fl
 
 def rows_of(support, n):
     if isinstance(support, PackedTensor):
-        return [[t for t in r if t >= 0] for r in support.values.tolist()]
+        return [[t for t in r if t >= 0] for r in support.to_padded().values.tolist()]
     return [support.row(r).tolist() for r in range(n)]
 
 
@@ -72,12 +72,11 @@ def test_support_matches_reference_and_holds_the_sample(settings):
     assert ids.dtype == torch.int64 and ids.shape == (N,)
     assert lps.dtype == torch.float32 and lps.shape == (N,)
     k = settings["top_k"]
+    # Rows cost what they hold: CSR, each row its members; padded copies are top_k wide.
+    assert isinstance(support, RaggedSupport) and support.cu_seqlens.tolist() == [0, N]
+    assert support.member_ids.dtype == torch.int32 and bool((support.member_ids >= 0).all())
     if k is not None:
-        assert isinstance(support, PackedTensor)
-        assert support.values.shape == (N, k) and support.values.dtype == torch.int32
-        assert support.cu_seqlens.tolist() == [0, N]
-    else:
-        assert isinstance(support, RaggedSupport) and support.cu_seqlens.tolist() == [0, N]
+        assert support.width_bound == k and support.to_padded().values.shape == (N, k)
     x = logits.double() / settings["temperature"]
     rows = rows_of(support, N)
     for r in range(N):
@@ -87,8 +86,8 @@ def test_support_matches_reference_and_holds_the_sample(settings):
         assert int(ids[r]) in want
         assert abs(float(lps[r]) - reference_logprob(x[r], want, int(ids[r]))) < 1e-5
     if k is not None:
-        # Trailing -1 padding only, the row width stays exactly top_k.
-        v = support.values
+        # A padded copy: trailing -1 padding only, the row width exactly top_k.
+        v = support.to_padded().values
         assert not (v[:, 1:] >= 0)[v[:, :-1] < 0].any()
     assert len(rows[3]) <= 100
 
@@ -125,19 +124,20 @@ def test_draws_follow_the_processed_distribution():
 def test_ties_rank_by_smaller_id_and_draws_are_reproducible():
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0, 1.0]])
     _, _, sup = capture.sample(logits, temperature=1.0, top_k=4)
-    assert sup.values.tolist() == [[1, 3, 4, 2]]
+    assert sup.to_padded().values.tolist() == [[1, 3, 4, 2]]
     _, _, rag = capture.sample(logits, temperature=1.0)
     assert rag.row(0).tolist() == [1, 3, 4, 2, 5, 0]
     logits = torch.randn(50, 300)
     a = capture.sample(logits, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(9))
     b = capture.sample(logits, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(9))
-    assert torch.equal(a.ids, b.ids) and torch.equal(a.support.values, b.support.values)
+    assert torch.equal(a.ids, b.ids) and a.support == b.support
 
 
 def test_width_is_top_k_even_beyond_the_vocabulary():
     ids, _, sup = capture.sample(torch.randn(3, 5), temperature=1.0, top_k=8)
-    assert sup.values.shape == (3, 8)
-    assert (sup.values[:, 5:] == -1).all() and (sup.values[:, :5] >= 0).all()
+    assert sup.row_lengths.tolist() == [5, 5, 5] and sup.width_bound == 8  # padded copies: top_k wide
+    padded = sup.to_padded().values
+    assert padded.shape == (3, 8) and (padded[:, 5:] == -1).all() and (padded[:, :5] >= 0).all()
 
 
 def test_bf16_and_float64_logits():
@@ -375,13 +375,13 @@ def test_keep_tied_worked_example_and_unknown_rule():
     logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]])
     exact = capture.sample(logits, temperature=1.0, top_k=2)
     tied = capture.sample(logits, temperature=1.0, top_k=2, ties="keep_tied")
-    assert exact.support.values.tolist() == [[1, 2]]
+    assert exact.support.to_padded().values.tolist() == [[1, 2]]
     assert sorted(tied.support.row(0).tolist()) == [1, 2, 3]
     # top-p over three equal tokens with p = 0.5: the running sum [0, 0, 1/3, 2/3, 1] drops one
     # of them; which one is the engine's unstable sort's choice, only the count is fixed.
     half = capture.sample(logits, temperature=1.0, top_k=2, top_p=0.5, ties="keep_tied")
     assert len(half.support.row(0)) == 2 and set(half.support.row(0).tolist()) < {1, 2, 3}
-    assert capture.sample(logits, temperature=1.0, top_k=2, top_p=0.5).support.values.tolist() == [[1, -1]]
+    assert capture.sample(logits, temperature=1.0, top_k=2, top_p=0.5).support.to_padded().values.tolist() == [[1, -1]]
     with pytest.raises(ValueError, match="ties='vllm'.*index_order.*keep_tied"):
         capture.sample(logits, temperature=1.0, top_k=2, ties="vllm")
 

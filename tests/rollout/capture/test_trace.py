@@ -67,7 +67,7 @@ def test_three_turn_conversation_one_row_per_response_token(top_k):
         assert sup.width_bound == top_k  # padded copies have the engine's width
     padded = sup.to_padded(top_k or V).values
     assert (padded[padding_at] == -1).all()
-    engine_rows = [t.support.values if top_k is not None else t.support.to_padded(V).values for t in (t1, t2, t3)]
+    engine_rows = [t.support.to_padded().values if top_k is not None else t.support.to_padded(V).values for t in (t1, t2, t3)]
     assert torch.equal(padded[sampled_at], torch.cat(engine_rows))
 
     # The trainer scores this response over the traced rows: sampled tokens reproduce the
@@ -106,8 +106,8 @@ def test_stripped_eos_keeps_its_row_only_when_it_comes_back():
     trace.add_synthetic_eos()  # the trainer's final EOS is the sampled one coming back
     assert trace.response_ids.tolist() == [int(t1.ids[0]), 50, 51] + t2.ids.tolist()
     rows = trace.support().to_padded().values
-    assert torch.equal(rows[0], t1.support.values[0]) and (rows[1:3] == -1).all()
-    assert torch.equal(rows[3:], t2.support.values)
+    assert torch.equal(rows[0], t1.support.to_padded().values[0]) and (rows[1:3] == -1).all()
+    assert torch.equal(rows[3:], t2.support.to_padded().values)
     assert trace.loss_mask.tolist() == [True, False, False, True, True]
 
 
@@ -116,14 +116,16 @@ def test_support_trace_errors():
     trace = SupportTrace(top_k=K, eos_id=EOS)
     _, t1 = turn(gen, 3)
     with pytest.raises(ValueError, match=r"expected \(2, 5\)"):
+        trace.add_turn(t1.ids[:2], t1.support.to_padded())
+    with pytest.raises(ValueError, match="3 support rows for 2 sampled tokens"):
         trace.add_turn(t1.ids[:2], t1.support)
     with pytest.raises(ValueError, match="may only strip a sampled EOS"):
         trace.add_turn(t1.ids, t1.support, response_ids=t1.ids[:-1])
-    shifted = t1.support.values.roll(1, 0)
+    shifted = t1.support.to_padded().values.roll(1, 0)
     with pytest.raises(ValueError, match="turn 0: row 0: sampled token"):
         trace.add_turn(t1.ids, shifted)
     with pytest.raises(ValueError, match="turn 0: rows have dtype torch.float64, expected integer token ids"):
-        trace.add_turn(t1.ids, t1.support.values.double() + 0.5)
+        trace.add_turn(t1.ids, t1.support.to_padded().values.double() + 0.5)
     trace.add_turn(t1.ids, t1.support)
     with pytest.raises(ValueError, match="response has 2 tokens but the trace holds 3"):
         trace.check_response(t1.ids[:2])
@@ -133,7 +135,7 @@ def test_support_trace_errors():
     with pytest.raises(ValueError, match="synthetic EOS; nothing may follow"):
         trace.add_observation([1])
     with pytest.raises(ValueError, match="ragged"):
-        SupportTrace(top_k=None).add_turn(t1.ids, t1.support)
+        SupportTrace(top_k=None).add_turn(t1.ids, t1.support.to_padded())
 
 
 def fake_routes(tokens: torch.Tensor, layers=3, topk=2, experts=8) -> torch.Tensor:

@@ -39,7 +39,7 @@ def local_generation(prompt, params, seed):
     tokens, ids, lps, rows = torch.tensor(prompt), [], [], []
     for _ in range(max_new):
         r = capture.sample(logits_fn(tokens)[None], generator=gen, **params)
-        ids.append(int(r.ids[0])), lps.append(r.logprobs), rows.append(r.support.values)
+        ids.append(int(r.ids[0])), lps.append(r.logprobs), rows.append(r.support.to_padded().values)
         tokens = torch.cat([tokens, r.ids])
         if ids[-1] == EOS:
             break

@@ -48,13 +48,14 @@ def test_support_and_routes_round_trip():
     torch.manual_seed(0)
     logits = torch.randn(40, 300)
     fixed = capture.sample(logits, temperature=1.0, top_k=16, top_p=0.9)
+    fixed_rows = fixed.support.to_padded()  # the fixed-width form an engine adapter hands over
     ragged = capture.sample(logits, temperature=1.0, top_p=0.9)
     routes = torch.randint(0, 64, (57, 4, 2), dtype=torch.int16)
-    body = dumps({"fixed": support_to_wire(fixed.support), "ragged": support_to_wire(ragged.support), "routes": routes})
+    body = dumps({"fixed": support_to_wire(fixed_rows), "ragged": support_to_wire(ragged.support), "routes": routes})
     out = loads(body)
     got_fixed = support_from_wire(out["fixed"], sampled_ids=fixed.ids, vocab_size=300)
     got_ragged = support_from_wire(out["ragged"], sampled_ids=ragged.ids, vocab_size=300)
-    assert isinstance(got_fixed, PackedTensor) and got_fixed == fixed.support
+    assert isinstance(got_fixed, PackedTensor) and got_fixed == fixed_rows
     assert isinstance(got_ragged, RaggedSupport) and got_ragged == ragged.support
     assert torch.equal(routes_from_wire(out["routes"]), routes)
 
@@ -169,7 +170,7 @@ def test_unsigned_and_narrow_envelopes_are_checked_after_widening(dtype):
     assert got.dtype == dtype and torch.equal(got, routes)
     rows = torch.tensor([[5, 1], [9, 3]], dtype=dtype)
     support = support_from_wire(loads(dumps({"rows": rows})), sampled_ids=torch.tensor([1, 9]), vocab_size=10)
-    assert support.values.dtype == torch.int32 and support.values.tolist() == rows.tolist()
+    assert support.to_padded().values.dtype == torch.int32 and support.to_padded().values.tolist() == rows.tolist()
     members, offsets = torch.tensor([5, 1, 9], dtype=dtype), torch.tensor([0, 2, 3], dtype=dtype)
     ragged = support_from_wire(loads(dumps({"member_ids": members, "row_offsets": offsets})), sampled_ids=torch.tensor([5, 9]))
     assert ragged.member_ids.dtype == torch.int32 and ragged.member_ids.tolist() == [5, 1, 9]

@@ -151,7 +151,7 @@ def generate(model, prompts, response_lengths, *, top_k: int, temperature: float
                 ids, lp, sup = sample(logits, temperature=temperature, top_k=top_k, generator=g)
                 tokens = torch.cat([tokens, ids])
                 lps.append(lp)
-                rows.append(sup.values)
+                rows.append(sup.to_padded().values)
             out.append((tokens, torch.cat(lps), torch.cat(rows)))
     return out
 
