@@ -57,4 +57,4 @@ def test_the_checked_paths_still_accept_good_input():
     assert out.values.tolist() == ROWS.tolist()
     assert decode_envelope({"data": "AQI=", "shape": [2], "dtype": "uint8"}).tolist() == [1, 2]
     rows = support_from_vllm_sampling_mask([[5, 1], [9], [2, 7, 3]], [1, 9, 3], width=2)
-    assert rows.support.values.tolist() == [[5, 1], [9, -1], [-1, -1]] and rows.flagged.tolist() == [False, False, True]
+    assert rows.support.to_padded().values.tolist() == [[5, 1], [9, -1], [-1, -1]] and rows.flagged.tolist() == [False, False, True]

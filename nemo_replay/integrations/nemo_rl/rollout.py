@@ -126,7 +126,7 @@ def generation_support_from_vllm(
                 f"request {i}: {start} prompt tokens + {n} generated tokens do not fit total_length={total_length}; pass "
                 f"the width of the worker's output_ids"
             )
-        rows[i, start : start + n] = got.support.values.to(torch.int32)
+        rows[i, start : start + n] = got.support.to_padded().values  # (n, width): generation_support's rows
         flagged[i, start : start + n] = got.flagged
         if got.logprobs is not None:
             logprobs[i, start : start + n] = got.logprobs

@@ -183,7 +183,7 @@ def _unrecordable(replay: RolloutReplay, params: Any, engine: str, reason: str) 
 
 def _rows(result: EngineSupport) -> tuple[np.ndarray, dict]:
     """An adapter's fixed-width support -> (int32 [n, width] rows, flag counts)."""
-    values = result.support.values
+    values = result.support.to_padded().values  # the (n, width) rows verl's batch field holds
     return values.to(dtype=torch.int32).numpy().copy(), dict(result.reasons)
 
 

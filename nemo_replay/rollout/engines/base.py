@@ -25,14 +25,14 @@ import logging
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.rollout.capture.sampler import check_capture_settings
 from nemo_replay.support.errors import SupportAlignmentError
-from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
+from nemo_replay.support.packed import lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["EngineSupport", "FLAG_REASONS", "capture_settings_from_engine"]
@@ -60,15 +60,16 @@ class EngineSupport:
     """The support of one response, as an adapter returns it.
 
     Attributes:
-        support: one-segment ``PackedTensor`` (values (n, width) int32, ``-1`` padded) or
-            ``RaggedSupport`` with n rows. Flagged positions have empty rows.
+        support: ``RaggedSupport`` with n rows (one segment), each row its members; with a
+            row width its ``width_bound`` is that width (``to_padded()`` gives the
+            ``(n, width)`` int32 rows, ``-1`` padded). Flagged positions have empty rows.
         logprobs: (n,), float32: the engine's processed log-prob of each sampled token
             (over the support it sampled from), or None when the output carries none.
         flagged: (n,), bool: positions whose support could not be recorded exactly.
         reasons: how many positions were flagged for each reason of :data:`FLAG_REASONS`.
     """
 
-    support: Union[PackedTensor, RaggedSupport]
+    support: RaggedSupport
     logprobs: Optional[torch.Tensor]
     flagged: torch.Tensor
     reasons: dict = field(default_factory=dict)
@@ -219,8 +220,9 @@ def assemble_flat(
         lengths: (n,) their sizes (0 where ``flagged``).
         flagged: (n,) bool, positions flagged upstream.
         sampled: (n,) int64 generated tokens.
-        width: fixed row width, or None for ragged rows. A row wider than ``width`` is
-            flagged ``"wider_than_row"`` and left empty -- never cut.
+        width: the row width a consumer pads to (``to_padded()``: the rows stay CSR,
+            with this ``width_bound``), or None. A row wider than ``width`` is flagged
+            ``"wider_than_row"`` and left empty -- never cut.
         logprobs: (n,) float32 or None.
         reasons: counts of upstream flags by reason; updated here.
     """
@@ -256,7 +258,8 @@ def assemble_flat(
     ragged = RaggedSupport(
         members.to(torch.int32), lengths_to_cu_seqlens(lengths).to(torch.int64), torch.tensor([0, n], dtype=torch.int32),
     )
-    support: Union[PackedTensor, RaggedSupport] = ragged if width is None else ragged.to_padded(width)
+    # CSR either way: a row costs its members; with a width, padded copies are that wide.
+    support = ragged if width is None else ragged.bounded(width)
     validate_support(support, sampled_ids=sampled, vocab_size=vocab_size, where=where)
     if flagged.any():
         at = torch.nonzero(flagged).flatten().tolist()

@@ -12,7 +12,7 @@ from nemo_replay.rollout.engines.sglang import (
     support_from_sglang_response,
 )
 from nemo_replay.support.errors import SupportAlignmentError
-from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
 from tests.rollout.engines.engine_outputs import (
     sglang_abort_finish_reason,
     sglang_error_body,
@@ -59,8 +59,8 @@ def test_whole_response_and_fixed_width(steps):
     _, steps = steps
     response = {"text": "", "output_ids": [s.token for s in steps], "meta_info": sglang_meta_info(steps, "support")}
     got = support_from_sglang_response(response, width=K, vocab_size=V)
-    assert isinstance(got.support, PackedTensor) and got.support.values.shape == (N, K)
-    assert [{int(t) for t in r if t >= 0} for r in got.support.values] == [set(s.row) for s in steps]
+    assert isinstance(got.support, RaggedSupport) and got.support.to_padded().values.shape == (N, K)
+    assert [set(got.support.row(j).tolist()) for j in range(N)] == [set(s.row) for s in steps]
     narrow = support_from_sglang_response(response, width=3, vocab_size=V)  # rows wider than 3 are flagged, not cut
     wider = [len(s.row) > 3 for s in steps]
     assert narrow.flagged.tolist() == wider and narrow.reasons == {"wider_than_row": sum(wider)}

@@ -86,7 +86,9 @@ def test_every_output_path_gives_the_sampler_rows(steps, form, width):
         if "mask" in form:  # vLLM's order, ids ascending
             assert [got.support.row(j).tolist() for j in range(N)] == [s.mask for s in steps]
     else:
-        assert isinstance(got.support, PackedTensor) and got.support.values.shape == (N, K)
+        # CSR rows, each its members; padded copies have the requested width.
+        assert isinstance(got.support, RaggedSupport) and got.support.width_bound == K
+        assert got.support.to_padded().values.shape == (N, K)
     want = torch.tensor([s.logprobs[0] for s in steps])
     torch.testing.assert_close(got.logprobs, want, rtol=0, atol=1e-6)
     assert got.loss_mask.all()
@@ -168,7 +170,7 @@ def test_supports_wider_than_a_fixed_row_are_flagged_never_cut(tied, caplog):
         got = support_from_vllm_output(vllm_offline_output(steps, max(sizes) + 1), width=k, vocab_size=vocab)
     wider = [z > k for z in sizes]
     assert got.flagged.tolist() == wider and got.reasons == {"wider_than_row": sum(wider)}
-    assert isinstance(got.support, PackedTensor) and got.support.values.shape == (len(sizes), k)
+    assert isinstance(got.support, RaggedSupport) and got.support.to_padded().values.shape == (len(sizes), k)
     for j, s in enumerate(steps):
         assert rows_of(got)[j] == (set() if wider[j] else set(s.mask))
     assert f"{sum(wider)} of {len(sizes)} positions flagged" in caplog.text and "wider_than_row" in caplog.text
@@ -324,7 +326,8 @@ def test_the_array_reader_equals_the_entry_by_entry_reader(seed, form):
     for width in (K, K - 2):
         a, b = (support_from_vllm_logprobs(x, ids, width=width, vocab_size=V) for x in
                 (out.logprobs, [{t: {"logprob": getattr(v, "logprob", v)} for t, v in p.items()} for p in positions]))
-        assert torch.equal(a.support.values, b.support.values) and torch.equal(a.flagged, b.flagged) and a.reasons == b.reasons
+        assert a.support == b.support and a.support.width_bound == b.support.width_bound
+        assert torch.equal(a.flagged, b.flagged) and a.reasons == b.reasons
 
 
 @pytest.mark.parametrize("top_k, top_p, temperature, n", [(64, 1.0, 1.0, 64), (20, 1.0, 0.7, 46)])
@@ -347,6 +350,6 @@ def test_the_margin_keeps_every_position_vllm_024_ties_past_k(top_k, top_p, temp
         got = support_from_vllm_logprobs(out.logprobs, out.token_ids, width=asked - 1, vocab_size=vocab)
         kept[asked] = n - int(got.flagged.sum())
         if asked == width + 1:
-            assert [sorted(t for t in got.support.values[j].tolist() if t >= 0) for j in range(n)] == [s.mask for s in steps]
+            assert [sorted(got.support.row(j).tolist()) for j in range(n)] == [s.mask for s in steps]
             assert max(len(s.mask) for s in steps) > top_k  # ties past k were there to lose
     assert kept[width + 1] == n and kept[top_k + 1] < n, kept
