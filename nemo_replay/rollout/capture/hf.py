@@ -31,9 +31,10 @@ the completions it keeps (cut after a stop token, as the caller cuts them). A st
 
 Rows are ranked (score descending, ties by the smaller id). transformers' top-k keeps every
 token tied with the k-th score, so a row can be wider than ``top_k`` where scores tie (the
-common case with bf16 logits); then the batch is a :class:`RaggedSupport`, never cut.
-Otherwise rows are fixed width (``row_width``, default ``generation_config.top_k``),
-padded with ``-1``, as the capture sampler and the engine adapters return them.
+common case with bf16 logits). Rows are a :class:`RaggedSupport` (CSR), each exactly its
+support, never cut, as the capture sampler and the engine adapters return them; with the
+resolved top-k their ``width_bound`` is ``top_k`` when every row fits it. A caller that asks
+for ``row_width`` gets fixed-width rows of that width (``-1`` padded) when every row fits.
 
 :func:`generate_with_support` runs one batch through ``generate`` under the recorder;
 :func:`nemo_replay.trainer.generation.replay_batches_from_generation` turns its result into the trainer's micro-batches.
@@ -141,9 +142,10 @@ class CapturedSupport(NamedTuple):
     """What :meth:`SupportRecorder.finish` returns for B completions of lengths ``R_i``.
 
     Attributes:
-        support: one segment of ``R_i`` rows per completion: ``PackedTensor`` (values
-            (sum R_i, row_width) int32, -1 padded) when every row fits ``row_width``, else
-            ``RaggedSupport``. Members in rank order; each sampled token is in its row.
+        support: one segment of ``R_i`` rows per completion: ``RaggedSupport``, or
+            ``PackedTensor`` (values (sum R_i, row_width) int32, -1 padded) when a
+            ``row_width`` was asked for and every row fits it. Members in rank order; each
+            sampled token is in its row.
         logprobs: (sum R_i,), float32, completion-major: the processed log-prob of each
             sampled token over its row.
         lengths: (B,), int64, the ``R_i``.
@@ -270,8 +272,9 @@ class SupportRecorder:
             completions: B token lists (or 1-D int tensors), row ``i`` of the batch given to
                 ``generate``: the ``R_i`` tokens sampled at steps ``0 .. R_i - 1`` that the
                 caller keeps (e.g. cut after the first stop token).
-            row_width: fixed row width; None: the resolved top-k. No top-k, or any row
-                wider than the width (ties), gives ragged rows.
+            row_width: fixed row width; None (default): CSR rows, whose padded copies are
+                the resolved top-k wide when every row fits it. Any row wider than the
+                width (ties) gives CSR rows.
             vocab_size: ids must be below it when given.
 
         Raises:
@@ -304,10 +307,10 @@ class SupportRecorder:
         logprobs = logprobs[order]
         support = _regroup(rows, lengths)
         widest = int(rows.row_lengths.max()) if rows.num_rows else 0
-        if row_width is None and self.settings is not None:
-            row_width = self.settings["top_k"]
         if row_width is not None and widest <= row_width:
             support = support.to_padded(row_width)
+        elif row_width is None and self.settings is not None and self.settings["top_k"] and widest <= self.settings["top_k"]:
+            support = support.bounded(self.settings["top_k"])  # padded copies: the top-k width
         flat = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.int64)
         validate_support(support, sampled_ids=flat, vocab_size=vocab_size, where=where)
         return CapturedSupport(support, logprobs, lengths)
@@ -463,8 +466,8 @@ def generate_with_support(
             fills its unset fields (module doc) and the resolved config is checked
             (:func:`check_generation_config`). Its ``eos_token_id`` (int or list) ends rows.
         extra_stop_ids: more ids that end a completion (kept, with their row).
-        row_width: fixed support width; default the resolved top-k (ragged without one,
-            or when ties make a row wider).
+        row_width: fixed support width; default None, CSR rows (padded copies the resolved
+            top-k wide when every row fits it).
         vocab_size: ids must be below it; default ``model.config.vocab_size``.
 
     Returns:

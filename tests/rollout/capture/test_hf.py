@@ -138,10 +138,10 @@ def test_capture_matches_float64_warpers_with_kv_cache(model, settings, dtype):
             assert lps[k] == pytest.approx(ref, abs=2e-6)
             k += 1
     widest = max(len(r) for r in rows)
+    # CSR rows, each its members; padded copies are the resolved top-k wide when every row fits.
+    assert isinstance(out.captured.support, RaggedSupport)
     if settings["top_k"] and widest <= settings["top_k"]:
-        assert isinstance(out.captured.support, PackedTensor) and out.captured.support.values.shape[1] == settings["top_k"]
-    else:
-        assert isinstance(out.captured.support, RaggedSupport)
+        assert out.captured.support.width_bound == settings["top_k"]
 
 
 def test_trainer_forward_replays_the_cached_samples(model):
@@ -205,7 +205,7 @@ def test_masking_processors_are_captured_rewriting_ones_refused(model):
     gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=8, max_new_tokens=4, pad_token_id=0, suppress_tokens=[7, 21])
     torch.manual_seed(1)
     out = generate_with_support(model, ids, mask, gc)
-    assert not {7, 21} & set(out.captured.support.values.flatten().tolist())
+    assert not {7, 21} & set(out.captured.support.all_ids.tolist())
 
     class Boost:  # a custom processor that adds 0.5 to token 9's score
         def __call__(self, input_ids, scores):
@@ -274,7 +274,7 @@ def test_the_config_generate_resolves_is_the_one_captured():
     ids, mask = _prompts()
     torch.manual_seed(4)
     out = generate_with_support(model, ids, mask, GenerationConfig(do_sample=True, max_new_tokens=3))
-    assert out.captured.support.values.shape[1] == 5  # the model's top_k (transformers' own default is 50)
+    assert out.captured.support.width_bound == 5  # the model's top_k (transformers' own default is 50)
     model.generation_config = GenerationConfig(temperature=0.7, top_k=5, repetition_penalty=1.3, pad_token_id=0)
     with pytest.raises(ValueError, match=r"(?s)resolved GenerationConfig.*repetition_penalty=1.3"):
         generate_with_support(model, ids, mask, GenerationConfig(do_sample=True, max_new_tokens=3))
