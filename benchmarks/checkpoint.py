@@ -6,7 +6,7 @@
 The state is an AdamW optimizer over linear layers (weights plus two moments: three times the
 parameters), written with Lightning Fabric's single-file save, the reference trainer's format
 on one device. Timed, each the median of ``--repeats`` runs: the save, the digests of the
-written folder (``trainer/digests.py``: 64 MiB blocks on the threads a save uses), the check
+written folder (``trainer/rundir/digests.py``: 64 MiB blocks on the threads a save uses), the check
 before a load (sizes, then digests), and the load. The files are read from the page cache, as
 right after a save; a cold read would cost the save and the load alike.
 """
@@ -42,8 +42,8 @@ def _median(fn, repeats: int) -> float:
 def measure(mib: int, repeats: int) -> dict:
     from lightning.fabric import Fabric
 
-    from nemo_replay.trainer import digests
-    from nemo_replay.trainer.checkpoint import MANIFEST, _FabricFormat
+    from nemo_replay.trainer.rundir import digests
+    from nemo_replay.trainer.rundir.checkpoint import MANIFEST, _FabricFormat
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model, optimizer = _state(mib)

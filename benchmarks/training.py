@@ -13,7 +13,7 @@ and micro-batches:
 on two models, each in a fresh process (``python -m benchmarks.training SPEC``):
 
     hf        the reference trainer's model: a Llama built from a config
-              (``nemo_replay.trainer.hf_backend.build_hf_model``) through the fsdp strategy
+              (``nemo_replay.trainer.backends.hf.build_hf_model``) through the fsdp strategy
     megatron  a megatron-core GPTModel (local layer spec) through the megatron strategy,
               on one gloo rank, with the CPU shims of tests/strategies/megatron/cpu_shims.py
 

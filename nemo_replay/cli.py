@@ -197,7 +197,7 @@ def build_server(args: Sequence[str], ns: argparse.Namespace):
     import torch
 
     from nemo_replay.rollout.transport.server import GenerateServer, read_token_file
-    from nemo_replay.trainer.hf_backend import build_hf_model
+    from nemo_replay.trainer.backends.hf import build_hf_model
 
     token = read_token_file(ns.token_file) if ns.token_file is not None else ns.token  # before the model: fail fast
     cfg = _load(args)

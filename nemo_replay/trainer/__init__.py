@@ -3,6 +3,13 @@
 - :class:`GRPOTrainer` (:mod:`.grpo`): the main job's loop on Lightning Fabric;
 - :func:`run_compare` (:mod:`.compare`): replay on vs off from the same seed.
 
+Rooms by concern: the recipe (:mod:`.config`), the run folder and its checkpoints
+(:mod:`.rundir`: the folder, :mod:`.rundir.checkpoint`, :mod:`.rundir.digests`), the rows
+and their loggers (:mod:`.loggers`: :mod:`.loggers.metrics`, :mod:`.loggers.jsonl`), the
+model backends (:mod:`.backends`), and the loop itself here (:mod:`.grpo`, :mod:`.compare`,
+:mod:`.generation`, :mod:`.tasks`, :mod:`.guards`, :mod:`.preemption`, :mod:`.runtime`;
+:mod:`.torchrun` is the launcher).
+
 The glue for trainers that own their loop is not here: :class:`nemo_replay.roles.ReplayRoles`
 for a hand-written loop, :mod:`nemo_replay.integrations` for other frameworks.
 Names load on first use, so importing this package stays cheap.

@@ -26,7 +26,7 @@ from typing import Optional
 from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.trainer.config.validation import resolve_engine
 from nemo_replay.trainer.grpo import GRPOTrainer, RunResult
-from nemo_replay.trainer.metrics import plot_runs, write_summary
+from nemo_replay.trainer.loggers.metrics import plot_runs, write_summary
 from nemo_replay.trainer.rundir import default_run_name, new_run_dir
 from nemo_replay.trainer.runtime import launch_fabric
 

@@ -4,7 +4,7 @@ One step, on every rank (NeMo-RL's GRPO loop, on Lightning Fabric):
 
 1. **rollout**: this data-parallel rank's prompts, ``group_size`` responses each, sampled by
    the rollout engine (``generation.engine``): transformers' ``generate`` with a KV cache on
-   an engine copy of the weights (``hf``, :mod:`.hf_engine`), or the capture sampler on the
+   an engine copy of the weights (``hf``, :mod:`.backends.hf_engine`), or the capture sampler on the
    policy's own forward (``trainer``, :mod:`.generation`); each token keeps its processed
    log-prob and its support row;
 2. **reward and advantages**: the task's verifiable reward, group-normalised
@@ -47,12 +47,12 @@ from nemo_replay.strategies.base import RoleSettings
 from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.trainer.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings, generate
-from nemo_replay.trainer.checkpoint import (
+from nemo_replay.trainer.rundir.checkpoint import (
     CHECKPOINTS, Checkpointer, CheckpointUnreadable, capture_rank_rng, restore_rank_rng,
 )
 from nemo_replay.trainer.guards import NonFiniteError, check_update, collective_failure, diverged_rollout
 from nemo_replay.trainer.loggers import RunLoggers
-from nemo_replay.trainer.metrics import plot_runs, write_atomic, write_summary
+from nemo_replay.trainer.loggers.metrics import plot_runs, write_atomic, write_summary
 from nemo_replay.trainer.preemption import StopSignals
 from nemo_replay.trainer.rundir import prepare_run_dir
 from nemo_replay.trainer.runtime import launch_fabric, make_backend, seed_all
@@ -209,7 +209,7 @@ class GRPOTrainer:
         return {"prompt": self.prompt_rng, "sample": self.sample_rng}
 
     def save_checkpoint(self, step: int) -> Path:
-        """Checkpoint steps ``0..step`` (collective; see :mod:`nemo_replay.trainer.checkpoint`)."""
+        """Checkpoint steps ``0..step`` (collective; see :mod:`nemo_replay.trainer.rundir.checkpoint`)."""
         rank_state = {"rng": capture_rank_rng(self._generators())}
         return self.checkpoints.save(step, self.policy, self.optimizer, history=self.history, rank_state=rank_state)
 

@@ -13,7 +13,7 @@ A process group (gloo on CPU, nccl on GPU) exists whenever the world has more th
 rank or the strategy's spec says it needs one (megatron-core does even for a single rank).
 It is launched through Fabric's ``ModelParallelStrategy``, whose ``save`` / ``load`` write
 FSDP2 (DTensor) models as sharded torch distributed checkpoints
-(:mod:`nemo_replay.trainer.checkpoint`); the trainer applies its own parallelism, so the
+(:mod:`nemo_replay.trainer.rundir.checkpoint`); the trainer applies its own parallelism, so the
 strategy's ``parallelize_fn`` is never called.
 
 Collective timeout. A group the run creates waits ``trainer.collective_timeout_s`` for a

@@ -188,8 +188,8 @@ def test_a_plugin_strategy_brings_its_own_recipe_rules(plugin_dir):
 
 
 def test_runtime_asks_the_spec_for_its_backend_and_process_group():
-    from nemo_replay.trainer.hf_backend import HFBackend
-    from nemo_replay.trainer.megatron_backend import MegatronBackend
+    from nemo_replay.trainer.backends.hf import HFBackend
+    from nemo_replay.trainer.backends.megatron import MegatronBackend
 
     assert nemo_replay.get_strategy("fsdp").load_trainer_backend() is HFBackend
     assert nemo_replay.get_strategy("megatron").load_trainer_backend() is MegatronBackend
@@ -200,6 +200,6 @@ def test_runtime_asks_the_spec_for_its_backend_and_process_group():
                                          r"GRPOTrainer\(cfg, backend=...\)"):
         bare.load_trainer_backend()
     with pytest.raises(ValueError, match=r"strategy 'bad': trainer_backend must be 'module:attribute' or None"):
-        StrategySpec("bad", _factory, trainer_backend="nemo_replay.trainer.hf_backend.HFBackend")
+        StrategySpec("bad", _factory, trainer_backend="nemo_replay.trainer.backends.hf.HFBackend")
     with pytest.raises(ValueError, match=r"strategy 'bad': check_config must be callable, got list"):
         StrategySpec("bad", _factory, check_config=[])

@@ -1,4 +1,4 @@
-"""Checkpoint digests (nemo_replay/trainer/digests.py): blocks, the split across ranks, the
+"""Checkpoint digests (nemo_replay/trainer/rundir/digests.py): blocks, the split across ranks, the
 combined digest against a naive reference, and what a check reports."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from nemo_replay.trainer import digests
+from nemo_replay.trainer.rundir import digests
 
 
 def naive(data: bytes, block: int) -> str:

@@ -13,8 +13,8 @@ from nemo_replay.trainer.config.errors import ConfigError
 from nemo_replay.trainer.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings
 from nemo_replay.trainer.grpo import GRPOTrainer
-from nemo_replay.trainer.hf_backend import build_hf_model
-from nemo_replay.trainer.hf_engine import HFEngine
+from nemo_replay.trainer.backends.hf import build_hf_model
+from nemo_replay.trainer.backends.hf_engine import HFEngine
 from tests.trainer.tiny import tiny
 
 

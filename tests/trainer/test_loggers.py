@@ -30,7 +30,7 @@ import pytest
 from nemo_replay.trainer.config import ConfigError, load_config
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.loggers import IDS_FILE, RunLoggers
-from nemo_replay.trainer.metrics import read_jsonl
+from nemo_replay.trainer.loggers.metrics import read_jsonl
 from tests.trainer.tiny import tiny
 
 ALL = "trainer.loggers=[jsonl,csv,tensorboard,wandb,mlflow]"

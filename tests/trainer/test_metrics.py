@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from nemo_replay.trainer.metrics import read_jsonl, restore_rows, write_summary
+from nemo_replay.trainer.loggers.metrics import read_jsonl, restore_rows, write_summary
 
 
 def test_restore_rows_moves_later_and_torn_rows_aside(tmp_path):

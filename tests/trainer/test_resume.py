@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from nemo_replay.trainer.config import load_config
-from nemo_replay.trainer.checkpoint import latest_checkpoint
+from nemo_replay.trainer.rundir.checkpoint import latest_checkpoint
 from nemo_replay.trainer.grpo import GRPOTrainer
 from nemo_replay.trainer.guards import NonFiniteError
 from nemo_replay.trainer.preemption import PREEMPTED_EXIT

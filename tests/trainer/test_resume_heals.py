@@ -127,7 +127,7 @@ def test_a_diverged_run_exits_1_with_its_summary_and_goes_on_with_a_smaller_lr(t
 def test_a_full_disk_leaves_no_temp_file_and_the_next_start_removes_partial_folders(tmp_path, monkeypatch):
     import errno
 
-    from nemo_replay.trainer import metrics
+    from nemo_replay.trainer.loggers import metrics
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -155,7 +155,7 @@ def test_a_single_process_checkpoint_is_staged_next_to_the_output_not_in_tmpdir(
     import torch
     from lightning.fabric import Fabric
 
-    from nemo_replay.trainer.checkpoint import _FabricFormat
+    from nemo_replay.trainer.rundir.checkpoint import _FabricFormat
 
     staged = []
     real = tempfile.mkstemp
@@ -192,7 +192,7 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_writing_naming_path_a
     import torch
     from lightning.fabric import Fabric
 
-    from nemo_replay.trainer import checkpoint as ck
+    from nemo_replay.trainer.rundir import checkpoint as ck
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model = torch.nn.Linear(64, 64)
@@ -247,7 +247,7 @@ def test_a_loader_error_of_any_kind_sets_the_checkpoint_aside(tmp_path, monkeypa
     (KeyboardInterrupt) still stops."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from nemo_replay.trainer import checkpoint as ck
+    from nemo_replay.trainer.rundir import checkpoint as ck
 
     out = tmp_path / "run"
     keep = ("trainer.checkpoint_every=1", "trainer.keep_checkpoints=3")
@@ -290,7 +290,7 @@ def test_a_full_disk_heals_with_the_command_the_message_names(tmp_path, monkeypa
     import shutil
     from types import SimpleNamespace
 
-    from nemo_replay.trainer import checkpoint as ck
+    from nemo_replay.trainer.rundir import checkpoint as ck
 
     out = tmp_path / "run"
     _trainer(out, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=4", steps=4).fit()

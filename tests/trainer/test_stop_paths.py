@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_replay.trainer.checkpoint import latest_checkpoint
+from nemo_replay.trainer.rundir.checkpoint import latest_checkpoint
 from nemo_replay.trainer.preemption import PREEMPTED_EXIT
 from nemo_replay.trainer.torchrun import SHUTDOWN_TIMEOUT_S, with_shutdown_timeout
 from tests.spawn import free_port

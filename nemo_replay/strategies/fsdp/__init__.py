@@ -18,5 +18,5 @@ SPEC = StrategySpec(
     "Hugging Face causal LMs under FSDP2: padding removal and Ulysses sequence parallelism",
     parallel_sizes=recipe.parallel_sizes,
     check_config=recipe.check_config,
-    trainer_backend="nemo_replay.trainer.hf_backend:HFBackend",
+    trainer_backend="nemo_replay.trainer.backends.hf:HFBackend",
 )

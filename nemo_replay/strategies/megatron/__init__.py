@@ -28,5 +28,5 @@ SPEC = StrategySpec(
     check_config=recipe.check_config,
     needs_process_group=True,  # megatron-core's parallel state needs torch.distributed even on one rank
     supports_route_replay=True,
-    trainer_backend="nemo_replay.trainer.megatron_backend:MegatronBackend",
+    trainer_backend="nemo_replay.trainer.backends.megatron:MegatronBackend",
 )

@@ -123,11 +123,11 @@ class HFBackend:
         return model
 
     def build_engine(self, policy, settings):
-        """The ``hf`` rollout engine (:class:`~nemo_replay.trainer.hf_engine.HFEngine`) for ``policy``.
+        """The ``hf`` rollout engine (:class:`~nemo_replay.trainer.backends.hf_engine.HFEngine`) for ``policy``.
 
         Its weights are cast to ``generation.dtype`` (null: ``model.dtype``).
         """
-        from nemo_replay.trainer.hf_engine import HFEngine
+        from nemo_replay.trainer.backends.hf_engine import HFEngine
 
         dtype = self.cfg.generation.dtype or self.cfg.model.dtype
         return HFEngine(policy, settings, dtype=dtype, device=self.device)

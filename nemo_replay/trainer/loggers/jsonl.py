@@ -1,7 +1,7 @@
 """The Fabric logger behind ``metrics.jsonl`` (docs/design.md §10): one JSON object per step.
 
-Non-finite values are written as ``null`` (:func:`nemo_replay.trainer.metrics.row_text`), so
-every line is strict JSON. Kept apart from :mod:`nemo_replay.trainer.metrics` because it
+Non-finite values are written as ``null`` (:func:`nemo_replay.trainer.loggers.metrics.row_text`), so
+every line is strict JSON. Kept apart from :mod:`nemo_replay.trainer.loggers.metrics` because it
 imports Lightning, which the readers of the rows do not need.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from lightning.fabric.loggers import Logger
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from nemo_replay.trainer.metrics import row_text
+from nemo_replay.trainer.loggers.metrics import row_text
 
 __all__ = ["JsonlLogger"]
 

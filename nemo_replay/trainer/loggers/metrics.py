@@ -1,6 +1,6 @@
 """Run metrics: the JSON-lines rows, their files and PNG plots (matplotlib, Agg backend).
 
-The Fabric logger that writes the rows is :class:`~nemo_replay.trainer.jsonl_logger.JsonlLogger`;
+The Fabric logger that writes the rows is :class:`~nemo_replay.trainer.loggers.jsonl.JsonlLogger`;
 this module imports no Lightning, so run folders and checkpoints that read or write rows stay cheap.
 
 ``metrics.jsonl`` holds one JSON object per training step (``{"step": 3, "reward": 0.41,

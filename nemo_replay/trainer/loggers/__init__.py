@@ -1,6 +1,6 @@
 """The run's experiment loggers (``trainer.loggers``): Lightning Fabric loggers under the run folder.
 
-- ``jsonl``: :class:`~nemo_replay.trainer.jsonl_logger.JsonlLogger`, ``metrics.jsonl``;
+- ``jsonl``: :class:`~nemo_replay.trainer.loggers.jsonl.JsonlLogger`, ``metrics.jsonl``;
 - ``csv``: ``lightning.fabric.loggers.CSVLogger``, ``csv/metrics.csv``;
 - ``tensorboard``: ``lightning.fabric.loggers.TensorBoardLogger``, ``tensorboard/events.out.tfevents.*``;
 - ``wandb``: ``lightning.pytorch.loggers.WandbLogger``, offline, ``wandb/offline-run-<time>-<id>/``;
@@ -140,8 +140,8 @@ class _Jsonl(_RunLogger):
     side: Optional[Path] = None
 
     def start(self, mode, rows, ids, hparams, later):
-        from nemo_replay.trainer.jsonl_logger import JsonlLogger
-        from nemo_replay.trainer.metrics import restore_rows
+        from nemo_replay.trainer.loggers.jsonl import JsonlLogger
+        from nemo_replay.trainer.loggers.metrics import restore_rows
 
         self.logger = JsonlLogger(self.run)
         if mode != "new":
@@ -169,7 +169,7 @@ def restore_csv(path: Path, rows: Sequence[dict]) -> tuple[str, Optional[Path]]:
     the header, whose path is returned (None when there were none). ``path`` itself is left
     for the caller to replace.
     """
-    from nemo_replay.trainer.metrics import write_atomic
+    from nemo_replay.trainer.loggers.metrics import write_atomic
 
     last = rows[-1]["step"] if rows else -1
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
@@ -207,7 +207,7 @@ class _Csv(_RunLogger):
     def start(self, mode, rows, ids, hparams, later):
         from lightning.fabric.loggers import CSVLogger
 
-        from nemo_replay.trainer.metrics import write_atomic
+        from nemo_replay.trainer.loggers.metrics import write_atomic
 
         # Every row is written as it comes (flush every step): a killed process loses none.
         self.logger = CSVLogger(self.run, name="", version="csv", flush_logs_every_n_steps=1)
@@ -416,7 +416,7 @@ class RunLoggers:
             if mode == "restart" and saved.get(name) and ids.get(name) != saved[name]:
                 notes.append(f"{name}: new run {ids[name]}; the earlier rows are in run {saved[name]}")
         if {**saved, **ids} != saved:
-            from nemo_replay.trainer.metrics import write_atomic
+            from nemo_replay.trainer.loggers.metrics import write_atomic
 
             write_atomic(ids_path, json.dumps({**saved, **ids}, indent=2) + "\n")
         return notes

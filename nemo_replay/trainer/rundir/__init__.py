@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 from nemo_replay.trainer.config.loading import to_yaml
 from nemo_replay.trainer.config.paths import output_dir_problem
 from nemo_replay.trainer.config.schema import RecipeConfig
-from nemo_replay.trainer.checkpoint import CHECKPOINTS, CheckpointInfo, latest_checkpoint
+from nemo_replay.trainer.rundir.checkpoint import CHECKPOINTS, CheckpointInfo, latest_checkpoint
 
 __all__ = [
     "RunDir", "prepare_run_dir", "new_run_dir", "default_run_name", "holds_run", "RESUMABLE", "OVERRIDABLE", "RUN_FILES",

@@ -7,7 +7,7 @@ Layout under the run folder::
         state/                 model and optimizer (format below), the trainer state
         complete.json          written last; without it the folder is never resumed from. It
                                lists every other file with its size and digest
-                               (trainer/digests.py), checked before a resume reads it
+                               (trainer/rundir/digests.py), checked before a resume reads it
       .partial-step-0000099-3fa2c1/   a save in progress (or one a crash left behind)
 
 What a checkpoint holds: the policy's weights and the optimizer state; the step; the
@@ -60,9 +60,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import nemo_replay.trainer.rundir.digests as digests  # the module, not the package: no import circle
 from nemo_replay.scoring.collectives import agree
-from nemo_replay.trainer import digests
-from nemo_replay.trainer.metrics import write_atomic
+from nemo_replay.trainer.loggers.metrics import write_atomic
 from nemo_replay.trainer.preemption import start_writer_helpers
 
 __all__ = [
@@ -95,7 +95,7 @@ class CheckpointInfo:
         format: ``fabric`` or ``megatron-dist``.
         config: the recipe of the run that wrote it, as YAML.
         files: ``{relative path: [size, sha256 hex]}`` of every file of the folder but
-            ``complete.json`` (:mod:`~nemo_replay.trainer.digests`); None for a checkpoint
+            ``complete.json`` (:mod:`~nemo_replay.trainer.rundir.digests`); None for a checkpoint
             written before digests were recorded (loaded unchecked).
     """
 
