@@ -44,25 +44,24 @@ class LauncherParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def positive_int(text: str) -> int:
+def _count_at_least(text: str, low: int, example: str) -> int:
+    fix = f"give a count >= {low}, e.g. {example}"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a count >= 1, e.g. 2") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1; give a count >= 1, e.g. 2")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; {fix}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {low}; {fix}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _count_at_least(text, 1, "2")
 
 
 def count(text: str) -> int:
     """A count that may be 0 (``--gpus-per-node 0``: a CPU job)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a count >= 0, e.g. 8 (0 for a CPU job)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0; give a count >= 0, e.g. 8 (0 for a CPU job)")
-    return value
+    return _count_at_least(text, 0, "8 (0 for a CPU job)")
 
 
 def port(text: str) -> int:

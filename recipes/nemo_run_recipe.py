@@ -163,7 +163,8 @@ def outcome(statuses: dict, executor: str) -> int:
     for name, info in statuses.items():
         state = str(info.get("status", "UNKNOWN")).split(" ")[0]
         if state == "UNKNOWN" and executor == "slurm" and info.get("job_id"):
-            state = {"COMPLETED": "SUCCEEDED"}.get(_slurm_state(info["job_id"]), _slurm_state(info["job_id"]))
+            slurm = _slurm_state(info["job_id"])  # one scontrol call
+            state = "SUCCEEDED" if slurm == "COMPLETED" else slurm
         print(f"nemo-run: task {name} (job {info.get('job_id')}): {state}; logs under {info.get('local_dir')}")
         failed += state != "SUCCEEDED"
     return 0 if failed == 0 else 1

@@ -121,11 +121,15 @@ class RaggedSupport(Segmented):
         return self._width[0]
 
     def bounded(self, width: int) -> "RaggedSupport":
-        """These rows, whose padded copies are ``width`` wide (the fixed width they were captured
-        at, so that scores from them equal the fixed-width rows' bit for bit; >= the widest row)."""
+        """Sets, on these rows, the width of their padded copies (the fixed width they were captured
+        at, so that scores from them equal the fixed-width rows' bit for bit) and returns them.
+        ``width`` must hold the widest row: a narrower one would cut rows when padded."""
         widest = int(self.row_lengths.max()) if self.num_rows else 0
         if width < max(widest, 1):
-            raise ValueError(f"RaggedSupport.bounded: width {width} is narrower than the widest row ({widest} ids)")
+            raise ValueError(
+                f"RaggedSupport.bounded: width {width} is narrower than the widest row ({widest} ids); pass a width "
+                f">= {max(widest, 1)} (the row width the rows were captured at), or leave the rows unbounded"
+            )
         self._set_width(width)
         return self
 

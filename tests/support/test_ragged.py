@@ -46,6 +46,12 @@ def test_padding_round_trips_and_widths():
     back = RaggedSupport.from_padded(packed)
     assert _rows(back) == [[[5, 1]], [[], [8, 0, 2]]]
     assert back.to_padded(width=3) == packed
+    # A captured width: padded copies keep it (to_padded() round-trips the fixed-width rows) ...
+    assert RaggedSupport.from_padded(packed).to_padded() == packed and back.width_bound == 3
+    assert rs.bounded(4).width_bound == 4 and rs.to_padded().values.shape == (3, 4)
+    # ... and may not be narrower than a row, which padding would cut.
+    with pytest.raises(ValueError, match=r"width 2 is narrower than the widest row \(3 ids\); pass a width >= 3"):
+        _example().bounded(2)
     empty = RaggedSupport.from_rows([[[], []]])
     assert empty.padded_rows(torch.tensor([0, 1])).tolist() == [[-1], [-1]]
     assert RaggedSupport.from_rows([]).batch_size == 0

@@ -157,16 +157,13 @@ class SupportTrace:
 
     # ------------------------------------------------------------------ rows
     def _normalise_rows(self, rows: RowsLike, n: int, where: str):
-        """-> fixed (n, k) int32 tensor, or (members int32, lengths int64) for ragged rows."""
-        if self.top_k is not None:
-            if isinstance(rows, RaggedSupport):
-                # Ragged rows of a fixed-width trace (the wire's compact rows): padded to top_k when they fit.
-                if rows.num_rows != n:
-                    raise ValueError(f"{where}: {rows.num_rows} support rows for {n} sampled tokens; expected one per token")
-                widest = int(rows.row_lengths.max()) if n else 0
-                if widest > self.top_k:
-                    raise ValueError(f"{where}: a row holds {widest} ids, wider than this trace's top_k={self.top_k}")
-                rows = rows.to_padded(self.top_k)
+        """-> fixed (n, k) int32 tensor for fixed-width input, or (members int32, lengths int64)."""
+        if self.top_k is not None and isinstance(rows, RaggedSupport):
+            # CSR rows of a top-k trace (the adapters' and the wire's rows): they must fit top_k.
+            widest = int(rows.row_lengths.max()) if rows.num_rows else 0
+            if widest > self.top_k:
+                raise ValueError(f"{where}: a row holds {widest} ids, wider than this trace's top_k={self.top_k}")
+        elif self.top_k is not None:
             values = rows.values if isinstance(rows, PackedTensor) else rows
             if not isinstance(values, torch.Tensor):
                 raise ValueError(f"{where}: this trace holds fixed-width rows; pass an int [n, {self.top_k}] tensor "
@@ -281,7 +278,7 @@ class SupportTrace:
         sampled = _as_ids(sampled_ids, where)
         n = sampled.numel()
         norm = self._normalise_rows(rows, n, where)
-        if self.top_k is not None:  # fixed-width input, checked as such, kept as CSR
+        if isinstance(norm, torch.Tensor):  # fixed-width input, checked as such, kept as CSR
             validate_support(norm, sampled_ids=sampled, vocab_size=self.vocab_size, where=where)
             keep = norm >= 0  # padding is trailing (checked)
             norm = (norm[keep], keep.sum(1))

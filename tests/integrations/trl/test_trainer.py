@@ -198,7 +198,9 @@ def test_a_support_tied_at_the_kth_value_is_read_whole_with_the_requested_logpro
     """vLLM < 0.33 keeps every token tied with the k-th value in a step of fewer than 8 rows
     (v1/sample/ops/topk_topp_sampler.py:345-360 in 0.25.1): at top_k = 4 a row of 6. With
     ``top_k + 1`` log-probs the list shows 5 finite entries and no filtered one, so the support
-    is not known whole; the trainer's request (the tie margin) shows it, and it is read."""
+    is not known whole; the trainer's request (the tie margin) shows it, and it is read. The lists
+    are what TRL 1.16 hands over: each position's entries sorted by rank, ``-inf`` for filtered
+    tokens (trl/generation/vllm_generation.py:70-95, ``extract_logprobs``)."""
     top_k, vocab = 4, 48
     x = torch.full((vocab,), -math.inf, dtype=torch.float64)
     x[10:16] = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 1.0])  # ids 12..15 tie at the 4th value
