@@ -9,6 +9,7 @@ load on first lookup (:func:`get_strategy`).
 """
 
 from nemo_replay import capture
+from nemo_replay.scoring.entry import ScorerChannels, score_positions
 from nemo_replay.scoring.scorer import SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.strategies.registry import (
@@ -30,6 +31,8 @@ __all__ = [
     "SupportScores",
     "SupportAlignmentError",
     "VocabShard",
+    "ScorerChannels",
+    "score_positions",
     "score_aligned_support",
     "score_full_vocabulary",
     "StrategySpec",

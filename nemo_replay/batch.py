@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from nemo_replay.layout.canonical import real_runs
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor, Segmented
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -81,7 +82,7 @@ class ReplayBatch:
                     f"wrap it with torch.as_tensor(...)"
                 )
         seq, am = self.sequences, self.attention_mask
-        if seq.dim() != 2 or seq.dtype.is_floating_point:
+        if seq.dim() != 2 or not is_integer(seq):
             raise ValueError(f"sequences must be an integer (B, S) tensor, got {seq.dtype} {tuple(seq.shape)}")
         B, S = seq.shape
         if am.shape != (B, S):

@@ -11,7 +11,11 @@ whole row token-aligned) with a ``(B, A)`` bool mask of the positions that count
 - first-step ratio: ``exp(policy log-prob - rollout log-prob)`` in the first policy forward
   of a step, before any update: the PPO ratio against the behaviour policy. With replay
   on it is 1 to float noise.
-- support mass: ``exp(support_logmass)``, the probability the truncation kept.
+- support mass: ``exp(support_logmass)``, the probability the truncation kept, and the
+  normalisation gap ``-log mass`` apart from the numeric mismatch (:func:`record_mismatch`).
+
+One spelling everywhere: the reference trainer's rows use these names, TRL's and verl's
+logs the same names under ``replay/``.
 
 :func:`record_mismatch` and :func:`record_policy` add one micro-batch's values to a
 :class:`StepStats`; the reference trainer and :class:`~nemo_replay.roles.ReplayRoles`
@@ -29,7 +33,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepStats", "masked_abs_diff", "ratio_deviation", "record_mismatch", "record_policy"]
+__all__ = [
+    "StepStats", "masked_abs_diff", "ratio_deviation", "record_mismatch", "record_gap", "record_policy", "MISMATCH_NAMES", "GAP_NAMES",
+]
 
 
 def masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,11 +57,50 @@ def ratio_deviation(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch
     return torch.where(m, r, 0.0).sum(), (dev.amax() if dev.numel() else dev.new_zeros(())), m.sum()
 
 
-def record_mismatch(stats: "StepStats", rollout_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    """``mismatch_mean`` / ``mismatch_max`` of one micro-batch; all (B, A), mask bool. No host read."""
+#: Every name :func:`record_mismatch` adds; the integrations log them under ``replay/``.
+MISMATCH_NAMES = ("mismatch_mean", "mismatch_max")
+GAP_NAMES = ("support_mass_mean", "normalisation_gap_mean", "full_vocab_mismatch_mean", "full_vocab_mismatch_max")
+
+
+def record_mismatch(
+    stats: "StepStats",
+    rollout_logprobs: torch.Tensor,
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    log_mass: Optional[torch.Tensor] = None,
+    mass_mask: Optional[torch.Tensor] = None,
+) -> None:
+    """The mismatch of one micro-batch (names :data:`MISMATCH_NAMES`); all (B, A), mask bool. No host read.
+
+    With ``log_mass`` (the scorer's ``support_logmass``, <= 0) also the normalisation gap apart
+    (:data:`GAP_NAMES`), over ``mass_mask`` (default ``mask``; the positions scored over a row):
+    ``support_mass_mean`` (the kept probability), ``normalisation_gap_mean`` (mean ``-log mass``
+    = ``log p_S(x) - log p_V(x)``, what full-vocabulary scoring adds to each token) and
+    ``full_vocab_mismatch_{mean,max}`` (``|rollout - (replayed + log mass)|``: what the
+    trainer would measure without replay).
+    """
     total, peak, n = masked_abs_diff(rollout_logprobs, logprobs, mask)
     stats.add_mean("mismatch_mean", total, n)
     stats.add_max("mismatch_max", peak)
+    if log_mass is None:
+        return
+    m = (mask if mass_mask is None else mass_mask).to(log_mass.device).bool()
+    lm = record_gap(stats, log_mass, m)
+    total, peak, n = masked_abs_diff(rollout_logprobs, logprobs.detach().double().to(lm.device) + lm, m)
+    stats.add_mean("full_vocab_mismatch_mean", total, n)
+    stats.add_max("full_vocab_mismatch_max", peak)
+
+
+def record_gap(stats: "StepStats", log_mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``support_mass_mean`` and ``normalisation_gap_mean`` over ``mask`` (no rollout log-probs
+    needed); returns the log mass as float64, clamped at 0, 0 outside the mask. No host read."""
+    m = mask.to(log_mass.device).bool()
+    lm = torch.where(m, log_mass.detach().double().clamp(max=0.0), 0.0)
+    count = m.sum()
+    stats.add_mean("support_mass_mean", torch.where(m, lm.exp(), 0.0).sum(), count)
+    stats.add_mean("normalisation_gap_mean", -lm.sum(), count)
+    return lm
 
 
 def record_policy(stats: "StepStats", batch, out, *, first_forward: bool = True) -> None:

@@ -73,3 +73,35 @@ def test_numbers_and_tensors_mix_and_empty_names_reduce():
     got = stats.reduce(across_ranks=False)
     assert got["reward"] == 1.0 and got["step_time_s"] == 0.75 and math.isnan(got["empty"])
     assert StepStats().reduce(across_ranks=False) == {}
+
+
+def test_the_normalisation_gap_apart_matches_a_float64_loop():
+    """``record_mismatch`` with the support's log mass, and ``record_gap`` alone, against a loop."""
+    from nemo_replay.diagnostics import GAP_NAMES, MISMATCH_NAMES, record_gap
+
+    g = torch.Generator().manual_seed(7)
+    rollout = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 3
+    replayed = (rollout + torch.randn(3, 6, generator=g, dtype=torch.float64) * 1e-3).float()
+    log_mass = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 2
+    mask = torch.rand(3, 6, generator=g) > 0.3
+    rowful = mask & (torch.arange(6) < 5)  # the last column scored over the vocabulary: no support mass
+    stats = StepStats()
+    record_mismatch(stats, rollout, replayed, mask, log_mass=log_mass.float(), mass_mask=rowful)
+    got = stats.reduce(across_ranks=False)
+    assert set(got) == set(MISMATCH_NAMES) | set(GAP_NAMES)
+    pos = [(i, j) for i in range(3) for j in range(6) if mask[i, j]]
+    kept = [(i, j) for i, j in pos if rowful[i, j]]
+    lm = lambda i, j: float(log_mass.float()[i, j])  # noqa: E731
+    mism = [abs(float(rollout[i, j]) - float(replayed[i, j])) for i, j in pos]
+    full = [abs(float(rollout[i, j]) - (float(replayed[i, j]) + lm(i, j))) for i, j in kept]
+    want = {
+        "mismatch_mean": sum(mism) / len(mism), "mismatch_max": max(mism),
+        "support_mass_mean": sum(math.exp(lm(i, j)) for i, j in kept) / len(kept),
+        "normalisation_gap_mean": sum(-lm(i, j) for i, j in kept) / len(kept),
+        "full_vocab_mismatch_mean": sum(full) / len(full), "full_vocab_mismatch_max": max(full),
+    }
+    for name, value in want.items():
+        assert math.isclose(got[name], value, rel_tol=1e-12, abs_tol=1e-15), (name, got[name], value)
+    alone = StepStats()
+    record_gap(alone, log_mass, rowful)
+    assert set(alone.reduce(across_ranks=False)) == {"support_mass_mean", "normalisation_gap_mean"}

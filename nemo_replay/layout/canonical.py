@@ -37,13 +37,13 @@ with the targets, like the sampled ids. Every channel the strategies carry start
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from nemo_replay.layout.channels import ScorerChannels
+
 __all__ = [
-    "CanonicalChannels",
     "canonical_channels",
     "token_aligned_channels",
     "real_runs",
@@ -52,29 +52,6 @@ __all__ = [
     "to_caller_columns",
     "from_caller_columns",
 ]
-
-@dataclass
-class CanonicalChannels:
-    """Token-aligned channels in logit coordinates, all ``(B, S - 1)``.
-
-    Attributes:
-        sampled_ids: int64, the token each logit position predicts (``sequences[:, 1:]``).
-        row_ids: int64, global support row scored at that logit position, -1 for none.
-        loss_mask: bool, the token loss mask shifted with the targets.
-        trajectory_ids: int64, batch index, -1 on padding.
-    """
-
-    sampled_ids: torch.Tensor
-    row_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    trajectory_ids: torch.Tensor
-
-    @property
-    def token_positions(self) -> torch.Tensor:
-        """(B, S - 1) int64: the column of ``sequences`` holding the token each logit position predicts."""
-        B, W = self.sampled_ids.shape
-        return torch.arange(1, W + 1, device=self.sampled_ids.device).expand(B, W)
-
 
 def real_runs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """First real column ``s_i`` and one past the last ``e_i`` of each row's single run of real tokens.
@@ -190,7 +167,7 @@ def token_aligned_channels(
     attention_mask: torch.Tensor,
     token_loss_mask: torch.Tensor,
     token_row_ids: torch.Tensor,
-) -> CanonicalChannels:
+) -> ScorerChannels:
     """Logit channels from token-aligned ones: the row and the mask of token t serve the logit at t - 1.
 
     Args:
@@ -200,7 +177,7 @@ def token_aligned_channels(
         token_row_ids: (B, S), int64. Global support row of token t (-1 none), e.g. the row
             of NeMo-RL's ``generation_support[b, t]``.
     Returns:
-        :class:`CanonicalChannels`, each (B, S - 1).
+        :class:`ScorerChannels`, each (B, S - 1).
 
     Worked example, right-padded ``p0 p1 r0 r1 _`` (S = 5), rows 7 8 at tokens r0 r1:
 
@@ -223,15 +200,16 @@ def token_aligned_channels(
         )
     loss_mask = from_caller_columns(token_loss_mask.to(device) != 0, B, S - 1, "token_loss_mask") != 0
     rows = token_row_ids.to(device=device, dtype=torch.int64)[:, 1:]
-    return CanonicalChannels(
+    return ScorerChannels(
         sampled_ids=sequences[:, 1:].to(torch.int64),
         row_ids=torch.where(pair, rows, -1),
         loss_mask=loss_mask & pair,
         trajectory_ids=torch.where(pair, torch.arange(B, device=device)[:, None], -1),
+        token_positions=torch.arange(1, S, device=device).expand(B, S - 1),  # the column of the predicted token
     )
 
 
-def canonical_channels(batch) -> CanonicalChannels:
+def canonical_channels(batch) -> ScorerChannels:
     """Build the logit-coordinate channels of a :class:`~nemo_replay.batch.ReplayBatch` (see the module example;
     this module sits below the batch type and reads its fields only).
 

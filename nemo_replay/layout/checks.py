@@ -16,7 +16,7 @@ trajectory and token position (:class:`Where`), never a rank-local slot.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -42,15 +42,23 @@ class Where:
     (strategies pass it: the same token is then named the same whatever the packing, context
     or sequence parallel slicing); without it, the position along the input's last axis. The
     rank that saw it is added by :func:`~nemo_replay.scoring.collectives.agree`.
+
+    An integration names its own coordinates with ``trajectory`` (the name of trajectory b,
+    e.g. ``"sample 3 (uid u-3)"``) and ``position`` (the word for a token position, e.g.
+    ``"response position"``).
     """
 
-    def __init__(self, traj: torch.Tensor, pos_shape, token_positions: Optional[torch.Tensor] = None):
+    def __init__(self, traj: torch.Tensor, pos_shape, token_positions: Optional[torch.Tensor] = None, *,
+                 trajectory: Optional[Callable[[int], str]] = None, position: str = "token position"):
         self.traj, self.pos_shape, self.token_positions = traj, pos_shape, token_positions
+        self.trajectory = trajectory or (lambda b: f"trajectory {b}")
+        self.position = position
 
     def __call__(self, p: int) -> str:
+        name = self.trajectory(int(self.traj[p]))
         if self.token_positions is not None:
-            return f"trajectory {int(self.traj[p])}, token position {int(self.token_positions[p])}"
-        return f"trajectory {int(self.traj[p])}, logit position {position(p, self.pos_shape)}"
+            return f"{name}, {self.position} {int(self.token_positions[p])}"
+        return f"{name}, logit position {position(p, self.pos_shape)}"
 
 
 def has_support_row(support: Union[PackedTensor, RaggedSupport], row_ids: torch.Tensor) -> torch.Tensor:
@@ -152,16 +160,18 @@ def check_synthetic_eos(fallback, loss_mask, traj, pos_shape, where: Optional[Wh
     raise AssertionError("the synthetic-EOS flag was set but no position breaks the rule")  # pragma: no cover
 
 
-def check_canonical(channels, support, *, hint: str = "") -> None:
+def check_canonical(channels, support, *, hint: str = "", where: Optional[Where] = None) -> None:
     """Membership and the synthetic-EOS rule on whole canonical sequences, before any slicing.
 
     Args:
         channels: canonical channels (``sampled_ids``, ``row_ids``, ``loss_mask``,
             ``trajectory_ids``, ``token_positions``), each (B, S - 1)
-            (:class:`~nemo_replay.layout.canonical.CanonicalChannels`).
+            (:class:`~nemo_replay.layout.channels.ScorerChannels`).
         support: the batch's rows, either form.
         hint: what the caller's user checks when rows and tokens disagree (appended to a
             membership error).
+        where: names a position in errors (default: trajectory and token position, from the
+            channels).
 
     Raises:
         SupportAlignmentError naming the trajectory and the token's column; ValueError for a
@@ -171,7 +181,7 @@ def check_canonical(channels, support, *, hint: str = "") -> None:
     rows = channels.row_ids.reshape(-1)
     traj = channels.trajectory_ids.reshape(-1)
     shape = channels.loss_mask.shape
-    where = Where(traj, shape, channels.token_positions.reshape(-1))
+    where = where or Where(traj, shape, channels.token_positions.reshape(-1))
     has_row = has_support_row(support, rows)
     active = torch.nonzero(loss_mask & has_row).flatten()
     if active.numel():

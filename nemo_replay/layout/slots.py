@@ -25,31 +25,12 @@ one left-padded trajectory ``_ p0 p1 r0`` (``s = 1``, ``L = 3``) in slots ``q = 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from nemo_replay.layout.canonical import CanonicalChannels
+from nemo_replay.layout.channels import ScorerChannels
 
-__all__ = ["Slots", "SlotChannels"]
-
-
-class SlotChannels(NamedTuple):
-    """The scorer's channels at every slot, each ``Slots.shape``.
-
-    Attributes:
-        sampled_ids: int64, 0 where the slot's logit predicts nothing.
-        row_ids: int64, -1 where none.
-        loss_mask: bool.
-        trajectory_ids: int64, -1 where the slot's logit predicts nothing.
-        token_positions: int64, the canonical token column the logit predicts (for errors), -1 where none.
-    """
-
-    sampled_ids: torch.Tensor
-    row_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    trajectory_ids: torch.Tensor
-    token_positions: torch.Tensor
+__all__ = ["Slots"]
 
 
 @dataclass(frozen=True)
@@ -100,16 +81,16 @@ class Slots:
         values = torch.where(keep, values, torch.full_like(values, fill))
         return values.view(*self.shape, *values.shape[1:])
 
-    def channels(self, canonical: CanonicalChannels, device=None) -> SlotChannels:
+    def channels(self, canonical: ScorerChannels, device=None) -> ScorerChannels:
         """Every scorer channel at the slots (logit slots), on ``device`` (default the channels')."""
-        out = SlotChannels(
+        out = ScorerChannels(
             sampled_ids=self.take(canonical.sampled_ids, 0),
             row_ids=self.take(canonical.row_ids, -1),
             loss_mask=self.take(canonical.loss_mask, False),
             trajectory_ids=self.take(canonical.trajectory_ids, -1),
             token_positions=self.take(canonical.token_positions, -1),
         )
-        return out if device is None else SlotChannels(*(t.to(device) for t in out))
+        return out if device is None else out.to(device)
 
     def canonical_index(self) -> torch.Tensor:
         """(n,), int64: each slot's flat index into ``(B, width)``, -1 where it holds none (the way back)."""

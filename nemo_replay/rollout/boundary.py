@@ -20,6 +20,7 @@ from typing import Optional, Union
 import torch
 
 from nemo_replay.support.checked import record_checked
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import validate_support_rows
@@ -54,7 +55,7 @@ def validate_support(
         )
     if sampled_ids is not None:
         sampled_ids = torch.as_tensor(sampled_ids)
-        if sampled_ids.dtype.is_floating_point or sampled_ids.dtype.is_complex or sampled_ids.dtype == torch.bool:
+        if not is_integer(sampled_ids):
             # A float id would be truncated on the way to int64 and could pass as a member.
             raise ValueError(f"{where}: sampled_ids have dtype {sampled_ids.dtype}, expected integer token ids")
     if isinstance(support, torch.Tensor):

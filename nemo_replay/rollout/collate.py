@@ -27,6 +27,7 @@ import torch
 
 from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.rollout.capture.trace import SupportTrace
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -54,7 +55,7 @@ def _segment(item: SegmentLike, i: int) -> Support:
         )
     if seg.batch_size != 1:
         raise ValueError(f"collation: trajectory {i} holds {seg.batch_size} segments, expected one")
-    if isinstance(seg, PackedTensor) and (seg.dtype.is_floating_point or seg.dtype == torch.bool):
+    if isinstance(seg, PackedTensor) and not is_integer(seg):
         # Checked before the batch is cast to int32, which would truncate 3.7 to a valid-looking 3.
         raise ValueError(
             f"collation: trajectory {i} rows have dtype {seg.dtype}, expected integer token ids; pass the "
@@ -77,7 +78,7 @@ def _batch_index(index, num_trajectories: int) -> torch.Tensor:
     if index is None:
         return torch.arange(num_trajectories)
     idx = torch.as_tensor(index)
-    if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+    if idx.dim() != 1 or not is_integer(idx):
         raise ValueError(f"collation: index must be a 1-D int sequence (batch position -> trajectory), got {idx.dtype}")
     idx = idx.to(torch.int64)
     if idx.numel() and (idx.min() < 0 or idx.max() >= num_trajectories):
@@ -89,7 +90,7 @@ def _check_lengths(have: torch.Tensor, want, index: torch.Tensor, what: str, row
     if want is None:
         raise ValueError(f"collation: the trainer's {what}s are required, one per batch position; got None")
     want = torch.as_tensor(want)
-    if want.dtype.is_floating_point or want.dtype.is_complex or want.dtype == torch.bool:
+    if not is_integer(want):
         raise ValueError(f"collation: {what}s have dtype {want.dtype}, expected integers")
     want = want.to(torch.int64).cpu()
     if want.shape != index.shape:
@@ -153,7 +154,7 @@ def collate_support(
             raise ValueError(f"collation: {len(sampled_ids)} sampled-id sequences for {len(segs)} trajectories")
         parts = [torch.as_tensor(s).reshape(-1) for s in sampled_ids]
         for i, p in enumerate(parts):
-            if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+            if not is_integer(p):
                 raise ValueError(f"collation: trajectory {i} sampled ids have dtype {p.dtype}, expected integer token ids")
         parts = [p.to(torch.int64).cpu() for p in parts]
         for i, (p, s) in enumerate(zip(parts, segs)):
@@ -197,7 +198,7 @@ def collate_routes(
     if not per_trajectory:
         raise ValueError("collation: no trajectories to collate")
     for i, r in enumerate(per_trajectory):
-        if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.dtype.is_floating_point or r.dtype == torch.bool:
+        if not isinstance(r, torch.Tensor) or r.dim() != 3 or not is_integer(r):
             got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
             raise ValueError(f"collation: trajectory {i} routes must be an int (L_i, layers, topk) tensor, got {got}")
         low = int(r.to(torch.int64).min()) if r.numel() else 0  # widened: uint8 routes never meet -1 as 255

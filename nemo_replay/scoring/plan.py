@@ -31,6 +31,7 @@ from nemo_replay.scoring.guards import GUARDS, raise_id_range, raise_membership,
 from nemo_replay.scoring.projection import PairChunk, RunSizes, run_sizes_after_read, run_sizes_before_read, weight_grad_sizes
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.checked import SupportCheck
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.membership import row_membership
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
@@ -122,7 +123,7 @@ def _check_channel(name: str, t, pos_shape, *, integer: bool) -> None:
             f"{name} has shape {tuple(t.shape)} but source positions are {tuple(pos_shape)}; every channel must be "
             f"aligned to the source positions (source.shape[:-1])"
         )
-    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+    if integer and not is_integer(t):
         raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
 
 

@@ -32,7 +32,6 @@ import torch
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.canonical import to_caller_columns
 from nemo_replay.objectives import PolicyLoss, TokenRatioObjective
-from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
 
 __all__ = [
     "Role",
@@ -44,7 +43,6 @@ __all__ = [
     "check_settings",
     "start_role",
     "role_replays",
-    "score_role",
     "policy_objective",
     "check_policy_batches",
 ]
@@ -98,6 +96,11 @@ class RoleSettings:
         if problems:
             raise ValueError("invalid RoleSettings: " + "; ".join(problems))
 
+    def scorer_options(self) -> dict:
+        """The keyword arguments of :func:`~nemo_replay.scoring.entry.score_positions` these settings decide."""
+        return dict(temperature=self.temperature, compute_entropy=self.compute_entropy,
+                    compute_support_mass=self.compute_support_mass, chunk_size=self.chunk_size)
+
 
 def role_replays(batch: ReplayBatch, role: str, settings: RoleSettings, *, where: str = "the micro-batch") -> bool:
     """Whether ``role`` scores ``batch`` over its recorded support; refuses a replaying role whose batch
@@ -114,31 +117,6 @@ def role_replays(batch: ReplayBatch, role: str, settings: RoleSettings, *, where
             f"Record supports at rollout (replay.sample_support.enabled) or run with RoleSettings(replay=False){hint}"
         )
     return replay
-
-
-def score_role(source, channels, support, settings: RoleSettings, replay: bool, *, shard=None, lm_head_weight=None):
-    """One role's scores from a strategy's rank-local channels: over the support when it replays, else
-    the ordinary full-vocabulary log-probs of every position that predicts a real token.
-
-    Args:
-        source: logits ``(*, V_local)`` or hidden states ``(*, H)`` with ``lm_head_weight``.
-        channels: the strategy's aligned channels (``sampled_ids``, ``row_ids``, ``loss_mask``,
-            ``trajectory_ids``, ``token_positions``), each shaped like ``source``'s positions.
-        support: the batch's rows (unused when not replaying).
-        shard: this rank's vocabulary slice (None: the whole vocabulary).
-    """
-    if replay:
-        return score_aligned_support(
-            source, channels.sampled_ids, channels.row_ids, channels.loss_mask, support, shard=shard,
-            lm_head_weight=lm_head_weight, temperature=settings.temperature, trajectory_ids=channels.trajectory_ids,
-            compute_entropy=settings.compute_entropy, compute_support_mass=settings.compute_support_mass,
-            chunk_size=settings.chunk_size, token_positions=channels.token_positions,
-        )
-    return score_full_vocabulary(
-        source, channels.sampled_ids, loss_mask=channels.trajectory_ids >= 0, shard=shard,
-        lm_head_weight=lm_head_weight, temperature=settings.temperature, compute_entropy=settings.compute_entropy,
-        trajectory_ids=channels.trajectory_ids, token_positions=channels.token_positions,
-    )
 
 
 @dataclass

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from nemo_replay.support.checked import record_checked
+from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
@@ -154,10 +155,9 @@ def _read_fields(stream: np.ndarray, widths: np.ndarray, what: str) -> np.ndarra
 
 # ---------------------------------------------------------------------------- encode
 def _rows(support: Union[RaggedSupport, PackedTensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if isinstance(support, PackedTensor):
-        support = RaggedSupport.from_padded(support)
-    if not isinstance(support, RaggedSupport):
+    if not isinstance(support, (PackedTensor, RaggedSupport)):
         raise ValueError(f"encode_support: expected a RaggedSupport or a PackedTensor, got {type(support).__name__}")
+    support = RaggedSupport.of(support)
     return (support.member_ids.cpu().numpy().astype(np.int64), support.row_offsets.cpu().numpy(),
             support.cu_seqlens.cpu().numpy().astype(np.int64))
 
@@ -186,8 +186,8 @@ def encode_support(
     n = offsets.size - 1
     lengths = np.diff(offsets)
     row_of = np.repeat(np.arange(n, dtype=np.int64), lengths)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        j = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+    j = first_outside(ids, vocab_size)
+    if j is not None:
         raise ValueError(f"encode_support: row {int(row_of[j])} holds id {int(ids[j])}, outside [0, {vocab_size})")
     key = row_of * vocab_size + ids
     if key.size > 1 and not bool(np.all(key[1:] > key[:-1])):
@@ -337,14 +337,14 @@ def decode_support(
                          "(the tokens sampled from them, one per row)")
     if sampled_ids is not None:
         sampled_t = torch.as_tensor(sampled_ids)
-        if sampled_t.dtype.is_floating_point or sampled_t.dtype.is_complex or sampled_t.dtype == torch.bool:
+        if not is_integer(sampled_t):
             raise CodecError(f"compact support: sampled_ids have dtype {sampled_t.dtype}, expected integer token ids; "
                              f"pass the response's token ids as they came (torch.long)")
         sampled = sampled_t.cpu().numpy().astype(np.int64)
         if sampled.shape != (n,):
             raise CodecError(f"compact support: sampled_ids has shape {sampled.shape}, expected ({n},): one per row")
-        if n and (sampled.min() < 0 or sampled.max() >= h.vocab_size):
-            r = int(np.flatnonzero((sampled < 0) | (sampled >= h.vocab_size))[0])
+        r = first_outside(sampled, h.vocab_size)
+        if r is not None:
             raise CodecError(f"compact support: sampled token {int(sampled[r])} of row {r} is outside [0, {h.vocab_size})")
         own = sampled[row_of]
     if h.dropped:

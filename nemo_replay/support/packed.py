@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from nemo_replay.support.checked import Checked, carry_checked, checked
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.validate import support_row_flags, validate_support_rows
 
 __all__ = ["PackedTensor", "Segmented", "check_cu_seqlens", "lengths_to_cu_seqlens", "segment_row_index"]
@@ -77,7 +78,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, num_rows: int, *, name: str = "cu
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must be 1-D with batch_size + 1 entries, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+    if not is_integer(cu_seqlens):
         raise ValueError(f"{name} must be an integer tensor, got {cu_seqlens.dtype}")
     if int(cu_seqlens[0]) != 0:
         raise ValueError(f"{name} must start at 0, got {int(cu_seqlens[0])}")

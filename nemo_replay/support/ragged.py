@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from nemo_replay.support.checked import Checked, carry_checked, checked, tensor_version
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.membership import csr_membership
 from nemo_replay.support.packed import PackedTensor, Segmented, check_cu_seqlens, lengths_to_cu_seqlens, segment_row_index
@@ -54,7 +55,7 @@ class RaggedSupport(Segmented):
         cu_seqlens = torch.as_tensor(cu_seqlens)
         if member_ids.dim() != 1:
             raise ValueError(f"RaggedSupport member_ids must be 1-D [num_members], got shape {tuple(member_ids.shape)}")
-        if member_ids.dtype.is_floating_point or member_ids.dtype.is_complex or member_ids.dtype == torch.bool:
+        if not is_integer(member_ids):
             raise ValueError(f"RaggedSupport member_ids must be integer (int32), got {member_ids.dtype}")
         if member_ids.dtype == torch.int64 and member_ids.numel():
             low, high = (int(x) for x in torch.aminmax(member_ids))
@@ -184,7 +185,7 @@ class RaggedSupport(Segmented):
         Returns:
             (n, width), int32.
         """
-        if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+        if not isinstance(rows, torch.Tensor) or not is_integer(rows):
             raise ValueError(f"padded_rows: rows must be an integer tensor of row indices, got {type(rows).__name__}")
         rows = rows.to(device=self.device, dtype=torch.int64)
         lengths = self.row_offsets[rows + 1] - self.row_offsets[rows]
@@ -385,7 +386,7 @@ def as_support(support, device) -> "PackedTensor | RaggedSupport":
     ids = support.all_ids  # RaggedSupport checked its members' dtype when it was built
     if ids.dim() != 2 and isinstance(support, PackedTensor):
         raise ValueError(f"fixed-width support values must be (rows, k), got {tuple(ids.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if not is_integer(ids):
         raise ValueError(f"support rows must be integer (int32), got {ids.dtype}")
     if ids.dtype not in (torch.int32, torch.int64):
         support = support.to(torch.int64)  # narrow ids would wrap in comparisons (uint8: -1 is 255)

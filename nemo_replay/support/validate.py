@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.membership import row_membership
 
@@ -96,7 +97,7 @@ def validate_support_rows(
         raise ValueError(f"{where}: support rows must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() != 2:
         raise ValueError(f"{where}: support rows must be 2-D (rows, k), got shape {tuple(values.shape)}")
-    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+    if not is_integer(values):
         raise ValueError(f"{where}: support rows must be an integer tensor (int32), got {values.dtype}")
     if values.numel() == 0:
         return
@@ -104,7 +105,7 @@ def validate_support_rows(
     if bool(support_row_flags(values, vocab_size=vocab_size)):  # the one host read of valid rows
         _name_row_failure(values, vocab_size, cu_seqlens, where)
     if sampled_ids is not None:
-        if not isinstance(sampled_ids, torch.Tensor) or sampled_ids.dtype.is_floating_point or sampled_ids.dtype.is_complex or sampled_ids.dtype == torch.bool:
+        if not isinstance(sampled_ids, torch.Tensor) or not is_integer(sampled_ids):
             # A float id would be truncated to a member (3.7 -> 3) and pass.
             raise ValueError(
                 f"{where}: sampled_ids must be an integer tensor of token ids, got "

@@ -6,7 +6,7 @@ recompute log-prob against the rollout's, before any update) and separates its t
 
 - the **normalisation gap**: scoring over the full vocabulary instead of the support the
   engine sampled from adds ``-log(support mass)`` to every token; replay removes it
-  (measured in the replay-on run, logits mode: ``normalisation_gap``);
+  (measured in the replay-on run, logits mode: ``normalisation_gap_mean``);
 - the **engine's numeric gap**: what stays with replay on -- the engine's KV cache, kernels
   and dtype (``generation.engine``, ``generation.dtype``) against the trainer's forward. With
   ``generation.engine: trainer`` it is float noise.
@@ -60,7 +60,7 @@ def effects(cfg: RecipeConfig, replay_on: RunResult, replay_off: RunResult) -> d
         "engine": resolve_engine(cfg),
         "engine_dtype": (cfg.generation.dtype or cfg.model.dtype) if resolve_engine(cfg) == "hf" else cfg.model.dtype,
         "trainer_dtype": cfg.model.dtype,
-        "normalisation_gap_mean": _mean(on, "normalisation_gap"),
+        "normalisation_gap_mean": _mean(on, "normalisation_gap_mean"),
         "numeric_gap_mean": _mean(on, "mismatch_mean"),
         "numeric_gap_max": max((r["mismatch_max"] for r in on if r.get("mismatch_max") is not None), default=float("nan")),
         "replay_off_mismatch_mean": _mean(off, "mismatch_mean"),
@@ -69,7 +69,8 @@ def effects(cfg: RecipeConfig, replay_on: RunResult, replay_off: RunResult) -> d
 
 def _gap_rows(history: list) -> list:
     """The replay-on run's normalisation gap as a third line of the mean-mismatch panel."""
-    return [{"step": r["step"], "mismatch_mean": r["normalisation_gap"]} for r in history if r.get("normalisation_gap") is not None]
+    gap = "normalisation_gap_mean"
+    return [{"step": r["step"], "mismatch_mean": r[gap]} for r in history if r.get(gap) is not None]
 
 
 def effects_line(fx: dict) -> str:

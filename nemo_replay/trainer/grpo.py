@@ -39,12 +39,12 @@ from typing import Optional
 
 import torch
 
-from nemo_replay.trainer.config.loading import to_yaml
-from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.batch import ReplayBatch
+from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
 from nemo_replay.objectives import SequenceRatioObjective, TokenRatioObjective, TruncatedISObjective, group_advantages
 from nemo_replay.strategies.base import RoleSettings
-from nemo_replay.diagnostics import StepStats, record_mismatch, record_policy
+from nemo_replay.trainer.config.loading import to_yaml
+from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.trainer.config.validation import resolve_engine
 from nemo_replay.trainer.generation import SamplingSettings, generate
 from nemo_replay.trainer.rundir.checkpoint import (
@@ -313,12 +313,8 @@ class GRPOTrainer:
             A = mb.response_width
             o, r = o.response(A), r.response(A)
             mask = mb.loss_mask.bool()
-            record_mismatch(stats, mb.rollout_logprobs, o.logprobs, mask)
-            if o.support_logmass is not None:
-                logmass = o.support_logmass.double()[o.valid_mask & mask.to(o.valid_mask.device)]
-                stats.add_mean("support_mass", float(logmass.exp().sum()), logmass.numel())
-                # -log(mass) = log p_S(x) - log p_V(x): what full-vocabulary scoring adds to each token.
-                stats.add_mean("normalisation_gap", float(-logmass.sum()), logmass.numel())
+            record_mismatch(stats, mb.rollout_logprobs, o.logprobs, mask, log_mass=o.support_logmass,
+                            mass_mask=o.valid_mask & mask.to(o.valid_mask.device))
             if o.entropy is not None:
                 ent = o.entropy.double()[mask.to(o.entropy.device)]
                 stats.add_mean("entropy", float(ent.sum()), ent.numel())

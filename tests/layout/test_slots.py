@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from nemo_replay.layout.canonical import CanonicalChannels, real_runs
+from nemo_replay.layout.canonical import real_runs
+from nemo_replay.layout.channels import ScorerChannels
 from nemo_replay.layout.slots import Slots
 
 
@@ -45,8 +46,9 @@ def test_take_and_index_match_the_loop(seed, logit):
 def test_channels_fill_where_no_logit_and_name_token_columns():
     # One left-padded trajectory _ p0 p1 r0 (s = 1, L = 3) in slots q = 0 1 2 and a padding slot.
     sampled = torch.tensor([[11, 12, 13]])
-    ch = CanonicalChannels(sampled_ids=sampled, row_ids=torch.tensor([[-1, -1, 5]]),
-                           loss_mask=torch.tensor([[False, False, True]]), trajectory_ids=torch.tensor([[-1, 0, 0]]))
+    ch = ScorerChannels(sampled_ids=sampled, row_ids=torch.tensor([[-1, -1, 5]]),
+                        loss_mask=torch.tensor([[False, False, True]]), trajectory_ids=torch.tensor([[-1, 0, 0]]),
+                        token_positions=torch.tensor([[1, 2, 3]]))
     slots = Slots.of(torch.tensor([0, 0, 0, -1]), torch.tensor([0, 1, 2, -1]), torch.tensor([1]), torch.tensor([3]),
                      seq_len=4, shape=(4,), logit=True)
     out = slots.channels(ch)

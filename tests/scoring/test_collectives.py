@@ -13,8 +13,12 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+import torch
+
 from nemo_replay.scoring.collectives import agree
+from nemo_replay.scoring.entry import ScorerChannels, flag_device, score_positions
 from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.packed import PackedTensor
 from tests.spawn import run_workers
 
 
@@ -50,6 +54,20 @@ def _each_failure(rank: int, world: int) -> dict:
             cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
             out[name] = (type(exc).__name__, str(exc), time.monotonic() - start, cause)
     out["ok"] = agree(lambda: rank * 10, group, device="cpu", name="worker")
+    # The scorer's entry point over the same group: rank 1's slice holds a token outside its row.
+    logits = torch.randn(2, 5, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    sampled = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10 if rank == 1 else 0]])
+    rows = torch.arange(10).view(2, 5)
+    support = PackedTensor(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 0]], dtype=torch.int32).T, [0, 5, 10])
+    channels = ScorerChannels(sampled, rows, torch.ones(2, 5, dtype=torch.bool), torch.arange(2)[:, None].expand(2, 5))
+    out["flag_device"] = str(flag_device(group, torch.device("meta")))
+    try:
+        score_positions(logits, channels, support, group=group, group_name="CP", context="test slice")
+        out["score"] = ("returned", "")
+    except BaseException as exc:
+        out["score"] = (type(exc).__name__, str(exc))
+    good = channels._replace(sampled_ids=torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]))
+    out["scored"] = score_positions(logits, good, support, group=group, group_name="CP").valid_mask.all().item()
     return out
 
 
@@ -73,3 +91,8 @@ def test_every_exception_one_rank_raises_is_raised_on_every_rank_at_once():
     # The failing rank chains its own error; the other has none to chain.
     assert r1["key"][3] == "KeyError" and r0["key"][3] is None
     assert (r0["ok"], r1["ok"]) == (0, 10)
+    # score_positions: both ranks raise rank 1's alignment error, with its context; the flag sits on the CPU (gloo).
+    for r in (r0, r1):
+        assert r["score"][0] == "SupportAlignmentError", r["score"]
+        assert r["score"][1].startswith("CP rank 1 of 2: test slice: trajectory 1, logit position 4"), r["score"]
+        assert r["flag_device"] == "cpu" and r["scored"]

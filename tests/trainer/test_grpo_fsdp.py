@@ -26,10 +26,10 @@ def test_replay_on_first_step_ratio_is_one(tmp_path):
     cfg = load_config(overrides=tiny(tmp_path, "trainer.kl_coef=0.05", steps=2))
     result = GRPOTrainer(cfg).fit()
     first = result.history[0]
-    assert DIAGNOSTICS | {"support_mass"} <= set(first)
+    assert DIAGNOSTICS | {"support_mass_mean"} <= set(first)
     assert abs(first["ratio_mean"] - 1) < 1e-5 and first["ratio_max_dev"] < 1e-5
     assert first["mismatch_max"] < 1e-5
-    assert 0 < first["support_mass"] < 1
+    assert 0 < first["support_mass_mean"] < 1
     assert 0 <= first["kl"] < 1e-2  # policy == reference until the first of two updates
     assert result.history[1]["kl"] > 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -41,6 +41,6 @@ def test_replay_off_shows_the_mismatch(tmp_path):
     cfg = load_config(overrides=tiny(tmp_path, "replay.enabled=false", "trainer.old_logprobs=rollout", steps=1))
     first = GRPOTrainer(cfg).fit().history[0]
     assert first["mismatch_mean"] > 1e-2 and first["ratio_max_dev"] > 1e-2
-    assert "support_mass" not in first
+    assert "support_mass_mean" not in first
     # old log-probs from the rollout: the PPO ratio itself is off from the first step.
     assert first["ratio_old_max_dev"] > 1e-2

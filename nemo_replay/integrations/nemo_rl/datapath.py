@@ -42,6 +42,7 @@ import torch
 
 from nemo_replay.integrations.nemo_rl.rollout import padding_rows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
+from nemo_replay.support.dtypes import is_integer
 
 __all__ = ["SUPPORT_PAD", "with_support_pad", "backfill_support", "carry_support", "install_data_path", "DataPath",
            "replay_run"]
@@ -79,7 +80,7 @@ def _rows_of(message: dict, key: str, where: str) -> torch.Tensor:
     rows = message[key]
     num_tokens = int(message["token_ids"].shape[0])
     if (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[0] != num_tokens
-            or rows.is_floating_point() or rows.dtype == torch.bool):
+            or not is_integer(rows)):
         got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
         raise ValueError(
             f"{where}: {key} must be integer rows (num_tokens={num_tokens}, k), one per token_ids entry, got {got}; "

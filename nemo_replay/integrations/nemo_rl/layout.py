@@ -38,7 +38,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_replay.layout.canonical import CanonicalChannels, token_aligned_channels
+from nemo_replay.layout.canonical import token_aligned_channels
+from nemo_replay.layout.channels import ScorerChannels
 from nemo_replay.layout.context_parallel import cp_local_positions
 from nemo_replay.layout.slots import Slots
 
@@ -95,7 +96,7 @@ def local_slots(padded_lengths: Sequence[int], cp_size: int, cp_rank: int, *, pa
 
 def canonical_of(
     input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor
-) -> CanonicalChannels:
+) -> ScorerChannels:
     """The scorer channels of a right-padded NeMo-RL micro-batch, in next-token columns ``(N, W - 1)``.
 
     Column c predicts token c + 1 of its data row when ``c + 1 < L_i``; its row is

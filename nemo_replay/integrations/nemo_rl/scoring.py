@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from nemo_replay.integrations.nemo_rl.layout import canonical_of, check_width, gather_slots, local_slots
 from nemo_replay.layout.checks import check_canonical
-from nemo_replay.scoring.collectives import agree
-from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
+from nemo_replay.scoring.entry import score_positions
 from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["ReplayScores", "next_token_logprobs", "vocab_shard_of", "SUPPORT_KEY"]
@@ -117,7 +117,7 @@ def _tensor(data: Mapping[str, Any], key: str, what: str) -> torch.Tensor:
 def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
     """(input_ids (N, W), input_lengths [N], token_mask (N, W), sample_mask [N], support or None)."""
     ids = _tensor(data, "input_ids", "right-padded tokens (B, S)")
-    if ids.dim() != 2 or ids.is_floating_point():
+    if ids.dim() != 2 or not is_integer(ids):
         raise ValueError(f"data['input_ids'] must be an integer (B, S) tensor, got {ids.dtype} {tuple(ids.shape)}")
     N, W = ids.shape
     lengths = _tensor(data, "input_lengths", "tokens per row [B]")
@@ -131,7 +131,7 @@ def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
     support = None
     if replay:
         rows = _tensor(data, support_key, "token-aligned support rows (B, S, k), int32, -1 padded")
-        if rows.dim() != 3 or rows.shape[:2] != (N, W) or rows.is_floating_point() or rows.dtype == torch.bool:
+        if rows.dim() != 3 or rows.shape[:2] != (N, W) or not is_integer(rows):
             raise ValueError(
                 f"data[{support_key!r}] must be an integer (B={N}, S={W}, k) tensor, token-aligned with input_ids "
                 f"(the row of token t at column t), got {rows.dtype} {tuple(rows.shape)}"
@@ -199,16 +199,11 @@ def next_token_logprobs(
                         f"of token t at column t")
     host_lengths = lengths.to(torch.int64).cpu()  # slots are host index arithmetic: one copy serves every rank's
     slots = local_slots(padded, cp, cp_rank, packed=packed).logit_slots(host_lengths, W)
-    ch = slots.channels(canonical, local.device)
-    flat = lambda t: t.reshape(-1)  # noqa: E731
-    source = local.reshape(-1, local.shape[-1])
-    if full_vocab:
-        scores = score_full_vocabulary(source, flat(ch.sampled_ids), loss_mask=flat(ch.trajectory_ids) >= 0, shard=shard)
-    else:
-        scores = agree(lambda: score_aligned_support(
-            source, flat(ch.sampled_ids), flat(ch.row_ids), flat(ch.loss_mask), support.to(local.device), shard=shard,
-            trajectory_ids=flat(ch.trajectory_ids), validate=validate, token_positions=flat(ch.token_positions),
-        ), context_parallel_group, device=local.device, name="CP")
+    ch = slots.channels(canonical, local.device).flat()
+    scores = score_positions(
+        local.reshape(-1, local.shape[-1]), ch, None if full_vocab else support.to(local.device), replay=not full_vocab,
+        shard=shard, validate=validate, group=context_parallel_group, group_name="CP",
+    )
     indices = [  # where every CP rank's slots land in (N, W - 1)
         (slots if r == cp_rank else local_slots(padded, cp, r, packed=packed).logit_slots(host_lengths, W)).canonical_index().to(local.device)
         for r in range(cp)

@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 from nemo_replay.rollout.capture.hf import CapturedSupport
+from nemo_replay.scoring.entry import ScorerChannels
 from nemo_replay.support.codec import decode_support, encode_support
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
@@ -187,21 +188,19 @@ def join_supports(supports: Sequence[Union[PackedTensor, RaggedSupport]]) -> Uni
     return RaggedSupport.cat([RaggedSupport.of(s) for s in supports])
 
 
-class Channels(NamedTuple):
-    """Scorer inputs for B completions in TRL's completion coordinates (module doc).
+class Completions(NamedTuple):
+    """B completions in TRL's completion coordinates, as the scorer reads them (module doc).
 
     Attributes:
+        channels: the scorer's channels, each (B, C): ``sampled_ids`` the completion ids,
+            ``row_ids`` the row of ``support`` per position (-1 past R_i), ``loss_mask`` TRL's
+            completion mask, ``trajectory_ids`` the completion's index b.
         support: the B records' rows, completion-major.
-        sampled_ids: (B, C), int64 -- the completion ids.
-        row_ids: (B, C), int64 -- row of ``support`` per position, -1 past R_i.
-        loss_mask: (B, C), bool -- TRL's completion mask.
         rollout_logprobs: (B, C), float32 -- the engine's processed log-probs, 0 past R_i.
     """
 
+    channels: ScorerChannels
     support: Union[PackedTensor, RaggedSupport]
-    sampled_ids: torch.Tensor
-    row_ids: torch.Tensor
-    loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
 
 
@@ -211,7 +210,7 @@ def completion_channels(
     completion_mask: torch.Tensor,
     *,
     where: str = "ReplayGRPOTrainer",
-) -> Channels:
+) -> Completions:
     """Build the (B, C) scorer channels and check records and rows still belong together.
 
     Args:
@@ -262,6 +261,5 @@ def completion_channels(
     offsets = lengths_to_cu_seqlens(lengths).to(torch.int64)[:-1]
     row_ids = torch.where(inside, offsets[:, None] + cols[None, :], torch.full_like(tokens, -1))
     support = join_supports([r.rows() for r in records])
-    return Channels(
-        support.to(device), ids.to(device), row_ids.to(device), mask.to(device), rollout.to(device)
-    )
+    channels = ScorerChannels(ids, row_ids, mask, torch.arange(B)[:, None].expand(B, C)).to(device)
+    return Completions(channels, support.to(device), rollout.to(device))

@@ -17,14 +17,14 @@ nothing else:
 - ``_compute_loss``: makes the batch's records the ones the policy pass scores over.
 - ``_get_per_token_logps_and_entropies``: runs the model forward as TRL does (same inputs,
   same autocast) and hands the completion positions to
-  :func:`nemo_replay.score_aligned_support`: logits ``(B, C, V)`` in logits mode, or the
+  :func:`nemo_replay.scoring.entry.score_positions`: logits ``(B, C, V)`` in logits mode, or the
   backbone's hidden states ``(B, C, H)`` with the LM-head weight in hidden mode, which never
   builds ``(B, C, V)`` logits.
 
 Metrics (in TRL's logs, per logging step, over every process): ``replay/mismatch_mean`` and
 ``replay/mismatch_max`` -- ``|rollout - trainer|`` log-prob over the recorded supports with
 the weights that sampled (the engine's numeric gap: kernels, KV cache, precision); in logits
-mode also ``replay/support_mass`` (probability the truncation kept),
+mode also ``replay/support_mass_mean`` (probability the truncation kept),
 ``replay/normalisation_gap_mean`` (``-log`` of it: what scoring over the full vocabulary adds)
 and ``replay/full_vocab_mismatch_mean`` / ``_max`` (``|rollout - trainer|`` had the trainer
 scored over the full vocabulary, as TRL does), and ``replay/full_vocab_entropy`` (TRL's own
@@ -43,12 +43,14 @@ with bf16 the flag moves the trainer's scores, not the sampler's.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
+from nemo_replay.diagnostics import StepStats, record_mismatch
 from nemo_replay.integrations.trl.records import (
     RECORDS_KEY,
     completion_channels,
@@ -56,10 +58,10 @@ from nemo_replay.integrations.trl.records import (
     records_from_vllm,
 )
 from nemo_replay.integrations.trl.settings import ReplaySettings, as_settings
-from nemo_replay.rollout.capture.sampler import check_capture_settings
 from nemo_replay.rollout.capture.hf import SupportRecorder, check_generation_config, record_support
+from nemo_replay.rollout.capture.sampler import check_capture_settings
 from nemo_replay.rollout.engines.vllm import VLLM_TIE_MARGIN, vllm_row_width
-from nemo_replay.scoring.scorer import score_aligned_support
+from nemo_replay.scoring.entry import score_positions
 from nemo_replay.strategies.fsdp.head import hidden_mode_problems
 
 __all__ = ["ReplayGRPOTrainer"]
@@ -67,9 +69,6 @@ __all__ = ["ReplayGRPOTrainer"]
 #: vLLM 0.33's default ``max_logprobs`` (vllm/config/model.py); colocate mode does not raise it.
 _VLLM_MAX_LOGPROBS = 20
 #: Per-process statistics of one measured pass, gathered over processes as one row.
-_STATS = ("abs_sum", "count", "abs_max", "mass_sum", "mass_count", "full_sum", "full_max", "gap_sum")
-
-
 class ReplayGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose log-probs are scored over the supports the sampler drew from.
 
@@ -112,7 +111,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         self._replay_full_entropy: Optional[list] = None  # policy-pass full-vocabulary entropies (logits mode)
         self._replay_sampling: Optional[dict] = None  # effective temperature / top_k / top_p / min_p (_effective_sampling)
         self._replay_max_logprobs = _VLLM_MAX_LOGPROBS  # the engine's cap; a server reports its own (_vllm_problems)
-        self._replay_stats = {"train": torch.zeros(len(_STATS), dtype=torch.float64), "eval": torch.zeros(len(_STATS), dtype=torch.float64)}
+        self._replay_stats = {"train": StepStats(), "eval": StepStats()}
         if not settings.enabled:
             return
         problems = self._replay_problems()
@@ -366,19 +365,18 @@ class ReplayGRPOTrainer(GRPOTrainer):
 
     def _score_chunk(self, model, input_ids, attention_mask, C, records, compute_entropy, compute_aux_loss):
         """(log-probs (b, C) float32, entropy (b, C) or None, aux loss or None) of one chunk."""
-        ch = completion_channels(records, input_ids[:, -C:], attention_mask[:, -C:])
+        done = completion_channels(records, input_ids[:, -C:], attention_mask[:, -C:])
         with self.accelerator.autocast():
             source, weight, aux = self._replay_forward(model, input_ids, attention_mask, C, compute_aux_loss)
         mass = self._replay_measure and self.replay_settings.source == "logits"
         with torch.autocast(source.device.type, enabled=False):  # the scorer's math runs in float32
-            scores = score_aligned_support(
-                source, ch.sampled_ids, ch.row_ids, ch.loss_mask, ch.support, temperature=float(self.temperature),
-                lm_head_weight=weight, compute_entropy=compute_entropy, compute_support_mass=mass,
-                chunk_size=self.replay_settings.chunk_size,
+            scores = score_positions(
+                source, done.channels, done.support, temperature=float(self.temperature), lm_head_weight=weight,
+                compute_entropy=compute_entropy, compute_support_mass=mass, chunk_size=self.replay_settings.chunk_size,
             )
         logps = scores.logprobs.float()
         if self._replay_measure:
-            self._record_mismatch(ch, logps.detach(), scores.support_logmass)
+            self._record_mismatch(done, logps.detach(), scores.support_logmass)
         if compute_entropy and self._replay_full_entropy is not None:  # logits mode: the full logits are here
             self._replay_full_entropy.append(_full_vocab_entropy(source, float(self.temperature)))
         return logps, (scores.entropy.float() if compute_entropy else None), aux
@@ -448,42 +446,24 @@ class ReplayGRPOTrainer(GRPOTrainer):
                 del head.forward
 
     # ------------------------------------------------------------------ metrics
-    def _record_mismatch(self, ch, logps: torch.Tensor, logmass: Optional[torch.Tensor]) -> None:
-        """Accumulate this pass's mismatch statistics, gathered over every process."""
-        mask = ch.loss_mask
-        diff = (ch.rollout_logprobs - logps).abs()[mask].double()
-        row = torch.zeros(len(_STATS), dtype=torch.float64, device=logps.device)
-        row[0], row[1] = diff.sum(), diff.numel()
-        row[2] = diff.max() if diff.numel() else 0.0
-        if logmass is not None:
-            lm = logmass.double()[mask]
-            full = (ch.rollout_logprobs.double() - (logps.double() + logmass.double())).abs()[mask]
-            row[3], row[4] = lm.exp().sum(), lm.numel()
-            row[5] = full.sum()
-            row[6] = full.max() if full.numel() else 0.0
-            row[7] = (-lm).sum()
-        rows = self.accelerator.gather(row[None]).view(-1, len(_STATS)).cpu()
+    def _record_mismatch(self, done, logps: torch.Tensor, logmass: Optional[torch.Tensor]) -> None:
+        """Add this pass's mismatch (:func:`nemo_replay.diagnostics.record_mismatch`) to the mode's sums; no host read."""
         mode = "train" if self.model.training else "eval"
-        acc = self._replay_stats[mode]
-        summed = rows.sum(0)
-        maxed = rows.max(0).values
-        for k, name in enumerate(_STATS):
-            acc[k] = max(acc[k], maxed[k]) if name.endswith("_max") else acc[k] + summed[k]
+        record_mismatch(self._replay_stats[mode], done.rollout_logprobs, logps, done.channels.loss_mask, log_mass=logmass)
 
     def log(self, logs: dict, start_time: Optional[float] = None) -> None:
+        """TRL's log, with the replay metrics since the last one (``replay/`` + the diagnostics' names),
+        over every process: one all-reduce pair and one host read per logging step."""
         mode = "train" if self.model.training else "eval"
-        acc = dict(zip(_STATS, self._replay_stats[mode].tolist()))
-        if self.replay_settings.enabled and acc["count"] > 0:
-            metrics = self._metrics[mode]
-            metrics["replay/mismatch_mean"] = [acc["abs_sum"] / acc["count"]]
-            metrics["replay/mismatch_max"] = [acc["abs_max"]]
-            if acc["mass_count"] > 0:
-                n = acc["mass_count"]
-                metrics["replay/support_mass"] = [acc["mass_sum"] / n]
-                metrics["replay/normalisation_gap_mean"] = [acc["gap_sum"] / n]
-                metrics["replay/full_vocab_mismatch_mean"] = [acc["full_sum"] / n]
-                metrics["replay/full_vocab_mismatch_max"] = [acc["full_max"]]
-            self._replay_stats[mode].zero_()
+        stats = self._replay_stats[mode]
+        if self.replay_settings.enabled and stats.sums:
+            values = stats.reduce(across_ranks=self.accelerator.num_processes > 1)
+            if math.isfinite(values["mismatch_mean"]):  # some token was scored since the last log
+                metrics = self._metrics[mode]
+                for name, value in values.items():
+                    if math.isfinite(value):
+                        metrics[f"replay/{name}"] = [value]
+            self._replay_stats[mode] = StepStats()
         super().log(logs, start_time)
 
 

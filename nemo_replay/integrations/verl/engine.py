@@ -27,16 +27,13 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.integrations.verl.keys import SUPPORT_KEY
-from nemo_replay.integrations.verl.metrics import FULL_VOCAB_LOG_PROBS
 from nemo_replay.integrations.verl.layout import ResponseLayout, response_layout, slot_channels
-from nemo_replay.scoring.collectives import agree
-from nemo_replay.scoring.guards import Where
-from nemo_replay.scoring.scorer import SupportScores, check_synthetic_eos, score_aligned_support
+from nemo_replay.integrations.verl.metrics import FULL_VOCAB_LOG_PROBS
+from nemo_replay.layout.checks import Where, check_canonical
+from nemo_replay.scoring.entry import ScorerChannels, check_together, score_positions
 from nemo_replay.scoring.shard import VocabShard
-from nemo_replay.support.errors import SupportAlignmentError
-from nemo_replay.support.membership import row_membership
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
-from nemo_replay.support.validate import validate_support_rows
 
 __all__ = [
     "ReplayEngineMixin",
@@ -142,7 +139,7 @@ def read_responses(data) -> Responses:
     B = int(responses.size(0))
     if not isinstance(rows, torch.Tensor):
         raise ValueError(f"batch[{SUPPORT_KEY!r}] must be an int32 tensor [batch, response_length, K], got {type(rows).__name__}")
-    if rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool or rows.dtype in (
+    if not is_integer(rows) or rows.dtype in (
         torch.uint8, torch.uint16, torch.uint32, torch.uint64
     ):
         raise ValueError(f"batch[{SUPPORT_KEY!r}] is {rows.dtype}; support rows are signed integers (int32) padded with -1")
@@ -231,51 +228,40 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
     B = int(tokens.shape[0])
     if B == 0 or width == 0:
         return  # no response token: no row to check
-    rows3 = resp.rows
-    rows = rows3.reshape(B * width, rows3.shape[2])
-    offsets = torch.arange(0, (B + 1) * width, width, dtype=torch.int64)
+    rows = PackedTensor(resp.rows.reshape(B * width, resp.rows.shape[2]),
+                        torch.arange(0, (B + 1) * width, width, dtype=torch.int64))
     try:
-        validate_support_rows(rows, vocab_size=vocab_size, cu_seqlens=offsets, where=f"batch[{SUPPORT_KEY!r}]")
+        rows.validate(vocab_size=vocab_size, where=f"batch[{SUPPORT_KEY!r}]")
     except ValueError as exc:
         raise ValueError(f"{exc} (trajectory = sample index in this batch, row = response position)") from exc
-    has_row = rows[:, 0] >= 0
-    member, _ = row_membership(rows, tokens.reshape(-1))
-    missing = has_row & ~member
-    if bool(missing.any()):
-        flat = int(torch.nonzero(missing)[0])
-        i, j = divmod(flat, width)
-        past = int(lengths[i]) <= j
-        raise SupportAlignmentError(
-            f"{_name(data, i)}, response position {j}: sampled token {int(tokens[i, j])} (responses[{i}, {j}]) is not "
-            f"in its support row {rows[flat][rows[flat] >= 0][:16].tolist()} ({SUPPORT_KEY}[{i}, {j}])"
-            + (f", a padding position past the response's {int(lengths[i])} tokens" if past else "")
-            + f"; row j of {SUPPORT_KEY} must be the support response token j was sampled from, padded and sliced "
-            f"exactly like 'responses' (rows swapped between samples, or shifted by one position?)"
-        )
-    col = torch.arange(width, device=mask.device)[None, :]
-    active = mask & (col < lengths[:, None].to(mask.device))
-    traj = torch.arange(B, dtype=torch.int64, device=mask.device)[:, None].expand(B, width).reshape(-1)
-    rowless = active.reshape(-1) & ~has_row.to(mask.device)
-    where = Where(traj, torch.Size([B, width]), col.expand(B, width).reshape(-1))
-    try:
-        check_synthetic_eos(rowless, active.reshape(-1), traj, torch.Size([B, width]), where)
-    except ValueError as exc:
-        raise type(exc)(
-            f"{exc} (trajectory = sample index in this batch, token position = response position). A response "
-            f"position whose support could not be recorded must leave response_mask, its row all -1"
-        ) from exc
+    # Response coordinates: position (i, j) predicts response token j of sample i over row i * R + j.
+    col = torch.arange(width, device=tokens.device).expand(B, width)
+    traj = torch.arange(B, dtype=torch.int64, device=tokens.device)[:, None].expand(B, width)
+    channels = ScorerChannels(
+        sampled_ids=tokens, row_ids=torch.arange(B * width, device=tokens.device).view(B, width),
+        loss_mask=mask.to(tokens.device) & (col < lengths[:, None].to(tokens.device)), trajectory_ids=traj,
+        token_positions=col,
+    )
+    where = Where(traj.reshape(-1), channels.loss_mask.shape, col.reshape(-1), trajectory=lambda i: _name(data, i),
+                  position="response position")
+    check_canonical(
+        channels, rows, where=where,
+        hint=f"row j of {SUPPORT_KEY} must be the support response token j was sampled from, padded and sliced exactly "
+             f"like 'responses' (rows swapped between samples, or shifted by one position?); a response position whose "
+             f"support could not be recorded must leave response_mask, its row all -1",
+    )
 
 
 def prepare_replay_batch(data, *, vocab_size: Optional[int], group, device) -> None:
     """:func:`check_replay_batch` on every rank of ``group`` at once, then name the samples.
 
     The ranks of a worker group run ``forward_backward_batch`` together and a bad sample
-    sits in one rank's shard of the batch; inside :func:`~nemo_replay.scoring.collectives.agree`
+    sits in one rank's shard of the batch; inside :func:`~nemo_replay.scoring.entry.check_together`
     every rank raises the same error instead of leaving the others in the next collective.
     Then ``data[SAMPLE_INDEX_KEY] = arange(B)``, which verl's micro-batching carries with
     each sample, so errors raised per micro-batch name the sample's index in this batch.
     """
-    agree(lambda: check_replay_batch(data, vocab_size=vocab_size), group, device=device, name="worker")
+    check_together(lambda: check_replay_batch(data, vocab_size=vocab_size), group, device=device, name="worker")
     data[SAMPLE_INDEX_KEY] = torch.arange(int(data["responses"].size(0)), dtype=torch.int64,
                                           device=data["input_ids"].device)
 
@@ -349,13 +335,6 @@ class ReplayOutputs:
     entropy: Optional[torch.Tensor]
 
 
-def _flag_device(group, fallback: torch.device) -> torch.device:
-    """Where :func:`agree`'s flag lives: the CPU for gloo, the current accelerator otherwise."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return fallback
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else fallback
-
-
 def score_slots(
     logits: torch.Tensor,
     shard: VocabShard,
@@ -380,29 +359,19 @@ def score_slots(
             (:mod:`~nemo_replay.integrations.verl.layout`).
         layout, support: from :func:`micro_batch_layout`.
         group: the group the slots of one micro-batch are split over (Ulysses SP, Megatron
-            CP), or None; every rank of it raises the same error (``agree``).
+            CP), or None; every rank of it raises the same error.
 
     Returns:
         :class:`ReplayOutputs` shaped like ``predicted``.
     """
-    ch = slot_channels(layout, predicted.to(logits.device))
     shape = predicted.shape
-
-    def run() -> SupportScores:
-        try:
-            return score_aligned_support(
-                logits.reshape(-1, logits.shape[-1]), sampled_ids.reshape(-1).to(logits.device), ch.row_ids.reshape(-1),
-                ch.loss_mask.reshape(-1), support.to(logits.device), shard=shard, temperature=temperature,
-                trajectory_ids=ch.trajectory_ids.reshape(-1), compute_entropy=compute_entropy,
-                compute_support_mass=True, validate=False, token_positions=ch.token_positions.reshape(-1),
-            )
-        except ValueError as exc:
-            raise type(exc)(
-                f"verl micro-batch (trajectory = sample index in the batch the engine was handed, token position = "
-                f"response position): {exc}"
-            ) from exc
-
-    scores = agree(run, group, device=_flag_device(group, logits.device), name=group_name)
+    scores = score_positions(
+        logits.reshape(-1, logits.shape[-1]), slot_channels(layout, predicted.to(logits.device), sampled_ids).flat(),
+        support.to(logits.device), shard=shard, temperature=temperature, compute_entropy=compute_entropy,
+        compute_support_mass=True, validate=False, group=group, group_name=group_name,
+        context="verl micro-batch (trajectory = sample index in the batch the engine was handed, token position = "
+                "response position)",
+    )
     logmass = torch.where(scores.valid_mask, scores.support_logmass, torch.zeros_like(scores.support_logmass))
     full = (scores.logprobs.detach() + logmass).view(shape)
     return ReplayOutputs(

@@ -39,13 +39,14 @@ from typing import Optional
 
 import torch
 
+from nemo_replay.scoring.entry import ScorerChannels
+
 __all__ = [
     "ResponseLayout",
     "response_layout",
     "next_token_index",
     "padded_next_token_index",
     "next_from_own",
-    "SlotChannels",
     "slot_channels",
 ]
 
@@ -172,31 +173,16 @@ def next_from_own(own_plus_one: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
     return torch.where(same, own + 1, -1)
 
 
-@dataclass(frozen=True)
-class SlotChannels:
-    """Scorer channels of a set of slots (docs/design.md §3), each shaped like ``predicted``.
+def slot_channels(layout: ResponseLayout, predicted: torch.Tensor, sampled_ids: torch.Tensor) -> ScorerChannels:
+    """Scorer channels (docs/design.md §3) of slots that predict the packed tokens ``predicted`` (any
+    shape, -1 = none), each shaped like ``predicted``.
 
-    Attributes:
-        row_ids: int64. Row of the flattened ``generation_support`` (``i * R + j``), -1 where
-            the slot predicts no response token.
-        loss_mask: bool. ``response_mask[i, j]`` of the predicted response token.
-        trajectory_ids: int64. ``sample_ids[i]`` where the slot predicts a token of sample i, else -1.
-        token_positions: int64. Response position j of the predicted token (errors name it), -1 where none.
-        sample: int64. Micro-batch sample of the predicted token, -1 where none.
-    """
-
-    row_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    trajectory_ids: torch.Tensor
-    token_positions: torch.Tensor
-    sample: torch.Tensor
-
-
-def slot_channels(layout: ResponseLayout, predicted: torch.Tensor) -> SlotChannels:
-    """Channels of slots that predict the packed tokens ``predicted`` (any shape, -1 = none).
-
-    Row ids sit at the slot of the logit that predicts the token (never rolled, §3); the loss
-    mask is the predicted token's ``response_mask``.
+    ``sampled_ids`` are verl's labels (the token each slot's logit predicts). Row ids sit at the
+    slot of the logit that predicts the token (never rolled, §3): row ``i * R + j`` of the
+    flattened ``generation_support`` for response position j of sample i, -1 where the slot
+    predicts no response token. The loss mask is the predicted token's ``response_mask``;
+    trajectories are ``sample_ids[i]``; token positions the response position j (errors name
+    it).
     """
     lay = layout.to(predicted.device)
     p = predicted.to(torch.int64)
@@ -209,10 +195,10 @@ def slot_channels(layout: ResponseLayout, predicted: torch.Tensor) -> SlotChanne
     jj = j.clamp(0, max(lay.response_width - 1, 0))
     mask = lay.response_mask[seq, jj] if lay.response_width else torch.zeros_like(is_response)
     none = torch.full_like(p, -1)
-    return SlotChannels(
+    return ScorerChannels(
+        sampled_ids=sampled_ids.to(device=p.device, dtype=torch.int64).reshape(p.shape),
         row_ids=torch.where(is_response, seq * lay.response_width + j, none),
         loss_mask=is_response & mask,
         trajectory_ids=torch.where(has, lay.sample_ids[seq], none),
         token_positions=torch.where(is_response, j, none),
-        sample=torch.where(has, seq, none),
     )

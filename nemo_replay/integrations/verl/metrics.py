@@ -35,11 +35,13 @@ every value and ``rollout_probs_diff_valid = 0``, never NaN.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 
+from nemo_replay.diagnostics import StepStats, record_gap, record_mismatch
 from nemo_replay.integrations.verl.keys import LOG_SUPPORT_MASS_KEY
 
 __all__ = ["FULL_VOCAB_LOG_PROBS", "engine_metrics", "replay_metrics", "replay_metrics_from_batch"]
@@ -118,27 +120,28 @@ def replay_metrics(
         rollout = _as_float("rollout_log_probs", rollout_log_probs, mask.shape, mask)
         out["replay/rollout_probs_diff_valid"] = int(bool(mask.any()))
         out.update(_summary("replay/rollout_probs_diff", (replayed.exp() - rollout.exp()).abs()[mask], std=True))
-        out.update(_summary("replay/mismatch", (replayed - rollout).abs()[mask], std=False))
+    log_mass = None
     if full_vocab_log_probs is not None:
         log_mass = _as_float(FULL_VOCAB_LOG_PROBS, full_vocab_log_probs, mask.shape, mask) - replayed
     elif log_support_mass is not None:
         log_mass = _as_float("log_support_mass", log_support_mass, mask.shape, mask)
-    else:
-        return out
-    if (log_mass[mask] > 1e-5).any():
+    if log_mass is not None and (log_mass[mask] > 1e-5).any():
         b, r = (int(i) for i in torch.nonzero(mask & (log_mass > 1e-5))[0])
         raise ValueError(
             f"replay metrics: the support's log mass is {float(log_mass[b, r])} > 0 at trajectory {b}, response "
             f"position {r}: the full-vocabulary log-prob exceeds the replayed one, so they are not the same token's"
         )
-    log_mass = log_mass.clamp(max=0.0)
-    gap = -log_mass[mask]
-    out["replay/support_mass_mean"] = log_mass[mask].exp().mean().item() if gap.numel() else 0.0
-    out["replay/normalisation_gap_mean"] = gap.mean().item() if gap.numel() else 0.0
+    # The names every integration logs (nemo_replay.diagnostics), computed there.
+    stats = StepStats()
     if rollout is not None:
-        full = replayed + log_mass
+        record_mismatch(stats, rollout, replayed, mask, log_mass=log_mass)
+    elif log_mass is not None:
+        record_gap(stats, log_mass, mask)
+    for name, value in stats.reduce(across_ranks=False).items():
+        out[f"replay/{name}"] = value if math.isfinite(value) else 0.0  # no token in the mask: 0, never NaN
+    if rollout is not None and log_mass is not None:
+        full = replayed + log_mass.clamp(max=0.0)
         out.update(_summary("replay/full_vocab_probs_diff", (full.exp() - rollout.exp()).abs()[mask], std=True))
-        out.update(_summary("replay/full_vocab_mismatch", (full - rollout).abs()[mask], std=False))
     return out
 
 

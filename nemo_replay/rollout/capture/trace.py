@@ -38,6 +38,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from nemo_replay.rollout.boundary import validate_support
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -124,7 +125,7 @@ def _as_ids(token_ids, where: str) -> torch.Tensor:
     if token_ids is None:
         raise ValueError(f"{where}: token ids are required, got None")
     t = torch.as_tensor(token_ids)
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+    if t.dim() != 1 or not is_integer(t):
         raise ValueError(f"{where}: token ids must be a 1-D integer sequence, got {t.dtype} {tuple(t.shape)}")
     return t.to(torch.int64).cpu()
 
@@ -173,7 +174,7 @@ class SupportTrace:
                     f"{where}: rows have shape {tuple(values.shape)}, expected ({n}, {self.top_k}): one row of "
                     f"width top_k per sampled token"
                 )
-            if values.dtype.is_floating_point or values.dtype == torch.bool:
+            if not is_integer(values):
                 # Checked before the cast to int32, which would truncate 3.7 to a valid-looking 3.
                 raise ValueError(
                     f"{where}: rows have dtype {values.dtype}, expected integer token ids; pass the sampler's "
@@ -483,7 +484,7 @@ class RouteTrace:
 
     def _cast(self, routes: torch.Tensor, where: str) -> torch.Tensor:
         """``routes`` in the trace's dtype, every value checked against ``[-1, dtype max]`` first."""
-        if routes.dtype.is_floating_point or routes.dtype.is_complex or routes.dtype == torch.bool:
+        if not is_integer(routes):
             raise ValueError(f"{where}: routes have dtype {routes.dtype}, expected integer expert ids")
         if routes.numel() == 0:
             return routes.to(self.dtype)

@@ -31,6 +31,7 @@ import torch
 
 from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.rollout.capture.sampler import check_capture_settings
+from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
@@ -163,7 +164,7 @@ def id_rows(rows: Sequence[Any], where: str) -> list[list[int]]:
 def sampled_tensor(sampled_ids: Any, n: int, where: str) -> torch.Tensor:
     """(n,) int64 sampled ids from a list of ints or an integer tensor; no coercion."""
     if isinstance(sampled_ids, torch.Tensor):
-        if sampled_ids.dtype.is_floating_point or sampled_ids.dtype == torch.bool or sampled_ids.dim() != 1:
+        if not is_integer(sampled_ids) or sampled_ids.dim() != 1:
             raise ValueError(f"{where}: sampled ids must be a 1-D integer tensor, got {sampled_ids.dtype} {tuple(sampled_ids.shape)}")
         ids = sampled_ids.to(torch.int64).cpu()
     else:
@@ -252,9 +253,9 @@ def assemble_flat(
             members, lengths = members[keep], torch.where(wide, torch.zeros_like(lengths), lengths)
             flagged |= wide
             reasons["wider_than_row"] = reasons.get("wider_than_row", 0) + int(wide.sum())
-    if members.numel() and (int(members.min()) < 0 or int(members.max()) > _INT32_MAX):
-        bad = int(members[(members < 0) | (members > _INT32_MAX)][0])
-        raise _id_out_of_range(where, bad)
+    bad = first_outside(members, _INT32_MAX + 1)
+    if bad is not None:
+        raise _id_out_of_range(where, int(members[bad]))
     ragged = RaggedSupport(
         members.to(torch.int32), lengths_to_cu_seqlens(lengths).to(torch.int64), torch.tensor([0, n], dtype=torch.int32),
     )

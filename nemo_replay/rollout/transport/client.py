@@ -45,6 +45,7 @@ import aiohttp
 import torch
 
 from nemo_replay.rollout.transport.wire import WireError, dumps, loads, routes_from_wire, support_from_wire
+from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -95,7 +96,7 @@ class GenerateResult:
         if missing:
             raise WireError(f"{where}: missing fields {missing}")
         ids, lps = body["output_ids"], body["logprobs"]
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or not is_integer(ids):
             raise WireError(f"{where}: 'output_ids' must be a 1-D integer array")
         if not isinstance(lps, torch.Tensor) or lps.shape != ids.shape or not lps.dtype.is_floating_point:
             raise WireError(f"{where}: 'logprobs' must be a float array of shape {list(ids.shape)}")
@@ -280,7 +281,7 @@ class GenerateClient:
 def _token_array(input_ids: Any) -> torch.Tensor:
     """(T,) int32 from a list of ints or a 1-D integer tensor; no coercion."""
     if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        if input_ids.dim() != 1 or not is_integer(input_ids):
             raise ValueError(f"input_ids: expected a 1-D integer tensor, got {input_ids.dtype} {list(input_ids.shape)}")
         ids = input_ids.to(torch.int64).cpu()
     elif isinstance(input_ids, (list, tuple)):
@@ -292,8 +293,9 @@ def _token_array(input_ids: Any) -> torch.Tensor:
         ids = torch.tensor(list(input_ids), dtype=torch.int64)
     else:
         raise ValueError(f"input_ids: expected a list of ints or an integer tensor, got {type(input_ids).__name__}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > torch.iinfo(torch.int32).max):
-        raise ValueError(f"input_ids: token ids must lie in [0, 2**31), got {int(ids.min())}..{int(ids.max())}")
+    i = first_outside(ids, 2**31)
+    if i is not None:
+        raise ValueError(f"input_ids[{i}]={int(ids[i])}: token ids must lie in [0, 2**31)")
     return ids.to(torch.int32)
 
 

@@ -84,6 +84,7 @@ from aiohttp import web
 
 from nemo_replay.rollout.capture.sampler import TIE_RULES, check_capture_settings, sample
 from nemo_replay.rollout.transport.wire import dumps, loads, support_to_wire
+from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -138,7 +139,7 @@ class GenerateRequest:
 def _input_ids(value: Any, vocab_size: int) -> torch.Tensor:
     """(T,) integer ids, checked; an array keeps its wire dtype (no widened copy)."""
     if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        if value.dim() != 1 or not is_integer(value):
             raise ValueError(f"input_ids: expected a 1-D integer array, got {value.dtype} {list(value.shape)}")
         ids = value
     elif isinstance(value, list):
@@ -150,9 +151,8 @@ def _input_ids(value: Any, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"input_ids: expected a list of token ids, got {type(value).__name__}")
     if ids.numel() == 0:
         raise ValueError("input_ids: empty; send the conversation so far (at least one token)")
-    # min/max in int64 scalars: no per-token temporaries, and no wrap of an unsigned array.
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        i = int(torch.nonzero((ids.to(torch.int64) < 0) | (ids.to(torch.int64) >= vocab_size))[0])
+    i = first_outside(ids, vocab_size)
+    if i is not None:
         raise ValueError(f"input_ids[{i}]={int(ids[i])}: token ids must lie in [0, {vocab_size})")
     return ids
 

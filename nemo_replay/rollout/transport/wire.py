@@ -58,6 +58,7 @@ import torch
 
 from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.support.codec import decode_support, encode_support
+from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -380,7 +381,7 @@ def _integer(t: Any, dims: int, name: str, where: str) -> torch.Tensor:
     """
     if not isinstance(t, torch.Tensor):
         raise WireError(f"{where}: '{name}' must be an array envelope, got {type(t).__name__}")
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    if not is_integer(t):
         raise WireError(f"{where}: '{name}' must hold integers, got dtype {t.dtype}")
     if t.dim() != dims:
         raise WireError(f"{where}: '{name}' must be {dims}-D, got shape {list(t.shape)}")

@@ -48,7 +48,8 @@ from typing import Optional
 import torch
 
 from nemo_replay.batch import ReplayBatch
-from nemo_replay.layout.canonical import CanonicalChannels, canonical_channels, position_ids
+from nemo_replay.layout.canonical import canonical_channels, position_ids
+from nemo_replay.layout.channels import ScorerChannels
 from nemo_replay.layout.ulysses import gather_sequence, pad_and_slice, padded_length, sp_size_rank
 from nemo_replay.layout.unpad import Unpadding, pad, shift_left, unpad, unpad_indices
 from nemo_replay.strategies.fsdp.attention import UlyssesPlan
@@ -68,12 +69,12 @@ class FSDPLayout:
         input_ids: (R, T), torch.int64. Tokens.
         position_ids: (R, T), torch.int64. Global positions, restarting per trajectory.
         attention_mask: (B, S), torch.int64 for the model (padded mode without SP), else None.
-        sampled_ids: (R, T), torch.int64. Targets: tokens rolled left by one.
-        row_ids: (R, T), torch.int64. Support row per logit position, -1 none.
-        loss_mask: (R, T), torch.bool. Rolled with the targets.
-        trajectory_ids: (R, T), torch.int64. -1 on padding.
-        token_positions: (R, T), torch.int64. The column of ``batch.sequences`` holding the
-            token each position predicts (rolled with the targets), for error messages.
+        channels: the scorer's channels, each (R, T): ``sampled_ids`` int64, the targets
+            (tokens rolled left by one); ``row_ids`` int64, the support row per logit
+            position, -1 none; ``loss_mask`` bool, rolled with the targets;
+            ``trajectory_ids`` int64, -1 on padding; ``token_positions`` int64, the column
+            of ``batch.sequences`` holding the token each position predicts (rolled with the
+            targets), for error messages.
         ulysses_plan: the SP group and full-sequence segment ids, None without SP.
         canonical: the canonical channels the layout was built from.
         unpadding: the non-pad indices, None in padded mode.
@@ -84,13 +85,9 @@ class FSDPLayout:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: Optional[torch.Tensor]
-    sampled_ids: torch.Tensor
-    row_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    trajectory_ids: torch.Tensor
-    token_positions: torch.Tensor
+    channels: ScorerChannels
     ulysses_plan: Optional[UlyssesPlan]
-    canonical: CanonicalChannels
+    canonical: ScorerChannels
     unpadding: Optional[Unpadding]
     model_len: int
     group: object = None
@@ -117,7 +114,7 @@ class FSDPLayout:
         return x[:, :-1]
 
 
-def token_channels(channels: CanonicalChannels, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def token_channels(channels: ScorerChannels, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Canonical ``(B, S-1)`` logit channels -> ``(B, S)`` token layout (module docstring).
 
     Returns ``row_ids`` (int64, -1 in the last column), ``loss_mask`` (bool, token
@@ -181,11 +178,13 @@ def build_layout(batch: ReplayBatch, *, remove_padding: bool = True, sp_group=No
         input_ids=local(tokens, 0),
         position_ids=local(positions, 0),
         attention_mask=real.to(torch.int64) if (not remove_padding and sp == 1) else None,
-        sampled_ids=local(sampled, 0),
-        row_ids=local(chan["row_ids"], -1),
-        loss_mask=local(loss_mask, False),
-        trajectory_ids=local(chan["trajectory_ids"], -1),
-        token_positions=local(shift_left(columns, -1, dim=1), -1),
+        channels=ScorerChannels(
+            sampled_ids=local(sampled, 0),
+            row_ids=local(chan["row_ids"], -1),
+            loss_mask=local(loss_mask, False),
+            trajectory_ids=local(chan["trajectory_ids"], -1),
+            token_positions=local(shift_left(columns, -1, dim=1), -1),
+        ),
         ulysses_plan=plan,
         canonical=channels,
         unpadding=unpadding,

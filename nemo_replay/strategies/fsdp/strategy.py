@@ -28,10 +28,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from nemo_replay.batch import ReplayBatch
+from nemo_replay.layout.checks import check_canonical
 from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import PolicyLoss
-from nemo_replay.scoring.collectives import agree
-from nemo_replay.layout.checks import check_canonical
+from nemo_replay.scoring.entry import score_positions
 from nemo_replay.scoring.scorer import SupportScores
 from nemo_replay.strategies.base import (
     ReplayStrategy,
@@ -40,7 +40,6 @@ from nemo_replay.strategies.base import (
     check_role,
     check_settings,
     role_replays,
-    score_role,
     start_role,
 )
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
@@ -219,15 +218,12 @@ class FSDPStrategy(ReplayStrategy):
                 f"slice; use a model whose attention goes through transformers' AttentionInterface"
             )
         try:
-            scores = agree(lambda: self._score(source, weight, batch, layout, settings, replay), self.sp_group,
-                           device=source.device, name="SP")
+            scores = score_positions(source, layout.channels, batch.support, replay=replay, lm_head_weight=weight,
+                           group=self.sp_group, group_name="SP", **settings.scorer_options())
         finally:
             if not grad:
                 release()
         return self._to_canonical(scores, layout, grad), layout
-
-    def _score(self, source, weight, batch, layout: FSDPLayout, settings: RoleSettings, replay: bool) -> SupportScores:
-        return score_role(source, layout, batch.support, settings, replay, lm_head_weight=weight)
 
     def _to_canonical(self, s: SupportScores, layout: FSDPLayout, grad: bool) -> RoleOutput:
         scale = self.sp_grad_scale if grad else 1.0

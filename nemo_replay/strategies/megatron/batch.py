@@ -16,10 +16,11 @@ from typing import Optional
 import torch
 
 from nemo_replay.batch import ReplayBatch
-from nemo_replay.layout.canonical import CanonicalChannels, canonical_channels
-from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
+from nemo_replay.layout.canonical import canonical_channels
+from nemo_replay.layout.channels import ScorerChannels
 from nemo_replay.layout.checks import check_canonical
 from nemo_replay.strategies.base import RoleSettings, role_replays
+from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 
 __all__ = [
     "PreparedMicroBatch",
@@ -39,29 +40,21 @@ class PreparedMicroBatch:
         replay: score over the support (True) or the full vocabulary.
         input_ids, position_ids: ``layout.local_shape``, int64 model inputs.
         packed_seq_params: megatron-core ``PackedSeqParams`` in packed mode, else None.
-        sampled_ids: ``local_shape`` int64, the token each logit predicts (0 where none).
-        row_ids: ``local_shape`` int64 global support row, -1 for none.
-        loss_mask: ``local_shape`` bool.
-        trajectory_ids: ``local_shape`` int64, -1 where no logit is predicted.
-        token_positions: ``local_shape`` int64, the column of ``batch.sequences`` holding the
-            token each logit predicts (-1 where none), for error messages.
+        channels: the scorer's channels at this rank's logit slots, each ``local_shape``
+            (:meth:`~nemo_replay.layout.slots.Slots.channels`).
         support: the batch's support on the model's device, or None.
         routes: ``(*local_shape, layers, topk)`` int64 recorded MoE routes (-1 on padding), or None.
     """
 
     index: int
     batch: ReplayBatch
-    canonical: CanonicalChannels
+    canonical: ScorerChannels
     layout: TokenMetadataLayout
     replay: bool
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     packed_seq_params: Optional[object]
-    sampled_ids: torch.Tensor
-    row_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    trajectory_ids: torch.Tensor
-    token_positions: Optional[torch.Tensor] = None
+    channels: ScorerChannels
     support: Optional[object] = None
     routes: Optional[torch.Tensor] = None
 
@@ -104,7 +97,6 @@ def prepare_micro_batch(
         min_length=min_length,
     )
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    local = layout.slots(logit=True).channels(channels, device)
     prepared = PreparedMicroBatch(
         index=index,
         batch=batch,
@@ -114,11 +106,7 @@ def prepare_micro_batch(
         input_ids=to(layout.input_ids(batch.sequences, pad_id)),
         position_ids=to(layout.position_ids()),
         packed_seq_params=layout.packed_seq_params(device) if packed else None,
-        sampled_ids=local.sampled_ids,
-        row_ids=local.row_ids,
-        loss_mask=local.loss_mask,
-        trajectory_ids=local.trajectory_ids,
-        token_positions=local.token_positions,
+        channels=layout.slots(logit=True).channels(channels, device),
         support=batch.support.to(device) if replay else None,
     )
     if with_routes:

@@ -41,8 +41,8 @@ import torch
 
 from nemo_replay.layout.canonical import to_caller_columns
 from nemo_replay.objectives import PolicyLoss
-from nemo_replay.scoring.collectives import agree
-from nemo_replay.strategies.base import RoleSettings, policy_objective, score_role
+from nemo_replay.scoring.entry import score_positions
+from nemo_replay.strategies.base import RoleSettings, policy_objective
 from nemo_replay.strategies.megatron.batch import PreparedMicroBatch
 from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
@@ -203,14 +203,12 @@ class RoleForwardStep:
             f"(or the gathered vocabulary {v_local * p.tp_size})"
         )
 
-    def _score(self, mb: PreparedMicroBatch, source, weight, shard):
-        return score_role(source, mb, mb.support, self.settings, mb.replay, shard=shard, lm_head_weight=weight)
-
     def _loss(self, mb: PreparedMicroBatch, inner, hidden: bool, output: torch.Tensor):
         source, weight, shard = self._source(output, inner, hidden)
         p, lay = self.parallel, mb.layout
         # A CP rank that rejects its slice would leave the others in the gather below: all raise together.
-        scores = agree(lambda: self._score(mb, source, weight, shard), p.cp_group, device=source.device, name="CP")
+        scores = score_positions(source, mb.channels, mb.support, replay=mb.replay, shard=shard, lm_head_weight=weight,
+                       group=p.cp_group, group_name="CP", **self.settings.scorer_options())
         # The policy role gathers the log-probs differentiably, for its objective; every other
         # output (and the log-probs of the forward-only roles) travels in one detached gather.
         # They keep the scorer's dtype: float64 models get float64 log-probs (1e-15, not 5e-7).

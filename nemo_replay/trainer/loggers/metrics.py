@@ -34,7 +34,7 @@ PLOTTED = (
     ("ratio_max_dev", "first-step max |PPO ratio - 1|", True),
     ("kl", "KL to reference", False),
     ("clip_fraction", "clip fraction", False),
-    ("support_mass", "support mass (kept probability)", False),
+    ("support_mass_mean", "support mass (kept probability)", False),
     ("loss", "policy loss", False),
 )
 

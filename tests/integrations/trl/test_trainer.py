@@ -24,8 +24,8 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: 
 
 from nemo_replay.integrations.trl import ReplayGRPOTrainer, ReplaySettings  # noqa: E402
 from nemo_replay.integrations.trl.records import RECORDS_KEY, completion_channels, records_from_vllm  # noqa: E402
-from nemo_replay.rollout.capture.sampler import check_capture_settings, sample  # noqa: E402
 from nemo_replay.rollout.capture.hf import check_generation_config  # noqa: E402
+from nemo_replay.rollout.capture.sampler import check_capture_settings, sample  # noqa: E402
 from nemo_replay.rollout.engines.vllm import vllm_row_width  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<bos>"] + [f"w{i}" for i in range(45)]  # V = 48
@@ -122,7 +122,7 @@ def test_replay_reproduces_the_sampler_where_trl_scoring_does_not(trained, sourc
         trl_lp, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, C)
         with trainer._scoring(batch[RECORDS_KEY], measure=True):
             replay_lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
-    active = ch.loss_mask
+    active = ch.channels.loss_mask
     assert (ch.rollout_logprobs - replay_lp).abs()[active].max() <= 1e-5
     trl_gap = (ch.rollout_logprobs - trl_lp).abs()[active]
     assert trl_gap.mean() >= 0.1
@@ -131,7 +131,7 @@ def test_replay_reproduces_the_sampler_where_trl_scoring_does_not(trained, sourc
         # The logged full-vocabulary mismatch is TRL's own scoring, derived from the same forward.
         trainer.log({})
         assert trainer.state.log_history[-1]["replay/full_vocab_mismatch_mean"] == pytest.approx(float(trl_gap.mean()), rel=1e-3)
-        assert 0 < trainer.state.log_history[-1]["replay/support_mass"] < 1
+        assert 0 < trainer.state.log_history[-1]["replay/support_mass_mean"] < 1
 
 
 def test_hidden_mode_trains_like_logits_mode(trained):

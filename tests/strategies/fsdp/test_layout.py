@@ -79,11 +79,11 @@ def test_roll_semantics_hand_worked_padded():
     assert layout.position_ids.tolist() == [[0, 0, 1, 2], [0, 1, 2, 3]]
     assert layout.attention_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
     # Targets: the tokens rolled left. Row ids stay at the logit that predicts their token.
-    assert layout.sampled_ids.tolist() == [[11, 12, 13, 0], [22, 23, 24, 0]]
-    assert layout.row_ids.tolist() == [[-1, 0, 1, -1], [-1, 2, 3, -1]]
+    assert layout.channels.sampled_ids.tolist() == [[11, 12, 13, 0], [22, 23, 24, 0]]
+    assert layout.channels.row_ids.tolist() == [[-1, 0, 1, -1], [-1, 2, 3, -1]]
     # Token loss mask [[0,0,1,1],[0,0,1,1]] moved with the targets.
-    assert layout.loss_mask.int().tolist() == [[0, 1, 1, 0], [0, 1, 1, 0]]
-    assert layout.trajectory_ids.tolist() == [[-1, 0, 0, 0], [1, 1, 1, 1]]
+    assert layout.channels.loss_mask.int().tolist() == [[0, 1, 1, 0], [0, 1, 1, 0]]
+    assert layout.channels.trajectory_ids.tolist() == [[-1, 0, 0, 0], [1, 1, 1, 1]]
 
 
 def test_roll_semantics_hand_worked_unpadded():
@@ -91,10 +91,10 @@ def test_roll_semantics_hand_worked_unpadded():
     assert layout.input_ids.tolist() == [[11, 12, 13, 21, 22, 23, 24]]
     assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3]]
     assert layout.attention_mask is None
-    assert layout.sampled_ids.tolist() == [[12, 13, 21, 22, 23, 24, 0]]
-    assert layout.row_ids.tolist() == [[0, 1, -1, -1, 2, 3, -1]]
-    assert layout.loss_mask.int().tolist() == [[1, 1, 0, 0, 1, 1, 0]]
-    assert layout.trajectory_ids.tolist() == [[0, 0, 0, 1, 1, 1, 1]]
+    assert layout.channels.sampled_ids.tolist() == [[12, 13, 21, 22, 23, 24, 0]]
+    assert layout.channels.row_ids.tolist() == [[0, 1, -1, -1, 2, 3, -1]]
+    assert layout.channels.loss_mask.int().tolist() == [[1, 1, 0, 0, 1, 1, 0]]
+    assert layout.channels.trajectory_ids.tolist() == [[0, 0, 0, 1, 1, 1, 1]]
     # Back to canonical [B, S-1]: packed position p -> its token column, pad filled.
     values = torch.arange(7, dtype=torch.float64)[None] + 1
     assert layout.to_canonical(values, fill=0).tolist() == [[0, 1, 2], [4, 5, 6]]
@@ -109,13 +109,13 @@ def test_off_by_one_is_caught_by_the_guard():
     layout = build_layout(batch, remove_padding=True)
     torch.manual_seed(0)
     logits = torch.randn(*layout.input_ids.shape, 96, dtype=torch.float64)
-    args = dict(trajectory_ids=layout.trajectory_ids)
-    score_aligned_support(logits, layout.sampled_ids, layout.row_ids, layout.loss_mask, batch.support, **args)
+    args = dict(trajectory_ids=layout.channels.trajectory_ids)
+    score_aligned_support(logits, layout.channels.sampled_ids, layout.channels.row_ids, layout.channels.loss_mask, batch.support, **args)
     with pytest.raises(ValueError, match="support row"):
-        score_aligned_support(logits, layout.sampled_ids, shift_left(layout.row_ids, -1, dim=1), layout.loss_mask, batch.support, **args)
-    unrolled_mask = shift_left(layout.loss_mask, False, dim=1)  # rolled twice: one column early
+        score_aligned_support(logits, layout.channels.sampled_ids, shift_left(layout.channels.row_ids, -1, dim=1), layout.channels.loss_mask, batch.support, **args)
+    unrolled_mask = shift_left(layout.channels.loss_mask, False, dim=1)  # rolled twice: one column early
     with pytest.raises(ValueError, match="support row"):
-        score_aligned_support(logits, shift_left(layout.sampled_ids, 0, dim=1), layout.row_ids, unrolled_mask, batch.support, **args)
+        score_aligned_support(logits, shift_left(layout.channels.sampled_ids, 0, dim=1), layout.channels.row_ids, unrolled_mask, batch.support, **args)
 
 
 def test_padded_and_unpadded_layouts_agree_in_canonical_coordinates():
@@ -125,13 +125,13 @@ def test_padded_and_unpadded_layouts_agree_in_canonical_coordinates():
     real = batch.attention_mask[:, :-1]
     for name in ("sampled_ids", "row_ids", "trajectory_ids"):
         fill = -1 if name != "sampled_ids" else 0
-        back_a = a.to_canonical(getattr(a, name), fill=fill)
-        back_b = b.to_canonical(getattr(b, name))
+        back_a = a.to_canonical(getattr(a.channels, name), fill=fill)
+        back_b = b.to_canonical(getattr(b.channels, name))
         assert torch.equal(torch.where(real, back_a, fill), torch.where(real, back_b, fill)), name
-    assert torch.equal(a.to_canonical(a.loss_mask, fill=False), a.canonical.loss_mask)
-    assert torch.equal(b.to_canonical(b.loss_mask), b.canonical.loss_mask)
-    assert torch.equal(a.to_canonical(a.row_ids, fill=-1), a.canonical.row_ids)
-    assert torch.equal(b.to_canonical(b.trajectory_ids), b.canonical.trajectory_ids)
+    assert torch.equal(a.to_canonical(a.channels.loss_mask, fill=False), a.canonical.loss_mask)
+    assert torch.equal(b.to_canonical(b.channels.loss_mask), b.canonical.loss_mask)
+    assert torch.equal(a.to_canonical(a.channels.row_ids, fill=-1), a.canonical.row_ids)
+    assert torch.equal(b.to_canonical(b.channels.trajectory_ids), b.canonical.trajectory_ids)
     # Positions restart at every trajectory, in both layouts.
     assert torch.equal(a.position_ids[0], packed_position_ids(a.unpadding.cu_seqlens))
     assert torch.equal(unpad(b.position_ids, a.unpadding), a.position_ids[0])

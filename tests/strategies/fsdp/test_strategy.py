@@ -315,8 +315,9 @@ def test_an_empty_response_contributes_nothing_and_trains_on(model, reference_mo
     # The Megatron layout takes it too: no row for the empty trajectory (docs/design.md §3).
     mb = prepare_micro_batch(0, batch, role="recompute", settings=settings, tp_size=1, cp_size=1, cp_rank=0, fp8=False,
                              packed=True, device="cpu")
-    rows = mb.row_ids[mb.trajectory_ids == 1]
-    assert rows.numel() and (rows == -1).all() and set(mb.row_ids[mb.row_ids >= 0].tolist()) == set(range(5))
+    ch = mb.channels
+    rows = ch.row_ids[ch.trajectory_ids == 1]
+    assert rows.numel() and (rows == -1).all() and set(ch.row_ids[ch.row_ids >= 0].tolist()) == set(range(5))
 
 
 def test_one_hidden_mode_rule_for_the_fsdp_strategy_and_trl():

@@ -708,8 +708,9 @@ def test_the_loss_closure_keeps_float64_log_probs():
     step = RoleForwardStep("recompute", settings, MegatronParallel(), SimpleNamespace(sequence_parallel=False))
     step._loss(mb, SimpleNamespace(output_layer=SimpleNamespace(weight=torch.zeros(V, 8))), False, logits)
     got = step.results[0]["logprobs"]
-    local = score_aligned_support(logits, mb.sampled_ids, mb.row_ids, mb.loss_mask, mb.support,
-                                  trajectory_ids=mb.trajectory_ids, temperature=TEMPERATURE).logprobs
+    ch = mb.channels
+    local = score_aligned_support(logits, ch.sampled_ids, ch.row_ids, ch.loss_mask, mb.support,
+                                  trajectory_ids=ch.trajectory_ids, temperature=TEMPERATURE).logprobs
     want = mb.layout.to_canonical(local, 0.0)
     assert got.dtype == torch.float64 and want.dtype == torch.float64
     assert torch.equal(got, want) and (got != 0).sum() == int(canonical_channels(batch).loss_mask.sum())
