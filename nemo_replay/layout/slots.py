@@ -10,7 +10,7 @@ the canonical column of ``b``'s first real token and ``L_b`` its real tokens:
   ``q < L_b - 1``: the logit of slot ``(b, q)`` predicts token ``q + 1`` of the same
   trajectory, never the first token of the sequence packed after it.
 
-Megatron's :class:`~nemo_replay.strategies.megatron.layout.TokenMetadataLayout` and the
+Megatron's :class:`~nemo_replay.strategies.megatron.token_layout.TokenMetadataLayout` and the
 NeMo-RL hooks build their slots (the context-parallel split comes from
 :mod:`nemo_replay.layout.context_parallel`) and read every scorer channel through
 :meth:`Slots.channels`; outputs go back through :meth:`Slots.canonical_index`. Example,

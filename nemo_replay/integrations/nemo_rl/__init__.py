@@ -37,7 +37,7 @@ from nemo_replay.integrations.nemo_rl.hooks import (
     replay_prepare_fn,
 )
 from nemo_replay.integrations.nemo_rl.datapath import backfill_support, carry_support, install_data_path, with_support_pad
-from nemo_replay.integrations.nemo_rl.layout import NEMO_RL_COMMIT
+from nemo_replay.integrations.nemo_rl.token_aligned import NEMO_RL_COMMIT
 from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
 from nemo_replay.integrations.nemo_rl.rollout import (
     GenerationSupport,

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nemo_replay.integrations.nemo_rl.layout import NEMO_RL_COMMIT
+from nemo_replay.integrations.nemo_rl.token_aligned import NEMO_RL_COMMIT
 
 __all__ = ["PATCH_FILE", "PATCHED_FILES", "patch_state", "apply_patch", "main"]
 

@@ -6,7 +6,7 @@ once, each naming the NeMo-RL flag, the value that came, and what to set:
     from nemo_replay.integrations.nemo_rl import check_nemo_rl_recipe
     check_nemo_rl_recipe(OmegaConf.to_container(config, resolve=True))
 
-The rules follow NeMo-RL at :data:`~nemo_replay.integrations.nemo_rl.layout.NEMO_RL_COMMIT`.
+The rules follow NeMo-RL at :data:`~nemo_replay.integrations.nemo_rl.token_aligned.NEMO_RL_COMMIT`.
 A key NeMo-RL reads with a default (``.get``) reads as that default when absent; a
 parallel or cluster size reads as 1, its value in NeMo-RL's ``grpo_math_1B.yaml``.
 """

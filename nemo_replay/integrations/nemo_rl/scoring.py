@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_replay.integrations.nemo_rl.layout import canonical_of, check_width, gather_slots, local_slots
+from nemo_replay.integrations.nemo_rl.token_aligned import canonical_of, check_width, gather_slots, local_slots
 from nemo_replay.layout.checks import check_canonical
 from nemo_replay.scoring.entry import score_positions
 from nemo_replay.scoring.shard import VocabShard

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.integrations.verl.keys import SUPPORT_KEY
-from nemo_replay.integrations.verl.layout import ResponseLayout, response_layout, slot_channels
+from nemo_replay.integrations.verl.response_layout import ResponseLayout, response_layout, slot_channels
 from nemo_replay.integrations.verl.metrics import FULL_VOCAB_LOG_PROBS
 from nemo_replay.layout.checks import Where, check_canonical
 from nemo_replay.scoring.entry import ScorerChannels, check_together, score_positions
@@ -270,7 +270,7 @@ def micro_batch_layout(micro_batch) -> tuple[ResponseLayout, PackedTensor]:
     """The coordinates and support rows of one micro-batch (``input_ids`` nested, no padding).
 
     Returns:
-        the :class:`~nemo_replay.integrations.verl.layout.ResponseLayout`, and the rows as one
+        the :class:`~nemo_replay.integrations.verl.response_layout.ResponseLayout`, and the rows as one
         packed support of ``b * R`` rows (row ``i * R + j`` is ``generation_support[i, j]``),
         read in place.
     """
@@ -356,7 +356,7 @@ def score_slots(
         shard: this rank's vocabulary slice and its tensor-parallel group.
         sampled_ids: (*,), int. verl's label of each slot (the token its logit predicts).
         predicted: (*,), int64. The packed token each slot predicts, -1 where none
-            (:mod:`~nemo_replay.integrations.verl.layout`).
+            (:mod:`~nemo_replay.integrations.verl.response_layout`).
         layout, support: from :func:`micro_batch_layout`.
         group: the group the slots of one micro-batch are split over (Ulysses SP, Megatron
             CP), or None; every rank of it raises the same error.

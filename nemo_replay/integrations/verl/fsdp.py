@@ -10,7 +10,7 @@ autocast, Ulysses gather and loss all stay verl's. It overrides:
   and each sample is tagged with its index, for errors;
 - ``prepare_model_inputs``: verl's own, plus ONE channel carried exactly as verl carries
   ``input_ids_rmpad_rolled`` -- the packed index of the token each logit predicts
-  (:func:`~nemo_replay.integrations.verl.layout.next_token_index`), through verl's static
+  (:func:`~nemo_replay.integrations.verl.response_layout.next_token_index`), through verl's static
   pad (``pad_packed_inputs``) and Ulysses pad-and-slice (``ulysses_pad_and_slice_inputs``),
   or laid over the padded rows without remove-padding;
 - ``prepare_model_outputs``: the method that turns the model's logits into ``log_probs``
@@ -54,7 +54,7 @@ from nemo_replay.integrations.verl.engine import (
     score_slots,
     with_replay_metrics,
 )
-from nemo_replay.integrations.verl.layout import next_token_index, padded_next_token_index
+from nemo_replay.integrations.verl.response_layout import next_token_index, padded_next_token_index
 from nemo_replay.scoring.shard import VocabShard
 
 __all__ = ["ReplayFSDPEngineWithLMHead", "local_vocab_shard"]

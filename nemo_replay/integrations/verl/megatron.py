@@ -13,7 +13,7 @@ unpacks into nested ``[b, L_i]`` outputs.
 overrides ``_lm_head_logits_processor`` -- the smallest seam: the one method that turns
 logits into ``log_probs`` / ``entropy``. It packs ONE channel with verl's own packer, with
 the arguments ``forward_step`` gives it: each slot's own packed token index + 1 (0 on verl's
-zero padding, :func:`~nemo_replay.integrations.verl.layout.next_from_own`), and scores the
+zero padding, :func:`~nemo_replay.integrations.verl.response_layout.next_from_own`), and scores the
 slots over the recorded supports with this rank's vocabulary shard as a ``VocabShard``
 (Megatron's even split). Every slot's predicted token is checked against verl's rolled
 ``label`` there (one more host read per micro-batch), so a change in verl's packing is an
@@ -44,7 +44,7 @@ from nemo_replay.integrations.verl.engine import (
     score_slots,
     with_replay_metrics,
 )
-from nemo_replay.integrations.verl.layout import next_from_own
+from nemo_replay.integrations.verl.response_layout import next_from_own
 from nemo_replay.scoring.shard import VocabShard
 
 __all__ = ["PackArgs", "packed_predicted", "replay_logits", "ReplayMegatronEngineWithLMHead"]

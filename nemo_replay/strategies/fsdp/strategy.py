@@ -1,6 +1,6 @@
 """The fsdp strategy: Hugging Face causal LMs under FSDP2, with optional Ulysses SP.
 
-Each role runs the model forward on the layout of :mod:`nemo_replay.strategies.fsdp.layout`,
+Each role runs the model forward on the layout of :mod:`nemo_replay.strategies.fsdp.rolled_layout`,
 calls the shared scorer on this rank's positions with explicit trajectory ids, and brings
 the results back to canonical ``(B, S-1)`` columns (docs/design.md §5, §6).
 
@@ -44,7 +44,7 @@ from nemo_replay.strategies.base import (
 )
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
 from nemo_replay.strategies.fsdp.head import hidden_mode_problems
-from nemo_replay.strategies.fsdp.layout import FSDPLayout, build_layout
+from nemo_replay.strategies.fsdp.rolled_layout import FSDPLayout, build_layout
 
 __all__ = ["FSDPStrategy", "lm_head_weight", "run_trunk"]
 

@@ -2,7 +2,7 @@
 
 Every channel starts from :func:`~nemo_replay.layout.canonical.canonical_channels` (logit
 coordinates ``(B, S - 1)`` of the batch, whatever its padding) and moves through the
-micro-batch's :class:`~nemo_replay.strategies.megatron.layout.TokenMetadataLayout`; the
+micro-batch's :class:`~nemo_replay.strategies.megatron.token_layout.TokenMetadataLayout`; the
 support row ids are taken from the canonical channels too, so the layout never re-derives
 where a row sits. The policy objective reads its inputs (advantages, old and reference
 log-probs) from the batch in the caller's columns, so none of them is laid out here.
@@ -20,7 +20,7 @@ from nemo_replay.layout.canonical import canonical_channels
 from nemo_replay.layout.channels import ScorerChannels
 from nemo_replay.layout.checks import check_canonical
 from nemo_replay.strategies.base import RoleSettings, role_replays
-from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
+from nemo_replay.strategies.megatron.token_layout import TokenMetadataLayout
 
 __all__ = [
     "PreparedMicroBatch",

@@ -44,7 +44,7 @@ from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.entry import score_positions
 from nemo_replay.strategies.base import RoleSettings, policy_objective
 from nemo_replay.strategies.megatron.batch import PreparedMicroBatch
-from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
+from nemo_replay.strategies.megatron.token_layout import TokenMetadataLayout
 from nemo_replay.strategies.megatron.parallel import MegatronParallel
 from nemo_replay.strategies.megatron.routing import install_routes
 

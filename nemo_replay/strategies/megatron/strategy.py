@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.batch import ReplayBatch
-from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
+from nemo_replay.strategies.megatron.token_layout import TokenMetadataLayout
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.strategies.base import (
     ReplayStrategy,

@@ -10,7 +10,7 @@ biases; MoE with ``model.num_experts > 0``), with the Transformer Engine layer s
 is importable on a GPU and the local spec otherwise. Packed THD sequences (and so context
 parallelism) need TE. megatron-core allocates CUDA buffers, so this backend runs on GPUs.
 
-Generation uses the strategy's own :class:`~nemo_replay.strategies.megatron.layout.TokenMetadataLayout`
+Generation uses the strategy's own :class:`~nemo_replay.strategies.megatron.token_layout.TokenMetadataLayout`
 for the model inputs, so the sampled logits come from the same token arrangement, position
 ids and attention the roles use. Worked example, one trajectory ``_ a b`` (one left pad)
 asking for its next token: a placeholder token ``?`` is appended, ``_ a b ?``; the layout
@@ -185,7 +185,7 @@ class MegatronBackend:
         With route replay on, returns ``(logits, routes)``: ``routes (B, S, layers, topk)``
         int64, the experts each token column was routed to in this forward (-1 on padding).
         """
-        from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
+        from nemo_replay.strategies.megatron.token_layout import TokenMetadataLayout
         from nemo_replay.strategies.megatron import routing
 
         par = self.parallel

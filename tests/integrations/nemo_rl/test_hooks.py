@@ -421,7 +421,7 @@ def test_packed_and_parallel_arguments_are_checked():
     with pytest.raises(ValueError, match=r"data row 0 has \d+ tokens but its logits cover \d+ positions"):
         next_token_logprobs(packed_local_logits(raw / TEMPERATURE, [L - 2 for L in lengths], short, 1, 0), data,
                             cu_seqlens_padded=short)
-    from nemo_replay.integrations.nemo_rl.layout import local_slots
+    from nemo_replay.integrations.nemo_rl.token_aligned import local_slots
 
     assert local_slots([8], 2, 0, packed=True).position.tolist() == [0, 1, 6, 7]
     assert torch.equal(cp_chunks(torch.arange(8), 2, 1, 0), local_slots([8], 2, 1, packed=True).position)

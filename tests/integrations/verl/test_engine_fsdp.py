@@ -424,7 +424,7 @@ def _channel_failures(sp: int) -> list:
     from verl.utils.ulysses import ulysses_pad_and_slice_inputs
     from verl.workers.engine.utils import pad_packed_inputs
 
-    from nemo_replay.integrations.verl.layout import next_token_index
+    from nemo_replay.integrations.verl.response_layout import next_token_index
 
     g = torch.Generator().manual_seed(11)
     failures, seen, expected = [], [], []

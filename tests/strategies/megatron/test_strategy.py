@@ -133,7 +133,7 @@ def _phase_tp2(out, rank, batches, policy_batches):
 
     from tests.strategies.megatron import harness as H
     from nemo_replay import get_strategy
-    from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
+    from nemo_replay.strategies.megatron.token_layout import TokenMetadataLayout
     from nemo_replay.strategies.megatron import MegatronParallel
     from megatron.core import parallel_state as ps
 
@@ -574,7 +574,7 @@ def test_pipeline_parallel_2_matches_tp1(ranks):
 
 def _real_routes(batch, layout_maps, routes, layer_index):
     """Per canonical real token: the experts chosen by the router, from its [s*B+b, E] map."""
-    from nemo_replay.strategies.megatron.layout import TokenMetadataLayout
+    from nemo_replay.strategies.megatron.token_layout import TokenMetadataLayout
 
     lay = TokenMetadataLayout.build(batch.attention_mask)
     B, S_out = lay.local_shape

@@ -9,7 +9,7 @@ from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.ulysses import gather_sequence, pad_and_slice, padded_length
 from nemo_replay.layout.unpad import pad, packed_position_ids, shift_left, unpad, unpad_indices
 from nemo_replay.scoring.scorer import score_aligned_support
-from nemo_replay.strategies.fsdp.layout import build_layout
+from nemo_replay.strategies.fsdp.rolled_layout import build_layout
 from nemo_replay.support.packed import PackedTensor
 from tests.strategies.fsdp.fixtures import BATCH_B, make_batch
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.canonical import canonical_channels
-from nemo_replay.strategies.megatron.layout import TokenMetadataLayout, layout_alignment
+from nemo_replay.strategies.megatron.token_layout import TokenMetadataLayout, layout_alignment
 from nemo_replay.support.packed import PackedTensor
 
 SIZES = st.sampled_from([1, 2, 4])
@@ -287,7 +287,7 @@ def test_rows_that_do_not_fit_their_trajectory_are_refused_naming_it():
 def test_one_cp_split_for_megatron_and_nemo_rl_against_a_chunk_loop():
     """layout/context_parallel.py is the one definition: rank r keeps chunks r and 2cp-1-r of every
     padded sequence; Megatron's layout and the NeMo-RL hooks both read it."""
-    from nemo_replay.integrations.nemo_rl.layout import local_slots
+    from nemo_replay.integrations.nemo_rl.token_aligned import local_slots
     from nemo_replay.layout.context_parallel import cp_local_positions
 
     for cp in (1, 2, 3, 4):
