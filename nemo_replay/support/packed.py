@@ -61,7 +61,7 @@ def segment_row_index(cu_seqlens: torch.Tensor, segments: torch.Tensor) -> tuple
     total = int(lengths.sum())
     # Position of each output row inside its segment: arange minus the segment's output start.
     out_starts = torch.cumsum(lengths, 0) - lengths
-    seg_of_row = torch.repeat_interleave(torch.arange(segments.numel()), lengths)
+    seg_of_row = torch.repeat_interleave(torch.arange(segments.numel()), lengths, output_size=total)
     within = torch.arange(total) - out_starts[seg_of_row]
     return starts[seg_of_row] + within, lengths
 
@@ -228,7 +228,8 @@ class PackedTensor(Segmented):
 
     def segment_ids(self) -> torch.Tensor:
         """(total_rows,), int64: the trajectory each row belongs to."""
-        return torch.repeat_interleave(torch.arange(self.batch_size, device=self.device), self.lengths.to(self.device))
+        return torch.repeat_interleave(torch.arange(self.batch_size, device=self.device), self.lengths.to(self.device),
+                                       output_size=int(self.cu_seqlens[-1]))
 
     # ------------------------------------------------------------------ batch ops
     def _normalise_index(self, index) -> torch.Tensor:

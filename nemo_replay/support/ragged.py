@@ -334,7 +334,8 @@ class RaggedSupport(Segmented):
                 f"-- one sampled token per support row"
             )
         lengths = self.row_lengths
-        row_of = torch.repeat_interleave(torch.arange(self.num_rows, device=self.device), lengths)
+        row_of = torch.repeat_interleave(torch.arange(self.num_rows, device=self.device), lengths,
+                                         output_size=self.member_ids.numel())  # no host read of the total
         sampled = sampled_ids.to(device=self.device, dtype=torch.int64)
         found, _ = csr_membership(self.member_ids, row_of, sampled)
         missing = (lengths > 0) & ~found

@@ -334,7 +334,7 @@ class SupportRecorder:
         for t in range(T):
             st = self.steps[t]
             n = st.offsets.diff()
-            row_of = torch.repeat_interleave(torch.arange(B), n)
+            row_of = torch.repeat_interleave(torch.arange(B), n, output_size=st.members.numel())
             found, hit = csr_membership(st.members, row_of, sampled[:, t])
             missing = (sampled[:, t] >= 0) & ~found
             if missing.any():

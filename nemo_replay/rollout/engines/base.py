@@ -249,7 +249,7 @@ def assemble_flat(
         wide = lengths > width
         if bool(wide.any()):
             # Never cut: the position leaves the loss and its row is emptied.
-            keep = torch.repeat_interleave(~wide, lengths)
+            keep = torch.repeat_interleave(~wide, lengths, output_size=members.numel())
             members, lengths = members[keep], torch.where(wide, torch.zeros_like(lengths), lengths)
             flagged |= wide
             reasons["wider_than_row"] = reasons.get("wider_than_row", 0) + int(wide.sum())

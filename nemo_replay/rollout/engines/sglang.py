@@ -116,7 +116,11 @@ def check_sglang_request(body: Mapping[str, Any], *, mask_max_tokens: int = SGLA
 def _rows(meta_info: Mapping[str, Any], where: str) -> list[list[int]]:
     rows = meta_info.get("output_token_sampling_mask")
     if rows is None:
-        raise ValueError(f"{where}: meta_info has no 'output_token_sampling_mask'; send the request with \"return_sampling_mask\": true")
+        raise ValueError(
+            f"{where}: meta_info has no 'output_token_sampling_mask'; send the request with \"return_sampling_mask\": "
+            f"true, to SGLang >= 0.5.23 (0.5.12 returns no sampling masks and its log-probs are over the vocabulary, "
+            f"before truncation: no support can be read from them)"
+        )
     if not isinstance(rows, list):
         raise ValueError(f"{where}: 'output_token_sampling_mask' must be a list of id lists, got {type(rows).__name__}")
     out = id_rows(rows, where)

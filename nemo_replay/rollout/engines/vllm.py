@@ -166,7 +166,7 @@ def check_vllm_engine(config: Any, *, path: str, top_k: Optional[int] = None) ->
         values, v2 = {**_VLLM_DEFAULTS, **config}, config.get("use_v2_model_runner")
     elif hasattr(config, "model_config") or all(hasattr(config, k) for k in _VLLM_DEFAULTS):
         model = getattr(config, "model_config", config)
-        # A vLLM before sampling masks (0.33) has no return_sampling_mask: masks off, the log-prob path stands.
+        # A vLLM before sampling masks (0.30) has no return_sampling_mask: masks off, the log-prob path stands.
         missing = [k for k in _VLLM_DEFAULTS if k != "return_sampling_mask" and not hasattr(model, k)]
         if missing:
             raise ValueError(f"check_vllm_engine: the model config has no {missing}; pass llm.llm_engine.vllm_config")
@@ -187,7 +187,8 @@ def check_vllm_engine(config: Any, *, path: str, top_k: Optional[int] = None) ->
         )
     if path == "mask":
         if not hasattr(getattr(config, "model_config", config), "return_sampling_mask") and not isinstance(config, Mapping):
-            errors.append("this vLLM has no sampling masks (vLLM 0.33 added them): upgrade, or use the log-prob path")
+            errors.append("this vLLM has no sampling masks (0.24 / 0.25 lack them; 0.30 and later have them): upgrade to "
+                          "vLLM >= 0.30, or use the log-prob path")
         elif values["return_sampling_mask"] is not True:
             errors.append("return_sampling_mask is off: start vLLM with --return-sampling-mask (LLM(return_sampling_mask=True))")
         if v2 is None:
@@ -238,10 +239,18 @@ def check_vllm_request(sampling_params: Any, *, path: str) -> dict:
         )
     if path == "logprobs":
         n = _requested_logprobs(params)
-        if n is None or isinstance(n, bool) or not isinstance(n, int) or (n != -1 and n < top_k + 1):
+        want = vllm_row_width(top_k) + 1
+        if n == -1:
             raise ValueError(
-                f"{where}: logprobs={n!r}; request logprobs={top_k + 1} (top_k + 1; chat: top_logprobs={top_k + 1}) "
-                f"so each position's list ends with a filtered entry and shows the whole support"
+                f"{where}: logprobs=-1 asks for the whole vocabulary at every position (V entries per token), and "
+                f"the generate endpoint of vLLM 0.24 / 0.25 / 0.30 keeps one entry for it; request logprobs={want} "
+                f"(vllm_row_width(top_k) + 1; chat: top_logprobs={want})"
+            )
+        if n is None or isinstance(n, bool) or not isinstance(n, int) or n < top_k + 1:
+            raise ValueError(
+                f"{where}: logprobs={n!r}; request logprobs={want} (vllm_row_width(top_k) + 1: top_k, a margin for "
+                f"ties at the k-th value, and one filtered entry; chat: top_logprobs={want}) so each position's list "
+                f"shows the whole support"
             )
     return settings
 

@@ -115,34 +115,58 @@ class VllmStep:
     mask: list  # the support, ids ascending
 
 
-def vllm_steps(logits: torch.Tensor, temperature: float, *, top_k: int, top_p: float = 1.0, num_logprobs: int,
-               ties: str = "index_order", seed: int = 0) -> list[VllmStep]:
-    """One step per row of ``logits`` (N, V).
+@dataclass
+class VllmDraw:
+    """One sampler step before its log-prob list is cut: the drawn token, the support (ids
+    ascending) and the processed log-probs over the vocabulary, (V,) float32."""
 
+    token: int
+    mask: list
+    processed: torch.Tensor
+
+    def step(self, num_logprobs: int) -> VllmStep:
+        """The step as the sampler hands it over when the request asks ``num_logprobs``."""
+        top = torch.topk(self.processed, num_logprobs)
+        own = self.processed[self.token]
+        rank = int((self.processed >= own).sum())
+        return VllmStep(self.token, [self.token] + top.indices.tolist(), [float(own)] + top.values.tolist(), rank, self.mask)
+
+
+def vllm_draws(logits: torch.Tensor, temperature: float, *, top_k: int, top_p: float = 1.0, min_p: float = 0.0,
+               ties: str = "index_order", seed: int = 0) -> list[VllmDraw]:
+    """One draw per row of ``logits`` (N, V); :func:`vllm_steps` cuts each to a log-prob list.
+
+    - Min-p, top-k and top-p as the vLLM path named by ``ties`` applies them
+      (:func:`nemo_replay.capture.sample`; min-p vllm/v1/sample/logits_processor/builtin.py:102-116).
     - Processed log-probs: ``log_softmax`` in float32 of the processed logits
       (vllm/v1/sample/sampler.py:369-370; MRV2 vllm/v1/worker/gpu/sample/logprob.py:15-56).
-    - Entries: the sampled token, then ``torch.topk(processed, num_logprobs)`` ids, sorted
-      (vllm/v1/sample/sampler.py:373-415; MRV2 logprob.py:125-133).
-    - Rank of the sampled token: the count of log-probs ``>=`` its own
-      (MRV2 logprob.py:62-81, ``logits >= x``).
     - Mask: ids whose processed logit is finite, ascending (vllm/v1/worker/gpu/sample/output.py:26-80).
     """
     from nemo_replay import capture
 
-    res = capture.sample(logits.double(), temperature=temperature, top_k=top_k, top_p=top_p, ties=ties,
+    res = capture.sample(logits.double(), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, ties=ties,
                          generator=torch.Generator().manual_seed(seed))
-    steps = []
+    draws = []
     for j in range(logits.shape[0]):
         members = res.support.row(j).tolist() if hasattr(res.support, "row") else [int(t) for t in res.support.values[j] if t >= 0]
         x = (logits[j].double() / temperature).float()
         processed = torch.full_like(x, -math.inf)
         processed[members] = x[members]
-        lp = torch.log_softmax(processed, dim=-1, dtype=torch.float32)
-        top = torch.topk(lp, num_logprobs)
-        tok = int(res.ids[j])
-        rank = int((lp >= lp[tok]).sum())
-        steps.append(VllmStep(tok, [tok] + top.indices.tolist(), [float(lp[tok])] + top.values.tolist(), rank, sorted(members)))
-    return steps
+        draws.append(VllmDraw(int(res.ids[j]), sorted(members), torch.log_softmax(processed, dim=-1, dtype=torch.float32)))
+    return draws
+
+
+def vllm_steps(logits: torch.Tensor, temperature: float, *, top_k: int, top_p: float = 1.0, min_p: float = 0.0,
+               num_logprobs: int, ties: str = "index_order", seed: int = 0) -> list[VllmStep]:
+    """One step per row of ``logits`` (N, V) (the draws: :func:`vllm_draws`).
+
+    - Entries: the sampled token, then ``torch.topk(processed, num_logprobs)`` ids, sorted
+      (vllm/v1/sample/sampler.py:373-415; MRV2 logprob.py:125-133).
+    - Rank of the sampled token: the count of log-probs ``>=`` its own
+      (MRV2 logprob.py:62-81, ``logits >= x``).
+    """
+    return [d.step(num_logprobs) for d in vllm_draws(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                                      ties=ties, seed=seed)]
 
 
 def vllm_position(step: VllmStep, num_logprobs: int) -> dict:
@@ -257,12 +281,14 @@ class SglangStep:
     support_logprobs: list
 
 
-def sglang_steps(logits: torch.Tensor, temperature: float, *, top_k: int, top_p: float = 1.0, seed: int = 0) -> list[SglangStep]:
+def sglang_steps(logits: torch.Tensor, temperature: float, *, top_k: int, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int = 0) -> list[SglangStep]:
     """SGLang's PyTorch sampling backend with ``return_sampling_mask``.
 
     - Filtered weights: probabilities sorted descending, ranks ``>= top_k`` zeroed, then tokens
       whose preceding mass exceeds ``top_p`` zeroed, without renormalising after top-k
-      (sglang/srt/layers/sampler.py:785-835).
+      (sglang/srt/layers/sampler.py:785-835); min-p last, against the largest weight left
+      (sampler.py:829-835: ``w < w[0] * min_p`` zeroed).
     - Packed row: the weights' sorted ``torch.topk`` ids, ``lengths`` the count of positive
       weights; ``selected_logprobs = log(w_sel / support_mass)`` and
       ``support_logprobs = log(w / support_mass)`` per packed member
@@ -277,6 +303,8 @@ def sglang_steps(logits: torch.Tensor, temperature: float, *, top_k: int, top_p:
         w_sort = p_sort.clone()
         w_sort[top_k:] = 0.0
         w_sort[(cum - p_sort) > top_p] = 0.0
+        if min_p > 0.0:
+            w_sort[w_sort < w_sort[0] * min_p] = 0.0
         weights = torch.zeros_like(probs[j]).scatter(0, p_idx, w_sort)
         token = int(torch.multinomial(weights, 1, generator=g))
         length = int((weights > 0).sum())

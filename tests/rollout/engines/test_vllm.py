@@ -216,8 +216,8 @@ def test_logprob_errors_name_the_cause(steps, caplog):
         ({"temperature": 1.0, "top_k": -1}, "mask", "top_k=-1 is unbounded"),
         ({"temperature": 1.0, "top_k": 0}, "mask", "top_k=0 is unbounded"),
         ({"temperature": 0.0, "top_k": 8}, "mask", "temperature"),
-        ({"temperature": 1.0, "top_k": 8, "logprobs": 8}, "logprobs", "logprobs=8; request logprobs=9"),
-        ({"temperature": 1.0, "top_k": 8, "logprobs": True, "top_logprobs": 8}, "logprobs", "top_logprobs=9"),
+        ({"temperature": 1.0, "top_k": 8, "logprobs": 8}, "logprobs", r"logprobs=8; request logprobs=25 \(vllm_row_width"),
+        ({"temperature": 1.0, "top_k": 8, "logprobs": True, "top_logprobs": 8}, "logprobs", "top_logprobs=25"),
         ({"temperature": 1.0, "top_k": 8}, "logprobs", "logprobs=None"),
         ({"temperature": 1.0, "top_k": 8, "logprobs": 9, "presence_penalty": 0.5}, "logprobs", "presence_penalty"),
     ],
@@ -229,7 +229,9 @@ def test_request_prerequisites_name_the_field(params, path, match):
 
 def test_request_prerequisites_accept_what_vllm_needs():
     assert check_vllm_request({"temperature": 1.0, "top_k": 8}, path="mask")["top_k"] == 8
-    assert check_vllm_request({"temperature": 1.0, "top_k": 8, "logprobs": -1}, path="logprobs")["top_k"] == 8
+    assert check_vllm_request({"temperature": 1.0, "top_k": 8, "logprobs": 9}, path="logprobs")["top_k"] == 8
+    with pytest.raises(ValueError, match=r"logprobs=-1 asks for the whole vocabulary.*request logprobs=25"):
+        check_vllm_request({"temperature": 1.0, "top_k": 8, "logprobs": -1}, path="logprobs")
     assert check_vllm_request({"temperature": 0.7, "top_k": 8, "logprobs": True, "top_logprobs": 9}, path="logprobs")["temperature"] == 0.7
 
 
@@ -256,7 +258,7 @@ def test_engine_prerequisites_name_the_flag():
     with pytest.raises(ValueError, match="expected llm.llm_engine.vllm_config or a mapping"):
         check_vllm_engine(None, path="logprobs")
 
-    class OlderModelConfig:  # a vLLM before 0.33 (verl 0.9.1 pins 0.24): no return_sampling_mask field
+    class OlderModelConfig:  # vLLM 0.24 / 0.25 (verl 0.9.1, NeMo-RL): no return_sampling_mask field
         logprobs_mode, max_logprobs = "processed_logprobs", 65
 
     class OlderVllmConfig:
@@ -273,7 +275,7 @@ def test_engine_prerequisites_name_the_flag():
     with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs'"):
         check_vllm_engine(OlderVllmConfig(), path="logprobs", top_k=64)
     OlderModelConfig.logprobs_mode = "processed_logprobs"
-    with pytest.raises(ValueError, match=r"this vLLM has no sampling masks \(vLLM 0.33 added them\)"):
+    with pytest.raises(ValueError, match=r"this vLLM has no sampling masks"):
         check_vllm_engine(OlderVllmConfig(), path="mask")
 
 
