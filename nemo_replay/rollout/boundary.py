@@ -22,7 +22,7 @@ import torch
 from nemo_replay.support.checked import record_checked
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
-from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.ragged import RaggedSupport, is_support
 from nemo_replay.support.validate import validate_support_rows
 
 __all__ = ["validate_support"]
@@ -48,7 +48,7 @@ def validate_support(
         ValueError naming the trajectory and row; SupportAlignmentError (a ValueError) when a
         sampled token is not a member of its row.
     """
-    if not isinstance(support, (PackedTensor, RaggedSupport, torch.Tensor)):
+    if not (is_support(support) or isinstance(support, torch.Tensor)):
         raise ValueError(
             f"{where}: support must be fixed-width rows (a PackedTensor or an int (rows, k) tensor) or a "
             f"RaggedSupport, got {type(support).__name__}"

@@ -29,7 +29,7 @@ from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.rollout.capture.trace import SupportTrace
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
-from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.ragged import RaggedSupport, is_support
 
 __all__ = ["collate_support", "collate_routes"]
 
@@ -42,7 +42,7 @@ def _segment(item: SegmentLike, i: int) -> Support:
     """Trajectory ``i``'s rows as a one-segment PackedTensor or RaggedSupport."""
     if isinstance(item, SupportTrace):
         return item.support()
-    if isinstance(item, (PackedTensor, RaggedSupport)):
+    if is_support(item):
         seg = item
     elif isinstance(item, torch.Tensor):
         if item.dim() != 2:

@@ -54,7 +54,7 @@ from nemo_replay.support.checked import record_checked
 from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
-from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.ragged import RaggedSupport, is_support
 from nemo_replay.support.validate import describe_row
 
 __all__ = ["MAGIC", "VERSION", "CodecError", "encode_support", "decode_support", "header_of", "rice_parameter"]
@@ -155,7 +155,7 @@ def _read_fields(stream: np.ndarray, widths: np.ndarray, what: str) -> np.ndarra
 
 # ---------------------------------------------------------------------------- encode
 def _rows(support: Union[RaggedSupport, PackedTensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if not isinstance(support, (PackedTensor, RaggedSupport)):
+    if not is_support(support):
         raise ValueError(f"encode_support: expected a RaggedSupport or a PackedTensor, got {type(support).__name__}")
     support = RaggedSupport.of(support)
     return (support.member_ids.cpu().numpy().astype(np.int64), support.row_offsets.cpu().numpy(),

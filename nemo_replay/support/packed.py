@@ -118,10 +118,15 @@ class Segmented:
     ``widen(width)``              rows padded to at least ``width`` columns
     ``to_padded(width=None)``     the fixed-width form (``width_bound`` wide by default)
     ``gather``, ``cat``, ``to``   batch operations; a passed check carries over
+    ``csr``                       the form: True for CSR rows (a wire or a store that
+                                  writes each form its own way asks this, not the type)
     ============================  ====================================================
     """
 
     __slots__ = ()
+
+    #: CSR rows (True) or a fixed-width buffer (False).
+    csr = False
 
     @property
     def batch_size(self) -> int:

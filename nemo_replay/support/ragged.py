@@ -32,7 +32,7 @@ from nemo_replay.support.membership import csr_membership
 from nemo_replay.support.packed import PackedTensor, Segmented, check_cu_seqlens, lengths_to_cu_seqlens, segment_row_index
 from nemo_replay.support.validate import describe_row
 
-__all__ = ["RaggedSupport", "as_support"]
+__all__ = ["RaggedSupport", "as_support", "is_support"]
 
 
 class RaggedSupport(Segmented):
@@ -45,6 +45,8 @@ class RaggedSupport(Segmented):
     """
 
     __slots__ = ("member_ids", "row_offsets", "cu_seqlens", "_width")
+
+    csr = True
 
     def __init__(self, member_ids: torch.Tensor, row_offsets: torch.Tensor, cu_seqlens: torch.Tensor):
         for name, value in (("member_ids", member_ids), ("row_offsets", row_offsets), ("cu_seqlens", cu_seqlens)):
@@ -170,7 +172,7 @@ class RaggedSupport(Segmented):
     @classmethod
     def of(cls, support: "RaggedSupport | PackedTensor") -> "RaggedSupport":
         """The CSR form of either support form (fixed-width rows lose their -1 padding)."""
-        return support if isinstance(support, RaggedSupport) else cls.from_padded(support)
+        return support if support.csr else cls.from_padded(support)
 
     def row(self, r: int) -> torch.Tensor:
         return self.member_ids[int(self.row_offsets[r]) : int(self.row_offsets[r + 1])]
@@ -267,7 +269,7 @@ class RaggedSupport(Segmented):
         return self._derived(out, [self])
 
     def __eq__(self, other) -> bool:
-        if not isinstance(other, RaggedSupport):
+        if not getattr(other, "csr", False):
             return NotImplemented
         return all(
             a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
@@ -372,6 +374,11 @@ def _positive(n: int) -> int:
     return n
 
 
+def is_support(x) -> bool:
+    """Support rows of either form (:class:`~nemo_replay.support.packed.PackedTensor` or :class:`RaggedSupport`)."""
+    return isinstance(x, (PackedTensor, RaggedSupport))
+
+
 def as_support(support, device) -> "PackedTensor | RaggedSupport":
     """The scorer's support argument as a PackedTensor of int32/int64 ``(rows, k)`` rows or a
     RaggedSupport, on ``device``. A bare ``(rows, k)`` tensor becomes one segment."""
@@ -379,7 +386,7 @@ def as_support(support, device) -> "PackedTensor | RaggedSupport":
         if support.dim() != 2:
             raise ValueError(f"support rows must be (rows, k), got shape {tuple(support.shape)}")
         support = PackedTensor(support, [0, support.shape[0]])
-    if not isinstance(support, (PackedTensor, RaggedSupport)):
+    if not is_support(support):
         raise ValueError(
             f"support must be a PackedTensor of (rows, k) int rows, a RaggedSupport or a (rows, k) tensor, got "
             f"{type(support).__name__}"

@@ -62,7 +62,7 @@ class CompactRows(NamedTuple):
 
     @classmethod
     def of(cls, support: Union[PackedTensor, RaggedSupport], token_ids: torch.Tensor, vocab_size: int) -> "CompactRows":
-        width = int(support.values.shape[1]) if isinstance(support, PackedTensor) else None
+        width = None if support.csr else support.width_bound  # fixed-width rows come back as wide
         data = encode_support(support, vocab_size=vocab_size, sampled_ids=token_ids)
         return cls(torch.from_numpy(data), vocab_size, width)
 
@@ -183,7 +183,7 @@ def records_from_vllm(
 
 def join_supports(supports: Sequence[Union[PackedTensor, RaggedSupport]]) -> Union[PackedTensor, RaggedSupport]:
     """One batch from per-completion supports: fixed width when all share one, else CSR."""
-    if all(isinstance(s, PackedTensor) for s in supports) and len({s.width_bound for s in supports}) == 1:
+    if not any(s.csr for s in supports) and len({s.width_bound for s in supports}) == 1:
         return PackedTensor.cat(supports)  # one width: stays fixed-width
     return RaggedSupport.cat([RaggedSupport.of(s) for s in supports])
 

@@ -159,7 +159,7 @@ class SupportTrace:
     # ------------------------------------------------------------------ rows
     def _normalise_rows(self, rows: RowsLike, n: int, where: str):
         """-> fixed (n, k) int32 tensor for fixed-width input, or (members int32, lengths int64)."""
-        if self.top_k is not None and isinstance(rows, RaggedSupport):
+        if self.top_k is not None and getattr(rows, "csr", False):
             # CSR rows of a top-k trace (the adapters' and the wire's rows): they must fit top_k.
             widest = int(rows.row_lengths.max()) if rows.num_rows else 0
             if widest > self.top_k:
@@ -187,7 +187,7 @@ class SupportTrace:
                 if lo < -1 or hi > _INT32_MAX:
                     raise ValueError(f"{where}: rows hold {lo if lo < -1 else hi}, outside [-1, 2**31)")
             return values.to(torch.int32).cpu()
-        if isinstance(rows, RaggedSupport):
+        if getattr(rows, "csr", False):
             ragged = rows
         elif isinstance(rows, (torch.Tensor, PackedTensor)):
             raise ValueError(f"{where}: this trace holds ragged rows; pass a RaggedSupport or a list of id lists")

@@ -60,7 +60,7 @@ from nemo_replay.rollout.boundary import validate_support
 from nemo_replay.support.codec import decode_support, encode_support
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
-from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.ragged import RaggedSupport, is_support
 
 __all__ = [
     "WIRE_DTYPES",
@@ -356,11 +356,11 @@ def support_to_wire(
     if vocab_size is not None:
         if isinstance(support, torch.Tensor):
             support = PackedTensor(support, [0, support.shape[0]])
-        if not isinstance(support, (PackedTensor, RaggedSupport)) or support.batch_size != 1:
+        if not is_support(support) or support.batch_size != 1:
             raise WireError("wire encode: send one response's support at a time (a one-segment PackedTensor or RaggedSupport)")
         data = encode_support(support, vocab_size=vocab_size, sampled_ids=sampled_ids)
         return {"codec": CODEC_TAG, "data": torch.from_numpy(data)}
-    if isinstance(support, RaggedSupport):
+    if getattr(support, "csr", False):
         if support.batch_size != 1:
             raise WireError(f"wire encode: send one response's support at a time, got {support.batch_size} segments")
         return {"member_ids": support.member_ids.to(torch.int32), "row_offsets": support.row_offsets.to(torch.int64)}
