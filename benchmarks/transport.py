@@ -153,9 +153,9 @@ def decode_vs_scorer(rows, sampled, V, micro: int) -> dict:
 
 def batch_pickles(rows, sampled, V) -> dict:
     """Pickled sizes of a batch of 8 responses whose rows are token-aligned int32 ``(B, S, k)``
-    (prompt positions -1, as NeMo-RL carries ``generation_support``; verl's ``(B, R, k)`` holds
-    response positions only) against one compact buffer per response (a per-sample field,
-    sliced and padded with its sample)."""
+    (prompt positions -1, as NeMo-RL carried ``generation_support``; verl's ``(B, R, k)`` holds
+    response positions only) against one compact entry per response (NeMo-RL: the
+    ``SampleRows`` its data path ships; verl: a per-sample buffer field)."""
     from nemo_replay.support.codec import encode_support
 
     B, P, R = 8, 256, len(rows) // 8
@@ -172,9 +172,18 @@ def batch_pickles(rows, sampled, V) -> dict:
         try:
             from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
+            from nemo_replay.integrations.nemo_rl.sample_rows import sample_rows
+
+            # What the replay data path ships: one SampleRows a sample, built from its message log.
+            entries = [
+                sample_rows([{"token_ids": torch.zeros(P, dtype=torch.int64)},
+                             {"token_ids": torch.tensor(sampled[i * R:(i + 1) * R]), "generation_support": fixed[i, P:]}],
+                            "generation_support", where=f"sample {i}")
+                for i in range(B)
+            ]
             out["NeMo-RL BatchedDataDict"] = (
                 len(pickle.dumps(BatchedDataDict({"generation_support": fixed}))),
-                len(pickle.dumps(BatchedDataDict({"generation_support": [torch.from_numpy(c) for c in compact]}))),
+                len(pickle.dumps(BatchedDataDict({"generation_support": entries}))),
             )
         except ImportError as exc:
             out["NeMo-RL BatchedDataDict"] = f"not importable ({exc})"

@@ -42,7 +42,6 @@ from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
 from nemo_replay.integrations.nemo_rl.rollout import (
     GenerationSupport,
     generation_support_from_vllm,
-    padding_rows,
     vllm_support_request,
 )
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY, ReplayScores, next_token_logprobs
@@ -61,7 +60,6 @@ __all__ = [
     "ReplayAutomodelLogprobsPostProcessor",
     "GenerationSupport",
     "generation_support_from_vllm",
-    "padding_rows",
     "vllm_support_request",
     "check_nemo_rl_recipe",
     "install_data_path",

@@ -40,7 +40,7 @@ from typing import Any, MutableMapping, Optional, Sequence
 
 import torch
 
-from nemo_replay.integrations.nemo_rl.rollout import padding_rows
+from nemo_replay.integrations.nemo_rl.sample_rows import SampleRows, message_log_rows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
 from nemo_replay.support.dtypes import is_integer
 
@@ -90,14 +90,14 @@ def _rows_of(message: dict, key: str, where: str) -> torch.Tensor:
 
 
 def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY, cause: Optional[str] = None) -> int:
-    """Give every message support rows and take flagged tokens out of the loss, in place.
+    """Check every generated message's rows and take flagged tokens out of the loss, in place.
 
     Runs after NeMo-RL's ``add_grpo_token_loss_masks_and_generation_logprobs``, which set
-    ``token_loss_mask`` to ones on generated assistant messages and zeros elsewhere. Then:
-    messages without ``key`` (prompt, tool output, a prompt's own assistant turns) get all
-    -1 rows; rows narrower than the batch's widest are padded with -1 (the mask path
-    returns sets of any size); a generated token whose row is all -1 (the engine's support
-    could not be recorded exactly) leaves ``token_loss_mask``.
+    ``token_loss_mask`` to ones on generated assistant messages and zeros elsewhere. A generated
+    token whose row is all -1 (the engine's support could not be recorded exactly) leaves
+    ``token_loss_mask``. Messages nobody sampled (prompt, tool output, a prompt's own assistant
+    turns) get no rows: the flattening wrapper keeps response positions only
+    (:func:`~.sample_rows.message_log_rows`).
 
     Args:
         message_logs: NeMo-RL's batch of message logs; each message a dict with
@@ -114,11 +114,6 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
         ValueError naming the trajectory and message of a generated message without rows
         or with rows of the wrong shape.
     """
-    width = 0
-    for i, log in enumerate(message_logs):
-        for j, message in enumerate(log):
-            if key in message:
-                width = max(width, int(_rows_of(message, key, f"trajectory {i}, message {j}").shape[1]))
     dropped = 0
     for i, log in enumerate(message_logs):
         for j, message in enumerate(log):
@@ -129,16 +124,11 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
                         f"trajectory {i}, message {j} ({message.get('role')!r}, {tokens.shape[0]} tokens) was generated "
                         f"but carries no {key}: {cause or _UNKNOWN_CAUSE}"
                     )
-                if width:
-                    message[key] = padding_rows(tokens.shape[0], width).to(tokens.device)
                 continue
-            rows = message[key].to(torch.int32)
-            if rows.shape[1] < width:
-                rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=SUPPORT_PAD)
+            rows = _rows_of(message, key, f"trajectory {i}, message {j}")
             recorded = (rows >= 0).any(-1)
             flagged = (mask != 0) & ~recorded.to(mask.device)
             dropped += int(flagged.sum())
-            message[key] = rows
             message["token_loss_mask"] = mask.masked_fill(flagged, 0)
     return dropped
 
@@ -147,7 +137,8 @@ def carry_support(target: MutableMapping[str, Any], flat_messages: MutableMappin
     """``target[key] = flat_messages[key]``, checked against ``target``'s ``input_ids``.
 
     Raises:
-        ValueError when the flattened batch has no rows or rows not ``(B, S, k)`` over its tokens.
+        ValueError when the flattened batch has no rows, or rows that are neither one
+        :class:`~.sample_rows.SampleRows` a sample nor ``(B, S, k)`` over its tokens.
     """
     if key not in flat_messages:
         raise ValueError(
@@ -155,11 +146,16 @@ def carry_support(target: MutableMapping[str, Any], flat_messages: MutableMappin
             f"nemo_replay.integrations.nemo_rl.run_grpo, which installs replay's vLLM worker and this data path)"
         )
     rows, ids = flat_messages[key], target["input_ids"]
-    if not isinstance(rows, torch.Tensor) or rows.dim() != 3 or tuple(rows.shape[:2]) != tuple(ids.shape):
+    if isinstance(rows, list):
+        if len(rows) != ids.shape[0] or not all(isinstance(r, SampleRows) for r in rows):
+            raise ValueError(
+                f"flattened {key} holds {len(rows)} entries for {ids.shape[0]} samples; expected one SampleRows a sample"
+            )
+    elif not isinstance(rows, torch.Tensor) or rows.dim() != 3 or tuple(rows.shape[:2]) != tuple(ids.shape):
         got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
         raise ValueError(
-            f"flattened {key} has shape {got}; expected (B, S, k) over input_ids {tuple(ids.shape)} (token-aligned, "
-            f"-1 padded)"
+            f"flattened {key} has shape {got}; expected a list of SampleRows (one a sample) or (B, S, k) over "
+            f"input_ids {tuple(ids.shape)} (token-aligned, -1 padded)"
         )
     target[key] = rows
 
@@ -299,11 +295,18 @@ def install_data_path(*, grpo=None, batched_data_dict=None, rollouts=None, key: 
     flatten = grpo.batched_message_log_to_flat_message
     if not _is_wrapped(flatten):
 
-        def padded_flatten(message_log_batch, pad_value_dict=None, *args, **kwargs):
-            return flatten(message_log_batch, with_support_pad(pad_value_dict, key=key), *args, **kwargs)
+        def compact_flatten(message_log_batch, pad_value_dict=None, *args, **kwargs):
+            # The rows leave the messages before NeMo-RL flattens them: one compact entry a sample.
+            rows = message_log_rows(message_log_batch, key)
+            if rows is None:
+                return flatten(message_log_batch, with_support_pad(pad_value_dict, key=key), *args, **kwargs)
+            bare = [[{k: v for k, v in m.items() if k != key} for m in log] for log in message_log_batch]
+            out = flatten(bare, pad_value_dict, *args, **kwargs)
+            (out[0] if isinstance(out, tuple) else out)[key] = rows
+            return out
 
         done.originals.append((grpo, "batched_message_log_to_flat_message", flatten))
-        grpo.batched_message_log_to_flat_message = _mark(padded_flatten, flatten)
+        grpo.batched_message_log_to_flat_message = _mark(compact_flatten, flatten)
         wrapped.append("grpo.batched_message_log_to_flat_message")
 
     add_masks = grpo.add_grpo_token_loss_masks_and_generation_logprobs

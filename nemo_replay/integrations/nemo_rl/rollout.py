@@ -22,9 +22,9 @@ For replay the worker must see each token's whole support:
 rows laid out exactly like its ``logprobs`` tensor (int32 ``[B, total_length, width]``, the row
 of token t at column t, ``-1`` on prompt and padding), through the engine adapters of
 :mod:`nemo_replay.rollout.engines.vllm`. Replay's vLLM worker (:mod:`.workers`) returns them; the
-patched rollout code slices them into each message like ``logprobs`` (:mod:`.patch`), and
-:mod:`.datapath` gives the other messages all ``-1`` rows (:func:`padding_rows`) and pads
-every batch with -1.
+patched rollout code slices them into each generated message like ``logprobs`` (:mod:`.patch`),
+and :mod:`.datapath` turns each sample's messages into one compact entry, response positions
+only (:mod:`.sample_rows`), before NeMo-RL builds its policy batches.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from nemo_replay.rollout.engines.vllm import support_from_vllm_output, vllm_row_width
 
-__all__ = ["vllm_support_request", "generation_support_from_vllm", "padding_rows", "GenerationSupport"]
+__all__ = ["vllm_support_request", "generation_support_from_vllm", "GenerationSupport"]
 
 
 def vllm_support_request(top_k: int, *, path: str = "logprobs", max_logprobs: Optional[int] = None) -> dict:
@@ -131,10 +131,3 @@ def generation_support_from_vllm(
         if got.logprobs is not None:
             logprobs[i, start : start + n] = got.logprobs
     return GenerationSupport(rows, flagged, logprobs)
-
-
-def padding_rows(num_tokens: int, width: int) -> torch.Tensor:
-    """All -1 rows ``(num_tokens, width)`` int32 for tokens nobody sampled (prompt, tool output)."""
-    if num_tokens < 0 or width < 1:
-        raise ValueError(f"padding_rows needs num_tokens >= 0 and width >= 1, got {num_tokens}, {width}")
-    return torch.full((int(num_tokens), int(width)), -1, dtype=torch.int32)

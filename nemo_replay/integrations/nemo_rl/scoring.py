@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_replay.integrations.nemo_rl.sample_rows import batch_rows
 from nemo_replay.integrations.nemo_rl.token_aligned import canonical_of, check_width, gather_slots, local_slots
 from nemo_replay.layout.checks import check_canonical
 from nemo_replay.scoring.entry import score_positions
@@ -115,7 +116,12 @@ def _tensor(data: Mapping[str, Any], key: str, what: str) -> torch.Tensor:
 
 
 def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
-    """(input_ids (N, W), input_lengths [N], token_mask (N, W), sample_mask [N], support or None)."""
+    """(input_ids (N, W), input_lengths [N], token_mask (N, W), sample_mask [N], support or None, token_rows or None).
+
+    The rows come in either form: a list of :class:`~.sample_rows.SampleRows` (what the replay data
+    path puts in NeMo-RL's batches; ``token_rows`` (N, W) then places them) or the dense
+    token-aligned ``(N, W, k)`` tensor (``token_rows`` None: row ``i * W + t`` is token t's).
+    """
     ids = _tensor(data, "input_ids", "right-padded tokens (B, S)")
     if ids.dim() != 2 or not is_integer(ids):
         raise ValueError(f"data['input_ids'] must be an integer (B, S) tensor, got {ids.dtype} {tuple(ids.shape)}")
@@ -128,22 +134,32 @@ def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
             f"data dict shapes disagree: input_ids {tuple(ids.shape)}, input_lengths {tuple(lengths.shape)}, token_mask "
             f"{tuple(mask.shape)}, sample_mask {tuple(sample.shape)}; expected ({N}, {W}), ({N},), ({N}, {W}), ({N},)"
         )
-    support = None
+    support = token_rows = None
     if replay:
-        rows = _tensor(data, support_key, "token-aligned support rows (B, S, k), int32, -1 padded")
-        if rows.dim() != 3 or rows.shape[:2] != (N, W) or not is_integer(rows):
-            raise ValueError(
-                f"data[{support_key!r}] must be an integer (B={N}, S={W}, k) tensor, token-aligned with input_ids "
-                f"(the row of token t at column t), got {rows.dtype} {tuple(rows.shape)}"
-            )
-        if rows.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
-            raise ValueError(
-                f"data[{support_key!r}] is {rows.dtype}, which cannot hold the -1 padding of support rows; send int32"
-            )
-        # One segment of W rows per data row: row i * W + t is token t's.
-        support = PackedTensor(rows.reshape(N * W, rows.shape[2]), torch.arange(0, (N + 1) * W, W, dtype=torch.int64))
+        if support_key not in data:
+            _tensor(data, support_key, "support rows: one SampleRows a sample, or token-aligned support rows (B, S, k)")
+        if isinstance(data[support_key], list):  # one compact entry per sample (.sample_rows)
+            support, token_rows = batch_rows(data[support_key], ids, lengths, key=support_key)
+        else:
+            support = _token_aligned_rows(data, support_key, N, W)
     check_width(f"data[{'input_lengths'!r}]", lengths, W)
-    return ids, lengths, mask, sample, support
+    return ids, lengths, mask, sample, support, token_rows
+
+
+def _token_aligned_rows(data: Mapping[str, Any], support_key: str, N: int, W: int) -> PackedTensor:
+    """The dense form, ``(N, W, k)`` int rows token-aligned with ``input_ids`` (the row of token t at column t)."""
+    rows = _tensor(data, support_key, "token-aligned support rows (B, S, k), int32, -1 padded")
+    if rows.dim() != 3 or rows.shape[:2] != (N, W) or not is_integer(rows):
+        raise ValueError(
+            f"data[{support_key!r}] must be a list of SampleRows (one per data row) or an integer (B={N}, S={W}, k) "
+            f"tensor, token-aligned with input_ids (the row of token t at column t), got {rows.dtype} {tuple(rows.shape)}"
+        )
+    if rows.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        raise ValueError(
+            f"data[{support_key!r}] is {rows.dtype}, which cannot hold the -1 padding of support rows; send int32"
+        )
+    # One segment of W rows per data row: row i * W + t is token t's.
+    return PackedTensor(rows.reshape(N * W, rows.shape[2]), torch.arange(0, (N + 1) * W, W, dtype=torch.int64))
 
 
 def next_token_logprobs(
@@ -166,7 +182,8 @@ def next_token_logprobs(
             float dtype; a torch tensor (Megatron) or a DTensor (automodel). Not modified.
         data: the micro-batch's data dict: ``input_ids (N, W)`` (int, right-padded),
             ``input_lengths [N]``, ``token_mask (N, W)``, ``sample_mask [N]`` and, unless
-            ``full_vocab``, ``generation_support (N, W, k)`` (int32, token-aligned, -1 padded).
+            ``full_vocab``, ``generation_support``: a list of N ``SampleRows``
+            (:mod:`.sample_rows`) or the dense ``(N, W, k)`` rows (int32, token-aligned, -1 padded).
         vocab_parallel_rank, vocab_parallel_group: Megatron's TP rank and group (None: whole
             vocabulary, or the DTensor's own mesh).
         context_parallel_group: the CP group (None: no CP).
@@ -186,14 +203,14 @@ def next_token_logprobs(
     """
     local, shard = vocab_shard_of(logits, vocab_parallel_rank, vocab_parallel_group)
     cp, cp_rank = _group_size_rank(context_parallel_group)
-    ids, lengths, mask, sample, support = _read_data(data, support_key, replay=not full_vocab)
+    ids, lengths, mask, sample, support, token_rows = _read_data(data, support_key, replay=not full_vocab)
     N, W = ids.shape
     if W < 2:
         raise ValueError(f"data['input_ids'] has width {W}; a next token needs at least 2 columns")
     packed = cu_seqlens_padded is not None
     padded = _padded_lengths(local, N, cp, cu_seqlens_padded)
     check_width("logits", lengths, W, padded)
-    canonical = canonical_of(ids, lengths, mask, sample)
+    canonical = canonical_of(ids, lengths, mask, sample, token_rows)
     if not full_vocab:  # on whole sequences, before the CP split; every rank alike
         check_canonical(canonical, support, hint=f"{support_key} must be token-aligned like generation_logprobs: the row "
                         f"of token t at column t")

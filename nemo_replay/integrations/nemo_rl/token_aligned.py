@@ -95,7 +95,8 @@ def local_slots(padded_lengths: Sequence[int], cp_size: int, cp_rank: int, *, pa
 
 
 def canonical_of(
-    input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, token_mask: torch.Tensor, sample_mask: torch.Tensor,
+    token_rows: Optional[torch.Tensor] = None,
 ) -> ScorerChannels:
     """The scorer channels of a right-padded NeMo-RL micro-batch, in next-token columns ``(N, W - 1)``.
 
@@ -108,13 +109,16 @@ def canonical_of(
         input_lengths: (N,), int. ``L_i <= W``.
         token_mask: (N, W), bool/int/float, token-aligned.
         sample_mask: (N,), bool/int/float.
+        token_rows: (N, W), int64, the global row of token t at column t (-1 none), for rows
+            that are not the dense ``(N, W, k)`` tensor; default ``i * W + t``.
     """
     device = input_ids.device
     N, W = input_ids.shape
     columns = torch.arange(W, device=device)
     real = columns[None, :] < input_lengths.to(device=device, dtype=torch.int64)[:, None]
     active = (token_mask.to(device) != 0) & (sample_mask.to(device) != 0)[:, None]
-    token_rows = torch.arange(N, device=device)[:, None] * W + columns[None, :]
+    if token_rows is None:
+        token_rows = torch.arange(N, device=device)[:, None] * W + columns[None, :]
     return token_aligned_channels(input_ids, real, active, token_rows)
 
 

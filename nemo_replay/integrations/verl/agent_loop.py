@@ -18,14 +18,15 @@ turn carried along: they take ``extra_fields[SUPPORT_KEY]`` out of each ``TokenO
 (:mod:`.rollout`) and move it through exactly the edits verl makes to ``response_mask`` and
 ``response_logprobs`` -- verl's own ``ContinuousTokenBuilder.align_response_metadata``, applied
 to a channel of row numbers (worked example in :class:`SupportTrack`). They return a
-:class:`ReplayAgentLoopOutput`: ``generation_support`` int32 ``(R, K)``, row j the support of
-``response_ids[j]``, ``-1`` on tool and boundary tokens, ``response_mask`` 0 where a generated
-token's support could not be recorded (its row is all ``-1``), the count in
-``extra_fields["replay_flagged_tokens"]``. Its ``as_dict`` adds the rows as a tensor (the V1
-path, no worker change); :class:`ReplayAgentLoopWorker` pads them to ``[1,
-response_length, K]`` with ``-1`` and puts ``[B, response_length, K]`` into the batch (the V0
-path; :class:`ReplayAgentLoopManager` is its ``agent_loop_manager_class``). ``K`` is the
-configured row width, so shards from different workers concatenate.
+:class:`ReplayAgentLoopOutput`: ``generation_support`` one uint8 buffer, the rows of
+``response_ids`` in the compact codec (row j the support of ``response_ids[j]``, empty on tool
+and boundary tokens; :mod:`.response_rows`), ``response_mask`` 0 where a generated token's
+support could not be recorded (its row is empty), the count in
+``extra_fields["replay_flagged_tokens"]``. Its ``as_dict`` keeps the buffer a numpy array (the
+V1 path, no worker change: TransferQueue stores it as raw bytes);
+:class:`ReplayAgentLoopWorker` puts one buffer a sample into ``non_tensor_batch`` (the V0
+path; :class:`ReplayAgentLoopManager` is its ``agent_loop_manager_class``). A response costs
+what its rows hold, not ``response_length x K``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from typing import Any, Optional
 
 import numpy as np
 import ray
-import torch
 from pydantic import ConfigDict
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopOutput, AgentLoopWorker, register
@@ -43,6 +43,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
 from nemo_replay.integrations.verl.keys import PAD_ID, SUPPORT_KEY
+from nemo_replay.integrations.verl.response_rows import encode_response_rows, object_column
 from nemo_replay.integrations.verl.rollout import FLAGS_KEY, RolloutReplay
 from nemo_replay.support.errors import SupportAlignmentError
 
@@ -194,8 +195,10 @@ class SupportTrack:
 class ReplayAgentLoopOutput(AgentLoopOutput):
     """verl's ``AgentLoopOutput`` with the trajectory's support rows.
 
-    ``generation_support``: int32 ``(R, K)`` aligned with ``response_ids`` (None for a loop
-    run with replay off). ``as_dict`` (the V1 path) adds them as an int32 tensor.
+    ``generation_support``: one uint8 buffer, the rows of ``response_ids`` in the compact codec
+    (:func:`~nemo_replay.integrations.verl.response_rows.encode_response_rows`; None for a loop
+    run with replay off). ``as_dict`` (the V1 path) keeps it a numpy buffer, which TransferQueue
+    stores as raw bytes and hands the engines as a ``NonTensorStack``.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -206,7 +209,7 @@ class ReplayAgentLoopOutput(AgentLoopOutput):
         output = super().as_dict()
         rows = output.pop(SUPPORT_KEY, None)
         if rows is not None:
-            output[SUPPORT_KEY] = torch.as_tensor(np.asarray(rows), dtype=torch.int32)
+            output[SUPPORT_KEY] = np.asarray(rows, dtype=np.uint8)
         return output
 
 
@@ -259,7 +262,7 @@ class _SupportRows:
             return output
         rows, mask, flagged = self._support.finish(output.response_ids, output.response_mask)
         fields = {name: getattr(output, name) for name in output.model_fields_set}
-        fields.update(response_mask=mask, generation_support=rows)
+        fields.update(response_mask=mask, generation_support=encode_response_rows(rows, output.response_ids))
         result = ReplayAgentLoopOutput(**fields)
         result.extra_fields[FLAGGED_KEY] = flagged
         if self._support.flags:
@@ -285,20 +288,9 @@ def register_agent_loops() -> None:
         register(name)(cls)
 
 
-def pad_support(rows: Optional[np.ndarray], response_length: int, width: int) -> torch.Tensor:
-    """One trajectory's rows ``(R, K)`` -> int32 ``[1, response_length, K]``, right-padded with -1
-    like its response (agent_loop.py ``_agent_loop_postprocess``)."""
-    out = torch.full((1, response_length, width), PAD_ID, dtype=torch.int32)
-    if rows is not None and len(rows):
-        rows = torch.as_tensor(np.asarray(rows), dtype=torch.int32)
-        if rows.shape[0] > response_length or rows.shape[1] != width:
-            raise ValueError(f"replay: support rows of shape {tuple(rows.shape)} do not fit [{response_length}, {width}]")
-        out[0, : rows.shape[0]] = rows
-    return out
-
-
 class ReplayAgentLoopWorker(AgentLoopWorker):
-    """verl's ``AgentLoopWorker`` (V0 path) putting ``generation_support [B, response_length, K]`` into the batch."""
+    """verl's ``AgentLoopWorker`` (V0 path) putting ``generation_support`` into the batch: one compact buffer a
+    sample in ``non_tensor_batch``, which verl reorders, repeats, chunks and ships with its sample."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -315,15 +307,16 @@ class ReplayAgentLoopWorker(AgentLoopWorker):
                     f"({', '.join(AGENT_LOOPS)}) through actor_rollout_ref.rollout.agent.default_agent_loop or the "
                     f"dataset's agent_name"
                 )
-            width = self._replay.width
-            internal.extra_fields[SUPPORT_KEY] = pad_support(rows, self.rollout_config.response_length, width)
+            if rows is None:  # a validation loop without rows: none recorded, for every response position
+                rows = encode_response_rows(np.full((len(output.response_ids), 1), PAD_ID), output.response_ids)
+            internal.extra_fields[SUPPORT_KEY] = rows
         return internal
 
     def _postprocess(self, inputs, input_non_tensor_batch=None, validate=False):
         rows = [inp.extra_fields.pop(SUPPORT_KEY, None) for inp in inputs]
         output = super()._postprocess(inputs, input_non_tensor_batch=input_non_tensor_batch, validate=validate)
         if self._replay.enabled:
-            output.batch[SUPPORT_KEY] = torch.cat(rows, dim=0)
+            output.non_tensor_batch[SUPPORT_KEY] = object_column(rows)  # one buffer a sample, never a 2-D array
         return output
 
 

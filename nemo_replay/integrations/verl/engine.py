@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.integrations.verl.keys import SUPPORT_KEY
-from nemo_replay.integrations.verl.response_layout import ResponseLayout, response_layout, slot_channels
 from nemo_replay.integrations.verl.metrics import FULL_VOCAB_LOG_PROBS
+from nemo_replay.integrations.verl.response_layout import ResponseLayout, response_layout, slot_channels
+from nemo_replay.integrations.verl.response_rows import buffers_of, dense_rows
 from nemo_replay.layout.checks import Where, check_canonical
 from nemo_replay.scoring.entry import ScorerChannels, check_together, score_positions
 from nemo_replay.scoring.shard import VocabShard
@@ -85,10 +86,12 @@ def response_lengths_of(data) -> torch.Tensor:
 class Responses:
     """A batch's response tensors, ``(B, W)`` whatever verl's layout.
 
-    The legacy trainer hands the engines dense right-padded ``responses``, ``response_mask``
-    and ``generation_support [B, response_length, K]``; the TransferQueue trainer nested ones
-    (``(B, R_i)``, rows ``(B, R_i, K)``). Nested tensors are padded here (tokens and rows with
-    -1, the mask with 0) to ``W``, the widest response.
+    The legacy trainer hands the engines dense right-padded ``responses`` and ``response_mask``,
+    the TransferQueue trainer nested ones (``(B, R_i)``). ``generation_support`` is one compact
+    buffer a sample (:mod:`~nemo_replay.integrations.verl.response_rows`, what replay's agent
+    loops write), decoded here, or the dense ``[B, response_length, K]`` / nested ``(B, R_i, K)``
+    rows. Nested tensors are padded here (tokens and rows with -1, the mask with 0) to ``W``,
+    the widest response.
 
     Attributes:
         tokens: (B, W), int64. rows: (B, W, K), the support's integer dtype.
@@ -109,7 +112,7 @@ def _missing_support() -> ValueError:
     return ValueError(
         f"the batch has no {SUPPORT_KEY!r} while replay is on (the engine was selected with "
         f"VERL_ENGINE_VENDOR={VENDOR}); every actor and reference pass needs the support rows recorded at "
-        f"rollout, int32 [batch, response_length, K], -1 padded. Run the rollout with "
+        f"rollout (one compact buffer a sample, or int32 [batch, response_length, K], -1 padded). Run the rollout with "
         f"nemo_replay.integrations.verl's servers and agent loop (configs/verl/), or unset VERL_ENGINE_VENDOR "
         f"to score over the full vocabulary"
     )
@@ -137,11 +140,8 @@ def read_responses(data) -> Responses:
     rows = data[SUPPORT_KEY]
     responses = data["responses"]
     B = int(responses.size(0))
-    if not isinstance(rows, torch.Tensor):
-        raise ValueError(f"batch[{SUPPORT_KEY!r}] must be an int32 tensor [batch, response_length, K], got {type(rows).__name__}")
-    if not is_integer(rows) or rows.dtype in (
-        torch.uint8, torch.uint16, torch.uint32, torch.uint64
-    ):
+    buffers = buffers_of(rows)  # one compact buffer a sample (response_rows.py), or None: the dense form
+    if buffers is None and (not is_integer(rows) or rows.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64)):
         raise ValueError(f"batch[{SUPPORT_KEY!r}] is {rows.dtype}; support rows are signed integers (int32) padded with -1")
     lengths = response_lengths_of(data)
     if getattr(responses, "is_nested", False):
@@ -162,6 +162,9 @@ def read_responses(data) -> Responses:
             )
         else:
             mask = mask_in[:, :width]
+        if buffers is not None:
+            return Responses(tokens, dense_rows(buffers, tokens, lengths, mask.to(tokens.device) != 0, key=SUPPORT_KEY),
+                             mask.to(tokens.device) != 0, lengths.to(tokens.device))
         if not getattr(rows, "is_nested", False) or rows.dim() != 3 or int(rows.size(0)) != B:
             raise ValueError(
                 f"batch[{SUPPORT_KEY!r}] must be nested [batch, R_i, K] like the nested 'responses' ({B} samples), got "
@@ -186,7 +189,9 @@ def read_responses(data) -> Responses:
                 f"batch['response_mask'] has shape {tuple(mask.shape)}, expected [{B}, {width}] like 'responses': one "
                 f"flag per response column, sliced as 'responses' is"
             )
-        if rows.dim() != 3 or tuple(rows.shape[:2]) != (B, width) or getattr(rows, "is_nested", False):
+        if buffers is not None:
+            rows = dense_rows(buffers, tokens, lengths, mask.to(tokens.device) != 0, key=SUPPORT_KEY)
+        elif rows.dim() != 3 or tuple(rows.shape[:2]) != (B, width) or getattr(rows, "is_nested", False):
             raise ValueError(
                 f"batch[{SUPPORT_KEY!r}] has shape {tuple(rows.shape)}, expected [{B}, {width}, K]: one row per column "
                 f"of 'responses' ({B} x {width}), padded with -1 to the widest row. Carry the rows through padding, "

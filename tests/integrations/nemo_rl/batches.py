@@ -224,12 +224,35 @@ def packed_local_logits(scaled: torch.Tensor, lengths: list[int], cu: list[int],
 
 
 def per_sequence_data(data: dict, i: int, width: int) -> dict:
-    """``SequencePackingLossWrapper``'s slice of row i (wrapper.py:91-97): [B, S, ...] tensors cut to ``[:, :width]``."""
+    """``SequencePackingLossWrapper``'s slice of row i (wrapper.py:91-97): [B, S, ...] tensors cut to
+    ``[:, :width]``, lists sliced to their one entry (``BatchedDataDict.slice``, batched_data_dict.py:905)."""
     out = {}
     for k, v in data.items():
         v = v[i : i + 1]
-        out[k] = v[:, :width] if (v.dim() > 1 and v.shape[1] > 1) else v
+        out[k] = v[:, :width] if (isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] > 1) else v
     return out
+
+
+def sorted_rows(data: dict) -> dict:
+    """``data`` with each dense support row's members ascending (-1 padding last): the order compact rows decode in."""
+    rows = data["generation_support"]
+    big = torch.iinfo(rows.dtype).max
+    ordered = torch.where(rows < 0, big, rows).sort(-1).values
+    return {**data, "generation_support": torch.where(ordered == big, -1, ordered)}
+
+
+def compact_rows(data: dict) -> dict:
+    """``data`` with ``generation_support`` in the form the replay data path puts in NeMo-RL's batches: one
+    SampleRows a sample, built from the dense rows as the flattening wrapper builds it from a message log."""
+    from nemo_replay.integrations.nemo_rl.sample_rows import sample_rows
+
+    rows, ids, lengths = data["generation_support"], data["input_ids"], data["input_lengths"]
+    entries = [
+        sample_rows([{"token_ids": ids[i, : int(lengths[i])], "generation_support": rows[i, : int(lengths[i])]}],
+                    "generation_support", where=f"trajectory {i}")
+        for i in range(ids.shape[0])
+    ]
+    return {**data, "generation_support": entries}
 
 
 def close_to_zero(x: float) -> bool:

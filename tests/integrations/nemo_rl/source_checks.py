@@ -23,6 +23,7 @@ for field, tests/rollout/engines/engine_outputs.py), the tokenizer's ``batch_dec
 from __future__ import annotations
 
 import contextlib
+import pickle
 import sys
 from types import SimpleNamespace
 
@@ -41,6 +42,7 @@ def main() -> None:
 
     from nemo_replay.integrations.nemo_rl import install_data_path, replay_prepare_fn
     from nemo_replay.integrations.nemo_rl.datapath import replay_run
+    from nemo_replay.integrations.nemo_rl.sample_rows import batch_rows
     from nemo_replay.integrations.nemo_rl.workers import ReplayVllmMixin, worker_fqn
     from nemo_replay.rollout.engines.vllm import vllm_row_width
     from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
@@ -138,9 +140,26 @@ def main() -> None:
     })
     grpo._preserve_router_replay_routed_experts(logprob_data, flat, policy_config)
     W = train_data["input_ids"].shape[1]
-    assert W == 16 and train_data["generation_support"].shape == (4, W, width)
+    # One compact entry a sample (sample_rows.py), response positions only; both policy batches share it.
+    entries = train_data["generation_support"]
+    assert W == 16 and isinstance(entries, list) and len(entries) == 4
     assert logprob_data["generation_support"] is flat["generation_support"]
-    assert (train_data["generation_support"][0, 7:] == -1).all(), "flattening padded the rows with another value"
+    support, token_rows = batch_rows(entries, train_data["input_ids"], train_data["input_lengths"], key="generation_support")
+    for i, log in enumerate(batch["message_log"]):
+        start = sum(int(m["token_ids"].shape[0]) for m in log[:-1])
+        cols = torch.nonzero(token_rows[i] >= 0).flatten().tolist()
+        assert cols == list(range(start, start + gen_lengths[i])), (i, cols)
+        for c, want in zip(cols, log[-1]["generation_support"].tolist()):
+            assert support.row(int(token_rows[i, c])).tolist() == sorted(t for t in want if t >= 0)
+    dense = 4 * W * width * 4  # what the token-aligned (B, S, k) int32 tensor held
+    compact = len(pickle.dumps(entries))
+    assert compact < dense, (compact, dense)
+    # NeMo-RL's own slicing and reordering carry the entries with their samples.
+    part = train_data.slice(1, 3)
+    assert part["generation_support"] == entries[1:3]
+    back = train_data.slice(0, 4)
+    back.reorder_data([3, 2, 1, 0])  # in place
+    assert [e.data.tobytes() for e in back["generation_support"]] == [e.data.tobytes() for e in entries[::-1]]
 
     scaled = logits[:, :W] / TEMPERATURE
     loss_fn = SimpleNamespace(input_type=LossInputType.LOGPROB)
@@ -161,7 +180,10 @@ def main() -> None:
     actor = workers.ReplayVllmGenerationWorker
     assert type(actor).__name__ == "ActorClass(ReplayVllmGenerationWorker)", type(actor)
     assert actor._default_options == VllmGenerationWorker._default_options
-    print(f"ok {float(err):.2e}")
+    # The same scores from a slice of the batch, as a policy worker's shard holds it.
+    part_out, _ = replay_prepare_fn(logits=scaled[1:3], data=part, loss_fn=loss_fn)
+    assert torch.equal(part_out["next_token_logprobs"], out["next_token_logprobs"][1:3])
+    print(f"ok {float(err):.2e} rows {compact} B pickled, dense {dense} B")
 
 
 if __name__ == "__main__":

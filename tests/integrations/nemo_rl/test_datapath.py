@@ -42,6 +42,7 @@ from nemo_replay.integrations.nemo_rl import (
 )
 from nemo_replay.integrations.nemo_rl import patch as patch_mod
 from nemo_replay.integrations.nemo_rl import workers
+from nemo_replay.integrations.nemo_rl.sample_rows import batch_rows, message_log_rows, sample_rows
 from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
 from tests.rollout.engines.engine_outputs import RequestOutput, SamplingMask, vllm_offline_output, vllm_steps
 
@@ -84,25 +85,30 @@ def _multi_turn_logs():
     return [t0, t1]
 
 
-def test_backfill_gives_every_message_rows_and_takes_flagged_tokens_out_of_the_loss():
+def test_flagged_tokens_leave_the_loss_and_each_sample_keeps_its_response_rows_only():
     logs = _multi_turn_logs()
     _nemo_rl_masks(logs)
     assert backfill_support(logs) == 1
-    for log in logs:
-        for m in log:
-            rows = m["generation_support"]
-            assert rows.dtype == torch.int32 and rows.shape == (m["token_ids"].shape[0], K)
     t0, t1 = logs
-    assert (t0[0]["generation_support"] == -1).all() and (t0[2]["generation_support"] == -1).all()
-    assert (t1[1]["generation_support"] == -1).all() and t1[1]["token_loss_mask"].sum() == 0
     assert t0[1]["token_loss_mask"].tolist() == [1, 0, 1]  # the flagged token left the loss
-    assert t0[3]["generation_support"].tolist() == [[41, 7, 8, -1, -1], [42, -1, -1, -1, -1]]
-    assert t1[2]["token_loss_mask"].tolist() == [1]
-    # Concatenated per trajectory (llm_message_utils.py:118-135) the rows stay token-aligned.
-    flat = torch.cat([m["generation_support"] for m in t0])
-    ids = torch.cat([m["token_ids"] for m in t0])
-    recorded = (flat >= 0).any(-1)
-    assert (flat[recorded, 0] == ids[recorded]).all()
+    assert t1[2]["token_loss_mask"].tolist() == [1] and t1[1]["token_loss_mask"].sum() == 0
+    assert "generation_support" not in t0[0] and "generation_support" not in t1[1]  # no prompt-position rows
+    # One compact entry a sample: the recorded rows at their columns in the flattened log
+    # (llm_message_utils.py:118-135 concatenates the messages in order).
+    entries = message_log_rows(logs, "generation_support")
+    assert entries[0].columns.tolist() == [3, 5, 8, 9] and entries[1].columns.tolist() == [3]
+    ids = torch.zeros(2, 10, dtype=torch.int64)
+    for i, log in enumerate(logs):
+        flat = torch.cat([m["token_ids"] for m in log])
+        ids[i, : flat.numel()] = flat
+    support, token_rows = batch_rows(entries, ids, torch.tensor([10, 4]), key="generation_support")
+    got = [support.row(int(r)).tolist() for r in token_rows[0][token_rows[0] >= 0]]
+    assert got == [[1, 2, 3, 4, 21], [5, 23], [7, 8, 41], [42]]
+    assert support.row(int(token_rows[1, 3])).tolist() == [9, 10, 11, 12, 61]
+    # Rows of another sample, or reordered apart from input_ids, are named.
+    with pytest.raises(ValueError, match=r"data\['generation_support'\]\[1\]: row columns \[3\]\.\.\. must increase "
+                                         r"and lie below the data row's input_lengths 3"):
+        batch_rows(entries, ids, torch.tensor([10, 3]), key="generation_support")
 
 
 def test_backfill_refuses_a_generated_message_without_rows_or_with_misshaped_rows():
@@ -132,9 +138,16 @@ def test_pads_and_carrying_into_the_policy_batches():
     assert train["generation_support"] is flat["generation_support"]
     with pytest.raises(ValueError, match=r"flattened rollout batch has no 'generation_support'"):
         carry_support({"input_ids": flat["token_ids"]}, {"token_ids": flat["token_ids"]})
-    with pytest.raises(ValueError, match=r"flattened generation_support has shape \(2, 5, 5\); expected \(B, S, k\) over "
-                                         r"input_ids \(2, 6\)"):
+    with pytest.raises(ValueError, match=r"flattened generation_support has shape \(2, 5, 5\); expected a list of "
+                                         r"SampleRows \(one a sample\) or \(B, S, k\) over input_ids \(2, 6\)"):
         carry_support(train, {"generation_support": torch.full((2, 5, K), -1)})
+    # The compact form: one SampleRows a sample, nothing else.
+    entries = [sample_rows([{"token_ids": torch.tensor([3, 4]), "generation_support": torch.tensor([[3, 9], [4, -1]])}],
+                           "generation_support", where="t") for _ in range(2)]
+    carry_support(train, {"generation_support": entries})
+    assert train["generation_support"] is entries
+    with pytest.raises(ValueError, match=r"holds 1 entries for 2 samples; expected one SampleRows a sample"):
+        carry_support(train, {"generation_support": entries[:1]})
 
 
 # ------------------------------------------------------------------------------ install_data_path
@@ -191,7 +204,7 @@ def test_install_data_path_wraps_each_boundary_once_and_refuses_an_unpatched_tre
     grpo.batched_message_log_to_flat_message([], pad_value_dict={"token_ids": 0})
     logs = _multi_turn_logs()
     grpo.add_grpo_token_loss_masks_and_generation_logprobs(logs)
-    assert logs[0][1]["token_loss_mask"].tolist() == [1, 0, 1] and logs[0][0]["generation_support"].shape == (3, K)
+    assert logs[0][1]["token_loss_mask"].tolist() == [1, 0, 1] and "generation_support" not in logs[0][0]
     target = {"input_ids": torch.zeros(1, 3)}
     grpo._preserve_router_replay_routed_experts(target, {"generation_support": torch.zeros(1, 3, K)}, {})
     assert grpo.calls == [{"token_ids": 0, "generation_support": -1}, "routes"] and "generation_support" in target
@@ -531,9 +544,10 @@ def test_the_plug_acts_on_replay_runs_only_and_can_be_removed(tmp_path):
             grpo.add_grpo_token_loss_masks_and_generation_logprobs(_without_one_row())
         with pytest.raises(ValueError, match="the flattened rollout batch has no 'generation_support'"):
             grpo._preserve_router_replay_routed_experts({"input_ids": torch.zeros(1, 3)}, {}, {})
-    logs = _multi_turn_logs()  # rows in a batch are still checked and padded outside a run
-    grpo.add_grpo_token_loss_masks_and_generation_logprobs(logs)
-    assert logs[0][0]["generation_support"].shape == (3, K)
+    logs = _multi_turn_logs()  # rows in a batch are still checked outside a run
+    logs[0][3]["generation_support"] = logs[0][3]["generation_support"][:1]
+    with pytest.raises(ValueError, match=r"trajectory 0, message 3: generation_support must be integer rows"):
+        grpo.add_grpo_token_loss_masks_and_generation_logprobs(logs)
     done.remove()
     assert (grpo.add_grpo_token_loss_masks_and_generation_logprobs, grpo._preserve_router_replay_routed_experts,
             grpo.batched_message_log_to_flat_message, bdd.BatchedDataDict.__dict__["from_batches"]) == originals

@@ -26,11 +26,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nemo_replay.integrations.nemo_rl.sample_rows import SampleRows
 from tests.integrations.nemo_rl.batches import (
     TEMPERATURE,
     VOCAB,
     ClippedPGStyleLoss,
     LossInputType,
+    compact_rows,
     cp_chunks,
     make_batch,
     make_logits,
@@ -38,6 +40,7 @@ from tests.integrations.nemo_rl.batches import (
     packed_local_logits,
     per_sequence_data,
     reference_next_token_logprobs,
+    sorted_rows,
     vocab_shard,
     with_loss_inputs,
 )
@@ -125,6 +128,14 @@ def _phase_policy(out, g, data, raw32):
                 local32, data64, vocab_parallel_rank=tr, vocab_parallel_group=tg, context_parallel_group=cg,
                 cu_seqlens_padded=None if cu is None else torch.tensor(cu),
             )
+            # The compact rows the data path ships (one SampleRows a sample, members ascending), through the
+            # same hooks, against the dense rows in that order.
+            compact, dense = (next_token_logprobs(
+                local32, d, vocab_parallel_rank=tr, vocab_parallel_group=tg, context_parallel_group=cg,
+                cu_seqlens_padded=None if cu is None else torch.tensor(cu),
+            ) for d in (compact_rows(data64), sorted_rows(data64)))
+            lp_compact, _ = _policy_logprobs(local32, compact_rows(data64), cfg, cu, ClippedPGStyleLoss())
+            lp_sorted, _ = _policy_logprobs(local32, sorted_rows(data64), cfg, cu, ClippedPGStyleLoss())
         # Gradients in float64 through the same hooks.
         local64, _ = _local(scaled64.detach(), lengths, cfg)
         local64.requires_grad_()
@@ -135,6 +146,8 @@ def _phase_policy(out, g, data, raw32):
             logprobs32=lp32.detach(), logprobs64=lp64.detach(), loss=float(loss.detach()) * cfg[4],
             grad=local64.grad, want_grad=want_grad, ref_loss=float(ref_loss.detach()),
             whole=(whole.logprobs, whole.valid_mask, whole.fallback_mask),
+            compact=(compact.logprobs, compact.valid_mask, compact.fallback_mask), logprobs_compact=lp_compact,
+            dense=(dense.logprobs, dense.valid_mask, dense.fallback_mask), logprobs_sorted=lp_sorted,
         )
 
 
@@ -292,6 +305,12 @@ def test_prepare_fn_reproduces_the_sampler_within_1e5(ranks, config):
         lp, valid, fallback = r[config]["whole"]
         torch.testing.assert_close(lp, got, atol=1e-6, rtol=0)
         assert torch.equal(valid, rows) and torch.equal(fallback, eos)
+        # Compact rows (one SampleRows a sample) score bit for bit as the dense (B, S, k) rows in the same member
+        # order, whole and per sequence; the order moves only the last bits of the sum.
+        for a, b in zip(r[config]["compact"], r[config]["dense"]):
+            assert torch.equal(a, b)
+        assert torch.equal(r[config]["logprobs_compact"], r[config]["logprobs_sorted"])
+        torch.testing.assert_close(r[config]["logprobs_compact"], got, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("config", ["tp2", "cp2", "tp2cp2"])
@@ -381,10 +400,10 @@ def test_misaligned_and_malformed_batches_are_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active positions without a support row"):
         _prepare(two, logits)
     cases = [
-        (dict(generation_support=None), r"no 'generation_support' \(token-aligned support rows"),
+        (dict(generation_support=None), r"no 'generation_support' \(support rows: one SampleRows a sample, or token-aligned"),
         (dict(input_lengths=None), r"no 'input_lengths' \(tokens per row \[B\]\)"),
         (dict(generation_support=data["generation_support"].to(torch.uint8)), r"is torch.uint8, which cannot hold the -1"),
-        (dict(generation_support=data["generation_support"][:, :-1]), r"must be an integer \(B=4, S=\d+, k\) tensor, token-aligned"),
+        (dict(generation_support=data["generation_support"][:, :-1]), r"or an integer \(B=4, S=\d+, k\) tensor, token-aligned"),
         (dict(input_lengths=data["input_lengths"] + 40), r"data row 0 has input_lengths \d+, outside \[1, \d+\]"),
         (dict(token_mask=data["token_mask"][:2]), r"data dict shapes disagree"),
     ]
@@ -392,6 +411,21 @@ def test_misaligned_and_malformed_batches_are_refused_naming_the_fix():
         bad = {k: v for k, v in {**data, **change}.items() if v is not None}
         with pytest.raises(ValueError, match=match):
             _prepare(bad, logits)
+    # The compact form: a list of one SampleRows a data row, each with its own sample's rows.
+    entries = compact_rows(data)["generation_support"]
+    flipped = SampleRows(entries[1].columns, entries[1].data.copy())
+    flipped.data[-1] ^= 1
+    late = SampleRows(entries[0].columns + 40, entries[0].data)
+    compact_cases = [
+        (entries[:3], r"must be a list of 4 SampleRows, one per data row .* got a list of 3"),
+        ([entries[0], None, *entries[2:]], r"data\['generation_support'\]\[1\] is a NoneType, expected SampleRows"),
+        ([late, *entries[1:]], r"\[0\]: row columns .* must increase and lie below the data row's input_lengths"),
+        ([entries[0], flipped, *entries[2:]], r"\[1\] \(data row 1\): compact support: the buffer's CRC-32 does not match"),
+        ([entries[1], entries[0], *entries[2:]], r"data row 0|does not hold|not a member|must increase"),
+    ]
+    for rows, match in compact_cases:
+        with pytest.raises(ValueError, match=match):
+            _prepare({**data, "generation_support": rows}, logits)
     with pytest.raises(ValueError, match=r"logits hold 3 rows for 4 data rows"):
         _prepare(data, logits[:3])
     loss = ClippedPGStyleLoss()

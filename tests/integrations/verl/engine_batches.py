@@ -24,6 +24,7 @@ and ``log q``. A tool turn inserts observation tokens that nobody sampled: no ro
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 
@@ -152,6 +153,29 @@ def make_batch(rollouts: list[Rollout], *, k: int = TOP_K, temperature: float = 
     }
     uid = np.array([f"uid-{i}" for i in range(B)], dtype=object)
     return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}, meta_info={"temperature": temperature})
+
+
+def sorted_rows(batch):
+    """``batch`` (a copy) with each support row's members ascending, -1 padding last: the order compact rows decode in."""
+    out = copy.deepcopy(batch)
+    rows = out.batch["generation_support"]
+    big = torch.iinfo(rows.dtype).max
+    ordered = torch.where(rows < 0, big, rows).sort(-1).values
+    out.batch["generation_support"] = torch.where(ordered == big, -1, ordered)
+    return out
+
+
+def compact_rows(batch):
+    """``batch`` (a copy) carrying ``generation_support`` as replay's agent loop writes it: one compact buffer a
+    sample in ``non_tensor_batch`` (agent_loop.py ``ReplayAgentLoopWorker._postprocess``)."""
+    from nemo_replay.integrations.verl.response_rows import encode_response_rows, object_column
+
+    out = copy.deepcopy(batch)
+    rows = out.batch.pop("generation_support")
+    lengths = out.batch["attention_mask"][:, PROMPT_LENGTH:].sum(1).tolist()
+    buffers = [encode_response_rows(rows[i, :R], out.batch["responses"][i, :R].tolist()) for i, R in enumerate(lengths)]
+    out.non_tensor_batch["generation_support"] = object_column(buffers)
+    return out
 
 
 def engine_batch(batch, *, calculate_entropy: bool, micro_batch_size: int = 2, dynamic_bsz: bool = False,

@@ -98,7 +98,8 @@ def _nest_responses(td) -> None:
     td["prompts"] = nest([td["prompts"][i][real_prompt[i]] for i in range(len(lengths))])
     td["responses"] = nest([td["responses"][i, :n] for i, n in enumerate(lengths)])
     td["response_mask"] = nest([td["response_mask"][i, :n] for i, n in enumerate(lengths)])
-    td["generation_support"] = nest([rows[i, :n] for i, n in enumerate(lengths)])
+    if isinstance(rows, torch.Tensor):  # compact rows (one buffer a sample) are per sample already
+        td["generation_support"] = nest([rows[i, :n] for i, n in enumerate(lengths)])
 
 
 def _infer(engine, batch, nested: bool = False, **kw):
@@ -165,6 +166,10 @@ def _single_rank(rank, world_size, model_dir):
     res["replay_dynamic"] = _infer(replay, batch, dynamic_bsz=True, max_token_len=12)
     res["own"] = _infer(own, batch)
     res["replay_nested"] = _infer(replay, batch, nested=True)
+    # Compact rows (one buffer a sample in non_tensor_batch), against the dense rows in the same member order.
+    for name, kw in (("", {}), ("_dynamic", dict(dynamic_bsz=True, max_token_len=12)), ("_nested", dict(nested=True))):
+        res["compact" + name] = _infer(replay, eb.compact_rows(batch), **kw)
+        res["sorted" + name] = _infer(replay, eb.sorted_rows(batch), **kw)
 
     # The policy pass: forward and backward, remove-padding on and off, fixed and dynamic micro-batches.
     res["policy_rmpad"] = _policy_pass(replay, batch, rmpad=True, dynamic=True, seed=5)
@@ -266,6 +271,18 @@ def test_old_policy_recompute_equals_the_sampler_where_verl_is_off_by_the_gap(si
     # do the TransferQueue trainer's nested responses and rows
     assert torch.allclose(res["replay_dynamic"]["log_probs"], replay["log_probs"], atol=1e-6)
     assert torch.equal(res["replay_nested"]["log_probs"], replay["log_probs"])
+
+
+def test_compact_rows_score_bit_for_bit_as_the_dense_rows(single):
+    """One compact buffer a sample (what replay's agent loops put in the batch) through verl's own FSDP engine:
+    fixed and dynamic micro-batches and nested responses give the dense rows' scores, bit for bit."""
+    res, _ = single
+    for name in ("", "_dynamic", "_nested"):
+        compact, dense = res["compact" + name], res["sorted" + name]
+        assert set(compact) == set(dense) and compact
+        for key in compact:
+            assert torch.equal(compact[key], dense[key]), (name, key)
+        assert (compact["log_probs"] - res["replay"]["log_probs"]).abs().max() < 1e-6  # member order: last bits only
 
 
 def test_forward_matches_naive_float64_reference(single):

@@ -24,7 +24,6 @@ Stand-ins, because vLLM and SGLang do not run on a CPU machine:
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
@@ -60,6 +59,9 @@ from nemo_replay.integrations.verl.rollout import (  # noqa: E402
     _VllmServerReplay,
     attach_support,
 )
+from nemo_replay.integrations.verl.engine import read_responses  # noqa: E402
+from nemo_replay.integrations.verl.response_rows import buffers_of, dense_rows  # noqa: E402
+from nemo_replay.support.codec import header_of  # noqa: E402
 from nemo_replay.support.errors import SupportAlignmentError  # noqa: E402
 from tests.integrations.verl.conftest import TOKENS  # noqa: E402
 from tests.rollout.engines.engine_outputs import (  # noqa: E402
@@ -400,6 +402,15 @@ def v0_config(model_dir, *overrides):
                        "nemo_replay.integrations.verl.agent_loop.ReplayAgentLoopManager", *overrides)
 
 
+def decoded_rows(column, responses, mask, width: int = TOP_K) -> torch.Tensor:
+    """(B, W, width) int32 rows of a batch's compact column, as the engines decode it (response_rows.dense_rows)."""
+    buffers = buffers_of(column)
+    assert all(isinstance(b, np.ndarray) and b.dtype == np.uint8 and b.ndim == 1 for b in buffers)
+    lengths = torch.tensor([header_of(b).rows for b in buffers])
+    rows = dense_rows(buffers, responses.to(torch.int64), lengths, mask != 0, key=SUPPORT_KEY)
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[2]), value=PAD_ID)
+
+
 def test_v0_batch_carries_rows_aligned_with_responses(tiny_model_dir):
     cfg = v0_config(tiny_model_dir)
     scripts = {
@@ -411,9 +422,12 @@ def test_v0_batch_carries_rows_aligned_with_responses(tiny_model_dir):
     worker = ReplayAgentLoopWorker(cfg, Client(make_server(cfg, engine)))
     out = asyncio.run(worker.generate_sequences(prompts_batch(["hello world", "add the numbers", "red green"])))
 
-    rows, responses, mask = out.batch[SUPPORT_KEY], out.batch["responses"], out.batch["response_mask"]
+    responses, mask = out.batch["responses"], out.batch["response_mask"]
+    column = out.non_tensor_batch[SUPPORT_KEY]  # one compact buffer a sample (agent_loop.py _postprocess)
+    assert column.dtype == object and column.shape == (3,)
+    rows = decoded_rows(column, responses, mask)
     R = cfg.actor_rollout_ref.rollout.response_length
-    assert rows.dtype == torch.int32 and rows.shape == (3, R, TOP_K) and responses.shape == (3, R)
+    assert rows.shape == (3, R, TOP_K) and responses.shape == (3, R)
     flagged_total = 0
     order = [engine.by_key[T[w]] for w in ("hello", "add", "red")]  # the batch keeps the prompts' order
     for i, steps in enumerate(order):
@@ -432,9 +446,14 @@ def test_v0_batch_carries_rows_aligned_with_responses(tiny_model_dir):
     for i, steps in enumerate(order):
         n = min(len(steps), R)
         np.testing.assert_allclose(out.batch["rollout_log_probs"][i, :n].numpy(), [s.logprobs[0] for s in steps[:n]], atol=1e-6)
-    # shards of two workers concatenate (agent_loop.py:1252, DataProto.concat): one row width
+    # shards of two workers concatenate (agent_loop.py:1252, DataProto.concat), each buffer with its sample
     both = DataProto.concat([out, out])
-    assert both.batch[SUPPORT_KEY].shape == (6, R, TOP_K)
+    assert both.non_tensor_batch[SUPPORT_KEY].shape == (6,)
+    assert torch.equal(decoded_rows(both.non_tensor_batch[SUPPORT_KEY], both.batch["responses"],
+                                    both.batch["response_mask"]), torch.cat([rows, rows]))
+    # and survive the engines' TensorDict (protocol.py to_tensordict: a NonTensorStack), read as the engine reads it
+    resp = read_responses(out.to_tensordict())
+    assert torch.equal(torch.nn.functional.pad(resp.rows, (0, TOP_K - resp.rows.shape[2]), value=PAD_ID), rows)
 
 
 def test_v0_validation_batch_has_padding_rows(tiny_model_dir):
@@ -444,7 +463,8 @@ def test_v0_validation_batch_has_padding_rows(tiny_model_dir):
     batch = prompts_batch(["hello", "world"])
     batch.meta_info["validate"] = True  # greedy val_kwargs (trainer/config/rollout/rollout.yaml val_kwargs)
     out = asyncio.run(worker.generate_sequences(batch))
-    assert (out.batch[SUPPORT_KEY] == PAD_ID).all() and out.batch["response_mask"][1, :3].tolist() == [1, 1, 1]
+    rows = decoded_rows(out.non_tensor_batch[SUPPORT_KEY], out.batch["responses"], out.batch["response_mask"])
+    assert (rows == PAD_ID).all() and out.batch["response_mask"][1, :3].tolist() == [1, 1, 1]
 
 
 def test_worker_refuses_verl_loop_without_rows(tiny_model_dir):
@@ -501,10 +521,8 @@ def test_v1_fields_carry_rows_through_list_of_dict_to_tensordict(tiny_model_dir)
         f["loss_mask"] = f["response_mask"]
         fields.append(f)
     td = list_of_dict_to_tensordict(fields)  # agent_loop_tq.py:233-238
-    rows = td[SUPPORT_KEY]
-    assert rows.is_nested and rows.dtype == torch.int32
-    padded = rows.to_padded_tensor(PAD_ID)
     responses = td["responses"].to_padded_tensor(0)
+    padded = decoded_rows(td[SUPPORT_KEY], responses, td["response_mask"].to_padded_tensor(0))  # a NonTensorStack
     assert padded.shape == (2, 5, TOP_K) and responses.shape == (2, 5)
     for i, steps in enumerate(engine.references):
         for j, s in enumerate(steps):
@@ -525,7 +543,8 @@ def test_tool_loop_rows_skip_tool_tokens_across_turns(tiny_model_dir):
     scripts = [[T[t] for t in call], [T["result"], T["is"], T["3"], EOS]]
     engine = SampledEngine(scripts, ties_at=(1,), seed=3)
     out = run_loop(cfg, "replay_tool_agent", Client(make_server(cfg, engine)), "add the numbers", tools=ToolListWrap([calc_tool()]))
-    rows, response, mask = out.generation_support, out.response_ids, out.response_mask
+    response, mask = out.response_ids, out.response_mask
+    rows = decoded_rows([out.generation_support], torch.tensor([response]), torch.tensor([mask]))[0]
     assert rows.shape == (len(response), TOP_K)
     turn1, turn2 = engine.references
     assert response[: len(turn1)] == [s.token for s in turn1] and response[-len(turn2):] == [s.token for s in turn2]

@@ -1,0 +1,156 @@
+"""``generation_support`` in NeMo-RL's batches: one compact entry per sample, response positions only
+(docs/design.md §2, §9).
+
+The policy batches NeMo-RL builds (``train_data``, ``logprob_data``) travel from the driver
+through Ray to every policy worker and are cut there into micro-batches. A token-aligned
+``(B, S, k)`` int32 tensor would carry ``4 k`` bytes for every token, prompt and tool output
+included. Here the key holds a Python ``list`` of B :class:`SampleRows`, one per sample: the
+token columns of its recorded rows and the rows themselves in the compact codec
+(:mod:`nemo_replay.support.codec`, sampled ids dropped: the workers hold them in
+``input_ids``). A list is what NeMo-RL's ``BatchedDataDict`` keeps aligned with its samples
+through ``from_batches``, slicing, sharding (dynamic batching and sequence packing included),
+Ray and the micro-batch iterators, and what no sequence-length check or truncation touches.
+
+Columns are absolute in the sample's flattened message log. NeMo-RL right-pads, and every cut
+it makes (dynamic batching, a packed sequence's ``[:, :L_i]``) trims the right end only, so a
+token's column is the same in every micro-batch that holds it. Example, a sample of a 3-token
+prompt and a 4-token response whose third token could not be recorded::
+
+    column            0  1  2 | 3  4  5  6
+    rows              -  -  - | r0 r1 -  r2     columns [3, 4, 6], three rows in the buffer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from nemo_replay.support.codec import decode_support, encode_support
+from nemo_replay.support.dtypes import is_integer
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+
+__all__ = ["SampleRows", "sample_rows", "batch_rows", "message_log_rows"]
+
+
+@dataclass(frozen=True)
+class SampleRows:
+    """One sample's recorded support rows.
+
+    Attributes:
+        columns: (R,), int32, strictly increasing: the token column of each row in the
+            sample's flattened message log.
+        data: uint8: the R rows, coded with the sampled tokens dropped
+            (:func:`~nemo_replay.support.codec.encode_support`).
+    """
+
+    columns: np.ndarray
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.columns.nbytes + self.data.nbytes)
+
+
+def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows:
+    """The compact entry of one sample from its message log.
+
+    Args:
+        messages: the sample's messages in order, each with ``token_ids (n,)``; generated ones
+            also ``key``, ``(n, k)`` int rows (-1 padded; an all -1 row is a token whose support
+            could not be recorded, left out).
+        where: names the sample in errors.
+
+    Raises:
+        ValueError naming the message when its rows are not ``(n, k)`` integer rows, or a
+        recorded row does not hold its token.
+    """
+    offset, columns, rows, sampled = 0, [], [], []
+    for j, message in enumerate(messages):
+        tokens = message["token_ids"]
+        n = int(tokens.shape[0])
+        if key in message:
+            r = message[key]
+            if not (is_integer(r) and r.dim() == 2 and r.shape[0] == n):
+                got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
+                raise ValueError(f"{where}, message {j}: {key} must be integer rows ({n}, k), one per token, got {got}")
+            r = r.cpu()
+            recorded = torch.nonzero((r >= 0).any(-1)).flatten()
+            columns.append(recorded + offset)
+            rows.append(r[recorded].to(torch.int32))
+            sampled.append(tokens.cpu().to(torch.int64)[recorded])
+        offset += n
+    width = max((int(r.shape[1]) for r in rows), default=1)
+    rows = [torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in rows]
+    values = torch.cat(rows) if rows else torch.zeros(0, width, dtype=torch.int32)
+    sampled = torch.cat(sampled) if sampled else torch.zeros(0, dtype=torch.int64)
+    support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
+    # The codec's V bounds the ids; the model's vocabulary is not known here, the largest id is.
+    bound = int(max(int(values.max()) if values.numel() else 0, int(sampled.max()) if sampled.numel() else 0)) + 1
+    try:
+        data = encode_support(support, vocab_size=bound, sampled_ids=sampled)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    cols = torch.cat(columns) if columns else torch.zeros(0, dtype=torch.int64)
+    return SampleRows(cols.numpy().astype(np.int32), data)
+
+
+def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, key: str) -> tuple[RaggedSupport, torch.Tensor]:
+    """A micro-batch's rows back: ``(support, token_rows)``.
+
+    Args:
+        entries: ``data[key]``, a list of N :class:`SampleRows` (one per data row).
+        input_ids: (N, W), int. The micro-batch's right-padded tokens (``W`` may be cut below
+            the batch's longest sample; every recorded column lies below its ``input_lengths``).
+        input_lengths: (N,), int.
+
+    Returns:
+        the rows (one segment per data row, CSR, on the CPU) and ``token_rows`` (N, W) int64,
+        the global row of token t at column t, -1 where none.
+
+    Raises:
+        ValueError naming the data row and the fix: not a list of N entries, a column at or past
+        the row's length, columns not increasing, a buffer that does not decode, or a recorded
+        row that does not hold the token at its column.
+    """
+    N, W = input_ids.shape
+    if not isinstance(entries, list) or len(entries) != N:
+        got = f"a list of {len(entries)}" if isinstance(entries, list) else type(entries).__name__
+        raise ValueError(
+            f"data[{key!r}] must be a list of {N} SampleRows, one per data row (NeMo-RL slices lists with its "
+            f"samples), got {got}"
+        )
+    ids = input_ids.cpu().to(torch.int64)
+    lengths = input_lengths.cpu().to(torch.int64)
+    token_rows = torch.full((N, W), -1, dtype=torch.int64)
+    parts, start = [], 0
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, SampleRows):
+            raise ValueError(f"data[{key!r}][{i}] is a {type(entry).__name__}, expected SampleRows")
+        cols = torch.from_numpy(np.asarray(entry.columns, dtype=np.int64).copy())  # Ray hands read-only arrays
+        if cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= int(lengths[i]) or bool((cols.diff() <= 0).any())):
+            raise ValueError(
+                f"data[{key!r}][{i}]: row columns {cols[:8].tolist()}... must increase and lie below the data row's "
+                f"input_lengths {int(lengths[i])}: the rows belong to another sample (reordered apart from input_ids?)"
+            )
+        try:
+            rows = decode_support(entry.data, sampled_ids=ids[i, cols])
+        except ValueError as exc:
+            raise type(exc)(f"data[{key!r}][{i}] (data row {i}): {exc}") from exc
+        if rows.num_rows != cols.numel():
+            raise ValueError(f"data[{key!r}][{i}]: {rows.num_rows} rows for {cols.numel()} columns; a corrupted entry")
+        token_rows[i, cols] = start + torch.arange(cols.numel())
+        start += cols.numel()
+        parts.append(rows)
+    support = RaggedSupport.cat(parts) if parts else RaggedSupport.from_rows([])
+    return support, token_rows
+
+
+def message_log_rows(message_logs: Sequence[Sequence[dict]], key: str) -> Optional[list]:
+    """:func:`sample_rows` of every sample of a batch, or None when no message carries ``key``."""
+    if not any(key in m for log in message_logs for m in log):
+        return None
+    return [sample_rows(log, key, where=f"trajectory {i}") for i, log in enumerate(message_logs)]

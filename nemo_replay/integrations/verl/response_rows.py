@@ -1,0 +1,122 @@
+"""``generation_support`` in verl's batches: one compact buffer a sample (docs/design.md §2, §9.3).
+
+A ``[B, response_length, K]`` int32 field costs ``4 K`` bytes a response position, padding
+included, in the ``DataProto``, over Ray and in TransferQueue. Here the field holds one uint8
+buffer a sample: its response's rows, row j for response position j (an empty row where no
+support was recorded), in the compact codec with the sampled tokens dropped (the engines hold
+them in ``responses``). verl carries a per-sample object with its sample through union, repeat,
+reorder, chunk and concat, into the engine's TensorDict (a ``NonTensorStack``) and through
+its micro-batching, fixed or dynamic; TransferQueue stores a numpy buffer as raw bytes.
+
+Build the ``non_tensor_batch`` column with :func:`object_column`: ``np.array(buffers,
+dtype=object)`` turns equal-length buffers into a 2-D array of objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from nemo_replay.support.codec import decode_support, encode_support, header_of
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
+
+__all__ = ["encode_response_rows", "object_column", "buffers_of", "dense_rows"]
+
+
+def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
+    """One response's rows ``(R, K)`` (-1 padded; an all -1 row records nothing) as a uint8 buffer.
+
+    Raises:
+        ValueError naming the row when a recorded row does not hold its response token.
+    """
+    values = torch.as_tensor(np.asarray(rows), dtype=torch.int32)
+    sampled = torch.as_tensor(list(response_ids), dtype=torch.int64)
+    if values.dim() != 2 or values.shape[0] != sampled.numel():
+        raise ValueError(f"replay: support rows of shape {tuple(values.shape)} for a response of {sampled.numel()} tokens")
+    support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
+    # The codec's V bounds the ids; the model's vocabulary is not known here, the largest id is.
+    bound = max(int(values.max()) if values.numel() else 0, int(sampled.max()) if sampled.numel() else 0) + 1
+    return encode_support(support, vocab_size=bound, sampled_ids=sampled)
+
+
+def object_column(buffers: Sequence[Any]) -> np.ndarray:
+    """A 1-D object array of ``buffers``, one element each, whatever their lengths."""
+    out = np.empty(len(buffers), dtype=object)
+    for i, buf in enumerate(buffers):
+        out[i] = buf
+    return out
+
+
+def buffers_of(value: Any) -> list | None:
+    """The per-sample buffers of a batch's field, or None when it holds a tensor (the dense form).
+
+    Takes what verl hands the engines: a ``NonTensorStack`` or the list a TensorDict returns for
+    it, or ``non_tensor_batch``'s object array.
+    """
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        return list(value)
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if hasattr(value, "tolist"):
+        return list(value.tolist())
+    raise ValueError(f"replay: a support field of type {type(value).__name__}; expected one uint8 buffer a sample")
+
+
+def dense_rows(buffers: list, tokens: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, *, key: str) -> torch.Tensor:
+    """``(B, W, K)`` int32 rows, -1 padded, from one buffer a sample (decoded on the host).
+
+    Args:
+        tokens: (B, W) int64 response tokens, -1 past each response. lengths: (B,) ``R_i``.
+        mask: (B, W) bool, the response mask.
+
+    A sample with no position in the mask may hold rows of another length (verl's V1 trainer
+    pads a batch with copies of sample 0 cut to one token): it gets none.
+
+    Raises:
+        ValueError naming the sample: not a uint8 buffer, a buffer that does not decode (the
+        codec's checks: size, CRC, ids in range), rows of another count than its response, or a
+        row that does not hold its token.
+    """
+    B, W = tokens.shape
+    if len(buffers) != B:
+        raise ValueError(f"batch[{key!r}] holds {len(buffers)} buffers for {B} samples; one a sample")
+    parts, counts = [], []
+    for i, buf in enumerate(buffers):
+        if isinstance(buf, (bytes, bytearray)):
+            buf = np.frombuffer(buf, np.uint8)
+        if not (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1):
+            got = f"{buf.dtype} {buf.shape}" if isinstance(buf, np.ndarray) else type(buf).__name__
+            raise ValueError(
+                f"batch[{key!r}][{i}] is {got}; expected a 1-D uint8 buffer (build the column with "
+                f"nemo_replay.integrations.verl.response_rows.object_column: np.array(buffers, dtype=object) makes "
+                f"equal-length buffers a 2-D array)"
+            )
+        R = int(lengths[i])
+        rows = header_of(buf).rows
+        if rows != R:
+            if not bool(mask[i].any()):
+                parts.append(None)
+                counts.append(0)
+                continue
+            raise ValueError(
+                f"batch[{key!r}] holds {rows} rows for sample {i}, whose response has {R} tokens: one row per response "
+                f"token, sliced and reordered with 'responses'"
+            )
+        sampled = tokens[i, :R].cpu()
+        try:
+            got = decode_support(buf, sampled_ids=torch.where(sampled < 0, 0, sampled))
+        except ValueError as exc:
+            raise type(exc)(f"batch[{key!r}][{i}] (sample {i}): {exc}") from exc
+        parts.append(got)
+        counts.append(R)
+    K = max([1] + [p.width_bound for p in parts if p is not None])
+    out = torch.full((B, W, K), -1, dtype=torch.int32)
+    for i, p in enumerate(parts):
+        if p is not None and counts[i]:
+            out[i, : counts[i]] = p.to_padded(K).values.to(torch.int32)
+    return out
