@@ -155,17 +155,12 @@ def batch_pickles(rows, sampled, V) -> dict:
     """Pickled sizes of a batch of 8 responses whose rows are token-aligned int32 ``(B, S, k)``
     (prompt positions -1, as NeMo-RL carried ``generation_support``; verl's ``(B, R, k)`` holds
     response positions only) against one compact entry per response (NeMo-RL: the
-    ``SampleRows`` its data path ships; verl: a per-sample buffer field)."""
-    from nemo_replay.support.codec import encode_support
-
+    ``SampleRows`` its data path ships; verl: the buffer column its agent loop ships)."""
     B, P, R = 8, 256, len(rows) // 8
     fixed = torch.full((B, P + R, K), -1, dtype=torch.int32)
-    compact = []
     for i in range(B):
-        mine = rows[i * R:(i + 1) * R]
-        for j, r in enumerate(mine):
+        for j, r in enumerate(rows[i * R:(i + 1) * R]):
             fixed[i, P + j, : len(r)] = torch.tensor(r, dtype=torch.int32)
-        compact.append(encode_support(_support(mine), vocab_size=V, sampled_ids=torch.tensor(sampled[i * R:(i + 1) * R])))
     out = {}
     if NEMO_RL_SRC.is_dir():
         sys.path.insert(0, str(NEMO_RL_SRC))
@@ -190,8 +185,10 @@ def batch_pickles(rows, sampled, V) -> dict:
     try:
         from verl import DataProto
 
-        holder = np.empty(B, dtype=object)
-        holder[:] = compact
+        from nemo_replay.integrations.verl.response_rows import encode_response_rows, object_column
+
+        # What replay's agent loop ships: one buffer a sample, its response's rows.
+        holder = object_column([encode_response_rows(fixed[i, P:], sampled[i * R:(i + 1) * R]) for i in range(B)])
         out["verl DataProto"] = (
             len(pickle.dumps(DataProto.from_dict(tensors={"generation_support": fixed[:, P:].contiguous()}))),
             len(pickle.dumps(DataProto.from_dict(tensors={"responses": torch.zeros(B, R, dtype=torch.int64)},

@@ -17,7 +17,11 @@ token's column is the same in every micro-batch that holds it. Example, a sample
 prompt and a 4-token response whose third token could not be recorded::
 
     column            0  1  2 | 3  4  5  6
-    rows              -  -  - | r0 r1 -  r2     columns [3, 4, 6], three rows in the buffer
+    rows              -  -  - | r0 r1 -  r2     columns 3 4 6: runs [[3, 2], [6, 1]], three rows in the buffer
+
+The columns are stored as runs of consecutive columns (start, count): a response is one run
+unless tokens in it were flagged or a tool turn interrupts it, so they cost bytes a turn, not a
+token.
 """
 
 from __future__ import annotations
@@ -41,18 +45,28 @@ class SampleRows:
     """One sample's recorded support rows.
 
     Attributes:
-        columns: (R,), int32, strictly increasing: the token column of each row in the
-            sample's flattened message log.
+        runs: (n, 2), int32: runs of consecutive token columns ``(start, count)``, increasing
+            and apart, of the R rows in the sample's flattened message log.
         data: uint8: the R rows, coded with the sampled tokens dropped
             (:func:`~nemo_replay.support.codec.encode_support`).
     """
 
-    columns: np.ndarray
+    runs: np.ndarray
     data: np.ndarray
 
     @property
+    def columns(self) -> np.ndarray:
+        """(R,), int64: the token column of each row."""
+        runs = np.asarray(self.runs, dtype=np.int64).reshape(-1, 2)
+        if not runs.size:
+            return np.zeros(0, np.int64)
+        starts, counts = runs[:, 0], runs[:, 1]
+        first = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        return first + np.arange(int(counts.sum()), dtype=np.int64)
+
+    @property
     def nbytes(self) -> int:
-        return int(self.columns.nbytes + self.data.nbytes)
+        return int(self.runs.nbytes + self.data.nbytes)
 
 
 def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows:
@@ -94,8 +108,11 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
         data = encode_support(support, vocab_size=bound, sampled_ids=sampled)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
-    cols = torch.cat(columns) if columns else torch.zeros(0, dtype=torch.int64)
-    return SampleRows(cols.numpy().astype(np.int32), data)
+    cols = torch.cat(columns).numpy() if columns else np.zeros(0, np.int64)
+    breaks = np.flatnonzero(np.diff(cols) != 1) + 1
+    starts = np.concatenate([[0], breaks]).astype(np.int64) if cols.size else np.zeros(0, np.int64)
+    counts = np.diff(np.concatenate([starts, [cols.size]]))
+    return SampleRows(np.stack([cols[starts], counts], 1).astype(np.int32).reshape(-1, 2), data)
 
 
 def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, key: str) -> tuple[RaggedSupport, torch.Tensor]:
@@ -130,7 +147,10 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
     for i, entry in enumerate(entries):
         if not isinstance(entry, SampleRows):
             raise ValueError(f"data[{key!r}][{i}] is a {type(entry).__name__}, expected SampleRows")
-        cols = torch.from_numpy(np.asarray(entry.columns, dtype=np.int64).copy())  # Ray hands read-only arrays
+        runs = np.asarray(entry.runs)
+        if runs.ndim != 2 or runs.shape[1] != 2 or (runs.size and int(runs[:, 1].min()) < 1):
+            raise ValueError(f"data[{key!r}][{i}]: runs of shape {runs.shape}; expected (n, 2) (start, count >= 1)")
+        cols = torch.from_numpy(entry.columns)  # a new array: Ray hands read-only ones
         if cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= int(lengths[i]) or bool((cols.diff() <= 0).any())):
             raise ValueError(
                 f"data[{key!r}][{i}]: row columns {cols[:8].tolist()}... must increase and lie below the data row's "

@@ -413,13 +413,14 @@ def test_misaligned_and_malformed_batches_are_refused_naming_the_fix():
             _prepare(bad, logits)
     # The compact form: a list of one SampleRows a data row, each with its own sample's rows.
     entries = compact_rows(data)["generation_support"]
-    flipped = SampleRows(entries[1].columns, entries[1].data.copy())
+    flipped = SampleRows(entries[1].runs, entries[1].data.copy())
     flipped.data[-1] ^= 1
-    late = SampleRows(entries[0].columns + 40, entries[0].data)
+    late = SampleRows(entries[0].runs + [[40, 0]], entries[0].data)
     compact_cases = [
         (entries[:3], r"must be a list of 4 SampleRows, one per data row .* got a list of 3"),
         ([entries[0], None, *entries[2:]], r"data\['generation_support'\]\[1\] is a NoneType, expected SampleRows"),
         ([late, *entries[1:]], r"\[0\]: row columns .* must increase and lie below the data row's input_lengths"),
+        ([SampleRows(entries[0].runs[:, :1], entries[0].data), *entries[1:]], r"\[0\]: runs of shape .* expected \(n, 2\)"),
         ([entries[0], flipped, *entries[2:]], r"\[1\] \(data row 1\): compact support: the buffer's CRC-32 does not match"),
         ([entries[1], entries[0], *entries[2:]], r"data row 0|does not hold|not a member|must increase"),
     ]
