@@ -118,7 +118,21 @@ class ReplayGRPOTrainer(GRPOTrainer):
         if problems:
             raise ValueError("ReplayGRPOTrainer cannot replay this setup:\n  - " + "\n  - ".join(problems))
         if self.use_vllm:
-            self.vllm_generation.logprobs = self._vllm_logprobs(self._replay_sampling["top_k"])
+            self._replay_vllm_request()
+
+    def _replay_vllm_request(self) -> None:
+        """What each vLLM request asks: the tie-margin log-prob count (:meth:`_vllm_logprobs`) and, colocated
+        on a vLLM whose ``SamplingParams`` has it (0.24+), ``flat_logprobs=True``: one flat list a response
+        instead of a dict and a ``Logprob`` a entry, half the memory held until ``generate`` returns. TRL
+        passes ``generation_kwargs`` into ``SamplingParams`` (trl/generation/vllm_generation.py:662-683) and
+        its ``extract_logprobs`` iterates a ``FlatLogprobs`` as it iterates the dicts (vllm/logprobs.py
+        ``FlatLogprobs.__getitem__``). TRL's server mode sends the request to ``trl vllm-serve``, whose
+        request fields replay does not extend: there the dicts stay."""
+        self.vllm_generation.logprobs = self._vllm_logprobs(self._replay_sampling["top_k"])
+        if self.vllm_mode == "colocate" and _vllm_sampling_field("flat_logprobs"):
+            kwargs = dict(self.vllm_generation.generation_kwargs or {})
+            kwargs.setdefault("flat_logprobs", True)
+            self.vllm_generation.generation_kwargs = kwargs
 
     # ------------------------------------------------------------------ checks
     def _replay_problems(self) -> list[str]:
@@ -465,6 +479,16 @@ class ReplayGRPOTrainer(GRPOTrainer):
                         metrics[f"replay/{name}"] = [value]
             self._replay_stats[mode] = StepStats()
         super().log(logs, start_time)
+
+
+def _vllm_sampling_field(name: str) -> bool:
+    """Whether the installed vLLM's ``SamplingParams`` declares ``name`` (False without vLLM)."""
+    try:
+        from vllm import SamplingParams
+    except ImportError:
+        return False
+    fields = getattr(SamplingParams, "__struct_fields__", None) or getattr(SamplingParams, "__dataclass_fields__", ())
+    return name in fields
 
 
 @torch.no_grad()

@@ -418,3 +418,48 @@ def test_cast_lm_head_to_fp32_moves_logits_mode_onto_hidden_mode(checkpoint, tmp
         runs[name] = _logged(trainer, "replay/mismatch_mean")[0]
     assert runs["logits_fp32"] == pytest.approx(runs["hidden"], rel=1e-3)
     assert abs(runs["logits"] - runs["logits_fp32"]) > 0.1 * runs["logits_fp32"]
+
+
+def test_colocated_vllm_is_asked_for_flat_logprobs_and_trl_reads_them_as_the_dicts(checkpoint, tmp_path, monkeypatch):
+    """vLLM 0.24+ has ``SamplingParams.flat_logprobs`` (vllm/sampling_params.py:284 in 0.24.0): colocated, the request
+    asks it through ``generation_kwargs`` (TRL passes them into SamplingParams, vllm_generation.py:662-683), and TRL's
+    own ``extract_logprobs`` (vllm_generation.py:70-99) reads a FlatLogprobs position by position as it reads dicts."""
+    import sys
+    import types
+
+    from trl.generation.vllm_generation import extract_logprobs
+
+    from tests.rollout.engines.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
+
+    def installed(*fields):
+        module = types.ModuleType("vllm")
+        module.SamplingParams = type("SamplingParams", (), {"__struct_fields__": ("n", "temperature", "logprobs", *fields)})
+        monkeypatch.setitem(sys.modules, "vllm", module)
+
+    trainer = _trainer(ReplayGRPOTrainer, checkpoint, tmp_path, max_steps=1)
+    trainer.use_vllm, trainer.vllm_mode = True, "colocate"
+    asked = {}
+    for fields, mode in (((), "colocate"), (("flat_logprobs",), "server"), (("flat_logprobs",), "colocate")):
+        installed(*fields)
+        trainer.vllm_mode = mode
+        trainer.vllm_generation = VLLMGenerationOutputs(trainer, top_k=5, top_p=0.9, temperature=0.9, max_tokens=6)
+        trainer.vllm_generation.generation_kwargs = {"min_p": 0.0}
+        trainer._replay_vllm_request()
+        asked[(fields, mode)] = dict(trainer.vllm_generation.generation_kwargs)
+        assert trainer.vllm_generation.logprobs == trainer._vllm_logprobs(trainer.top_k)
+    assert asked[((), "colocate")] == {"min_p": 0.0}  # vLLM 0.22 / 0.23: no such field
+    assert asked[(("flat_logprobs",), "server")] == {"min_p": 0.0}  # trl vllm-serve's request is TRL's
+    assert asked[(("flat_logprobs",), "colocate")] == {"min_p": 0.0, "flat_logprobs": True}
+    # The same response through TRL's extraction, dicts and flat: the same lists, the same records.
+    logits = torch.randn(7, 48, generator=torch.Generator().manual_seed(4)) * 2
+    n = vllm_row_width(5, 20) + 1
+    steps = vllm_steps(logits, 0.9, top_k=5, top_p=0.9, num_logprobs=n)
+    outs = [RequestOutput("r", None, [1, 2], None, [vllm_offline_output(steps, n, flat=flat)], True) for flat in (False, True)]
+    (lp_d, ids_d), (lp_f, ids_f) = (extract_logprobs([o]) for o in outs)
+    assert lp_d == lp_f and ids_d == ids_f
+    params = dict(temperature=0.9, top_k=5, top_p=0.9, min_p=0.0, logprobs=n)
+    completions = [[s.token for s in steps]]
+    a = records_from_vllm(completions, lp_d, ids_d, width=None, vocab_size=48, sampling_params=params)
+    b = records_from_vllm(completions, lp_f, ids_f, width=None, vocab_size=48, sampling_params=params)
+    assert torch.equal(a[0].rows().to_padded().values, b[0].rows().to_padded().values)
+    assert [sorted(t for t in r if t >= 0) for r in a[0].rows().to_padded().values.tolist()] == [s.mask for s in steps]

@@ -53,6 +53,21 @@ class FlatLogprobs:
             self.token_ids.append(t), self.logprobs.append(lp), self.ranks.append(r), self.decoded_tokens.append(d)
         self.end_indices.append(len(self.logprobs))
 
+    # A MutableSequence of positions (vllm/logprobs.py:30-31, 100-135 in 0.25.1): what code that iterates
+    # ``output.logprobs`` position by position (TRL's extract_logprobs) sees.
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, index: int) -> dict:
+        """Position ``index`` as a dict: the entries in order, a repeated token keeping its last entry."""
+        return {
+            self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i], self.decoded_tokens[i])
+            for i in range(self.start_indices[index], self.end_indices[index])
+        }
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
 
 @dataclass
 class SamplingMask:
