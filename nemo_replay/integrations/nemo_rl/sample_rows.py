@@ -6,8 +6,8 @@ through Ray to every policy worker and are cut there into micro-batches. A token
 ``(B, S, k)`` int32 tensor would carry ``4 k`` bytes for every token, prompt and tool output
 included. Here the key holds a Python ``list`` of B :class:`SampleRows`, one per sample: the
 token columns of its recorded rows and the rows themselves in the compact codec
-(:mod:`nemo_replay.support.codec`, sampled ids dropped: the workers hold them in
-``input_ids``). A list is what NeMo-RL's ``BatchedDataDict`` keeps aligned with its samples
+(:mod:`nemo_replay.support.codec`). The rows keep their sampled ids: the list travels apart
+from ``input_ids``, and decoding checks every row against the token now at its column. A list is what NeMo-RL's ``BatchedDataDict`` keeps aligned with its samples
 through ``from_batches``, slicing, sharding (dynamic batching and sequence packing included),
 Ray and the micro-batch iterators, and what no sequence-length check or truncation touches.
 
@@ -47,8 +47,8 @@ class SampleRows:
     Attributes:
         runs: (n, 2), int32: runs of consecutive token columns ``(start, count)``, increasing
             and apart, of the R rows in the sample's flattened message log.
-        data: uint8: the R rows, coded with the sampled tokens dropped
-            (:func:`~nemo_replay.support.codec.encode_support`).
+        data: uint8: the R rows in the compact codec
+            (:func:`~nemo_replay.support.codec.encode_support`), sampled ids kept.
     """
 
     runs: np.ndarray
@@ -105,7 +105,10 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
     # The codec's V bounds the ids; the model's vocabulary is not known here, the largest id is.
     bound = int(max(int(values.max()) if values.numel() else 0, int(sampled.max()) if sampled.numel() else 0)) + 1
     try:
-        data = encode_support(support, vocab_size=bound, sampled_ids=sampled)
+        # Sampled ids kept in the rows: decoding checks each row against the token now at its column, so a list
+        # that drifted from input_ids fails by name (a dropped id would be rebuilt around the wrong token).
+        support.validate(sampled_ids=sampled, where=where)  # each row holds its token (SupportAlignmentError)
+        data = encode_support(support, vocab_size=bound)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
     cols = torch.cat(columns).numpy() if columns else np.zeros(0, np.int64)

@@ -43,7 +43,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
 from nemo_replay.integrations.verl.keys import PAD_ID, SUPPORT_KEY
-from nemo_replay.integrations.verl.response_rows import encode_response_rows, object_column
+from nemo_replay.integrations.verl.response_rows import decode_response_rows, encode_response_rows, object_column
 from nemo_replay.integrations.verl.rollout import FLAGS_KEY, RolloutReplay
 from nemo_replay.support.errors import SupportAlignmentError
 
@@ -105,13 +105,8 @@ class SupportTrack:
                 "nemo_replay.integrations.verl.plugin in ray_kwargs.ray_init.runtime_env.env_vars (configs/verl/"
                 "replay_fsdp.yaml does)"
             )
-        if rows is not None:
-            rows = np.asarray(rows)
-            if rows.ndim != 2 or rows.shape[0] != len(output.token_ids) or rows.shape[1] != self.replay.width:
-                raise ValueError(
-                    f"replay: support rows of shape {rows.shape} for {len(output.token_ids)} tokens; expected "
-                    f"({len(output.token_ids)}, {self.replay.width}) (the row width custom.replay.support_width)"
-                )
+        if rows is not None:  # the server's compact buffer (rollout.attach_support), decoded to the row width
+            rows = decode_response_rows(rows, output.token_ids, self.replay.width, where="replay: a TokenOutput's rows")
         self._turns.append(rows)
 
     # ------------------------------------------------------------------ merges

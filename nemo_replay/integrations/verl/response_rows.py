@@ -3,8 +3,10 @@
 A ``[B, response_length, K]`` int32 field costs ``4 K`` bytes a response position, padding
 included, in the ``DataProto``, over Ray and in TransferQueue. Here the field holds one uint8
 buffer a sample: its response's rows, row j for response position j (an empty row where no
-support was recorded), in the compact codec with the sampled tokens dropped (the engines hold
-them in ``responses``). verl carries a per-sample object with its sample through union, repeat,
+support was recorded), in the compact codec. The sampled tokens stay in the rows: the buffer
+travels apart from ``responses``, and decoding checks each row holds the token now at its
+position, so rows that drifted from their tokens fail by name instead of being rebuilt around
+the wrong token (a dropped id would be). verl carries a per-sample object with its sample through union, repeat,
 reorder, chunk and concat, into the engine's TensorDict (a ``NonTensorStack``) and through
 its micro-batching, fixed or dynamic; TransferQueue stores a numpy buffer as raw bytes.
 
@@ -23,7 +25,7 @@ from nemo_replay.support.codec import decode_support, encode_support, header_of
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["encode_response_rows", "object_column", "buffers_of", "dense_rows"]
+__all__ = ["encode_response_rows", "decode_response_rows", "object_column", "buffers_of", "dense_rows"]
 
 
 def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
@@ -39,7 +41,33 @@ def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
     support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
     # The codec's V bounds the ids; the model's vocabulary is not known here, the largest id is.
     bound = max(int(values.max()) if values.numel() else 0, int(sampled.max()) if sampled.numel() else 0) + 1
-    return encode_support(support, vocab_size=bound, sampled_ids=sampled)
+    support.validate(sampled_ids=sampled, where="replay: a response's support rows")  # each holds its token
+    # Sampled ids kept, not dropped: the buffer travels apart from ``responses``, and a row decoded against another
+    # sample's tokens must fail the membership check, not be rebuilt around them.
+    return encode_support(support, vocab_size=bound)
+
+
+def decode_response_rows(buf: Any, token_ids: Sequence[int], width: int, *, where: str) -> np.ndarray:
+    """One buffer's rows as int32 ``(n, width)``, -1 padded: the inverse of :func:`encode_response_rows`.
+
+    Raises:
+        ValueError naming ``where``: not a uint8 buffer, rows of another count than ``token_ids``,
+        a row wider than ``width``, or a buffer that does not decode.
+    """
+    if isinstance(buf, (bytes, bytearray)):
+        buf = np.frombuffer(buf, np.uint8)
+    if not (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1):
+        raise ValueError(f"{where}: support rows must be one uint8 buffer (encode_response_rows), got {type(buf).__name__}")
+    n = len(token_ids)
+    try:
+        if header_of(buf).rows != n:
+            raise ValueError(f"{header_of(buf).rows} support rows for {n} generated tokens")
+        rows = decode_support(buf, sampled_ids=torch.as_tensor(list(token_ids), dtype=torch.int64))
+    except ValueError as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+    if n and rows.width_bound > width:
+        raise ValueError(f"{where}: a support row holds {rows.width_bound} ids, wider than the row width {width}")
+    return rows.to_padded(width).values.numpy().astype(np.int32) if n else np.zeros((0, width), np.int32)
 
 
 def object_column(buffers: Sequence[Any]) -> np.ndarray:

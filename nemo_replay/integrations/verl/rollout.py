@@ -22,9 +22,11 @@ patched):
   log-probs already are.
 
 The rows ride in ``TokenOutput.extra_fields`` (verl's field "for dynamic addition"):
-``extra_fields[SUPPORT_KEY]`` is int32 ``[len(token_ids), width]``, row j the support of
-``token_ids[j]``, ``-1`` padded; a position whose support could not be recorded whole is
-all ``-1`` and counted in ``extra_fields[FLAGS_KEY]`` by reason. The replay agent loops
+``extra_fields[SUPPORT_KEY]`` is one uint8 buffer, the rows of ``token_ids`` in the compact
+codec (:func:`~.response_rows.encode_response_rows`; row j the support of ``token_ids[j]``),
+so what crosses Ray from the server to the agent loop costs what the rows hold; a position
+whose support could not be recorded whole has an empty row and is counted in
+``extra_fields[FLAGS_KEY]`` by reason. The replay agent loops
 (:mod:`.agent_loop`) take them from there.
 
 Which requests are recorded. Every request that samples and whose settings bound the
@@ -54,6 +56,7 @@ import numpy as np
 import torch
 
 from nemo_replay.integrations.verl.keys import SUPPORT_KEY
+from nemo_replay.integrations.verl.response_rows import encode_response_rows
 from nemo_replay.rollout.engines.base import EngineSupport, capture_settings_from_engine
 from nemo_replay.rollout.engines.sglang import (
     SGLANG_DEFAULT_MASK_MAX_TOKENS,
@@ -407,7 +410,7 @@ def attach_support(output: Any, recorded: Optional[tuple], *, replace_logprobs: 
             f"replay: {rows.shape[0]} support rows for {n} generated tokens in one TokenOutput; the engine's output "
             f"and verl's token_ids are misaligned"
         )
-    output.extra_fields[SUPPORT_KEY] = rows
+    output.extra_fields[SUPPORT_KEY] = encode_response_rows(rows, output.token_ids)  # what crosses Ray: the compact rows
     if flags:
         output.extra_fields[FLAGS_KEY] = dict(flags)
     if replace_logprobs and output.log_probs is not None and len(recorded) > 2 and recorded[2] is not None:

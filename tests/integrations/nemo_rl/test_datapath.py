@@ -42,6 +42,7 @@ from nemo_replay.integrations.nemo_rl import (
 )
 from nemo_replay.integrations.nemo_rl import patch as patch_mod
 from nemo_replay.integrations.nemo_rl import workers
+from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.integrations.nemo_rl.sample_rows import batch_rows, message_log_rows, sample_rows
 from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
 from tests.rollout.engines.engine_outputs import RequestOutput, SamplingMask, vllm_offline_output, vllm_steps
@@ -105,6 +106,11 @@ def test_flagged_tokens_leave_the_loss_and_each_sample_keeps_its_response_rows_o
     got = [support.row(int(r)).tolist() for r in token_rows[0][token_rows[0] >= 0]]
     assert got == [[1, 2, 3, 4, 21], [5, 23], [7, 8, 41], [42]]
     assert support.row(int(token_rows[1, 3])).tolist() == [9, 10, 11, 12, 61]
+    # Rows of another sample with the same columns fail the membership check, never rebuilt around the wrong tokens.
+    same = [sample_rows([{"token_ids": torch.tensor([7, t]), "generation_support": torch.tensor([[-1], [t]])}],
+                        "generation_support", where=f"t{t}") for t in (11, 12)]
+    with pytest.raises(SupportAlignmentError, match=r"data\['generation_support'\]\[0\] \(data row 0\)"):
+        batch_rows(same[::-1], torch.tensor([[7, 11], [7, 12]]), torch.tensor([2, 2]), key="generation_support")
     # Rows of another sample, or reordered apart from input_ids, are named.
     with pytest.raises(ValueError, match=r"data\['generation_support'\]\[1\]: row columns \[3\]\.\.\. must increase "
                                          r"and lie below the data row's input_lengths 3"):

@@ -60,7 +60,12 @@ from nemo_replay.integrations.verl.rollout import (  # noqa: E402
     attach_support,
 )
 from nemo_replay.integrations.verl.engine import read_responses  # noqa: E402
-from nemo_replay.integrations.verl.response_rows import buffers_of, dense_rows  # noqa: E402
+from nemo_replay.integrations.verl.response_rows import (  # noqa: E402
+    buffers_of,
+    decode_response_rows,
+    dense_rows,
+    encode_response_rows,
+)
 from nemo_replay.support.codec import header_of  # noqa: E402
 from nemo_replay.support.errors import SupportAlignmentError  # noqa: E402
 from tests.integrations.verl.conftest import TOKENS  # noqa: E402
@@ -235,6 +240,14 @@ def make_server(cfg, engine, **kw) -> ReplayServer:
     return server
 
 
+def server_rows(output, width: int = TOP_K) -> np.ndarray:
+    """The rows a server put into ``TokenOutput.extra_fields``: one uint8 buffer (what crosses Ray), decoded as the
+    agent loop decodes it (response_rows.decode_response_rows) to ``(len(token_ids), width)`` int32."""
+    buf = output.extra_fields[SUPPORT_KEY]
+    assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1
+    return decode_response_rows(buf, output.token_ids, width, where="test")
+
+
 def support_of(step, width: int) -> list:
     """The sampler's support of one step, ordered as the adapter orders rows (ids ascending),
     -1 padded to ``width``."""
@@ -255,7 +268,7 @@ def test_vllm_server_records_the_sampled_supports(tiny_model_dir):
     output = asyncio.run(server.generate([T["<|im_start|>"], T["user"]], params, "req-1"))
 
     assert engine.seen[0].logprobs == TOP_K + 1, "verl asks logprobs=0; replay asks top_k + 1 on the same SamplingParams"
-    rows = output.extra_fields[SUPPORT_KEY]
+    rows = server_rows(output)
     assert rows.dtype == np.int32 and rows.shape == (len(script), TOP_K)
     steps = engine.references[0]
     for j, s in enumerate(steps):
@@ -272,7 +285,7 @@ def test_vllm_server_flags_a_support_wider_than_its_log_prob_list(tiny_model_dir
     script = [T["red"], T["green"], T["blue"]]
     engine = SampledEngine([script], ties_at=(1,))
     output = asyncio.run(make_server(cfg, engine).generate([T["user"]], dict(temperature=1.0, top_p=1.0, top_k=TOP_K), "r"))
-    rows = output.extra_fields[SUPPORT_KEY]
+    rows = server_rows(output)
     assert len(engine.references[0][1].mask) == TOP_K + 1, "the tie keeps k + 1 members (vLLM's PyTorch path)"
     assert (rows[1] == PAD_ID).all() and output.extra_fields[FLAGS_KEY] == {"not_fully_visible": 1}
     assert rows[0].tolist() == support_of(engine.references[0][0], TOP_K)
@@ -289,7 +302,7 @@ def test_vllm_server_with_room_for_the_margin_reads_a_tied_support_whole(tiny_mo
     script = [T["red"], T["green"], T["blue"]]
     engine = SampledEngine([script], ties_at=(1,))
     output = asyncio.run(make_server(cfg, engine).generate([T["user"]], dict(temperature=1.0, top_p=1.0, top_k=TOP_K), "r"))
-    rows = output.extra_fields[SUPPORT_KEY]
+    rows = server_rows(output, TOP_K + 2)
     assert engine.seen[0].logprobs == TOP_K + 3 and rows.shape == (len(script), TOP_K + 2)
     assert len(engine.references[0][1].mask) == TOP_K + 1 and FLAGS_KEY not in output.extra_fields
     for j, s in enumerate(engine.references[0]):
@@ -370,7 +383,7 @@ def test_sglang_recorder_reads_masks_and_the_sampler_log_probs(tiny_model_dir):
     output = TokenOutput(token_ids=response["output_ids"], log_probs=[-9.0] * len(steps), extra_fields={"global_steps": 0})
     attach_support(output, recorded, replace_logprobs=True)
     np.testing.assert_allclose(output.log_probs, [s.selected_logprob for s in steps], rtol=0, atol=1e-6)
-    assert output.extra_fields[SUPPORT_KEY].shape == (5, TOP_K)
+    assert server_rows(output).shape == (5, TOP_K)
 
     greedy = GenerateReqInput(rid="g", sampling_params={"temperature": 0.0, "top_k": 1})
     assert recorder.prepare(greedy) is None and greedy.return_sampling_mask is None
@@ -568,7 +581,7 @@ def test_track_refuses_a_row_off_by_one(tiny_model_dir):
     builder = ContinuousTokenBuilder(tokenizer)
     track = SupportTrack(replay, 12)
     rows = np.array([[5, 6, -1, -1], [7, 8, -1, -1]], dtype=np.int32)
-    track.capture(TokenOutput(token_ids=[5, 7], extra_fields={SUPPORT_KEY: rows}), {})
+    track.capture(TokenOutput(token_ids=[5, 7], extra_fields={SUPPORT_KEY: encode_response_rows(rows, [5, 7])}), {})
     merge = builder.merge_assistant_tokens([1, 2], [5, 7])
     track.on_assistant(builder, merge, [5, 7], 0)
     with pytest.raises(SupportAlignmentError, match=r"position 0 holds token 7, not a member"):

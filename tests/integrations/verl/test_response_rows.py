@@ -1,0 +1,97 @@
+"""verl's compact support field (integrations/verl/response_rows.py): round trips against the rows, the object
+column verl carries, and every malformed buffer named (no verl needed: numpy and torch only)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_replay.integrations.verl.response_rows import (
+    buffers_of,
+    decode_response_rows,
+    dense_rows,
+    encode_response_rows,
+    object_column,
+)
+from nemo_replay.support.errors import SupportAlignmentError
+
+
+def _response(seed: int, n: int, width: int = 6, vocab: int = 5000):
+    """(rows (n, width) int32 -1 padded with distinct ids, ascending, holding their token; tokens (n,)); every
+    fourth row empty (a flagged position, or a tool token)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = np.full((n, width), -1, np.int32)
+    tokens = []
+    for j in range(n):
+        ids = torch.randperm(vocab, generator=g)[: int(torch.randint(1, width + 1, (1,), generator=g))]
+        tokens.append(int(ids[0]) if j % 4 != 3 else int(torch.randint(0, vocab, (1,), generator=g)))
+        if j % 4 != 3:
+            rows[j, : ids.numel()] = np.sort(ids.numpy())
+    rows[0] = -1
+    rows[0, :2] = [0, vocab - 1]  # ids 0 and V - 1
+    tokens[0] = 0
+    return rows, tokens
+
+
+def test_round_trip_equals_the_rows_and_costs_less_than_int32():
+    rows, tokens = _response(0, 200)
+    buf = encode_response_rows(rows, tokens)
+    assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.nbytes < rows.nbytes / 3
+    assert np.array_equal(decode_response_rows(buf, tokens, 6, where="t"), rows)
+    assert np.array_equal(decode_response_rows(buf.tobytes(), tokens, 8, where="t")[:, :6], rows)  # bytes, wider
+
+
+def test_the_column_keeps_one_buffer_a_sample_even_at_equal_lengths():
+    rows, tokens = _response(1, 8)
+    bufs = [encode_response_rows(rows, tokens)] * 3
+    assert np.array(bufs, dtype=object).shape == (3, bufs[0].size)  # numpy's trap object_column avoids
+    column = object_column(bufs)
+    assert column.shape == (3,) and all(b is bufs[0] for b in column)
+    again = pickle.loads(pickle.dumps(column))  # what Ray does to it
+    assert buffers_of(again)[2].tobytes() == bufs[0].tobytes() and buffers_of(list(again)) == list(again)
+    assert buffers_of(torch.zeros(3, 8, 6)) is None  # the dense form is the caller's
+
+
+def test_dense_rows_place_each_sample_and_skip_a_maskless_padding_copy():
+    (r0, t0), (r1, t1) = _response(2, 5), _response(3, 3)
+    tokens = torch.full((3, 5), -1, dtype=torch.int64)
+    tokens[0], tokens[1, :3], tokens[2, :1] = torch.tensor(t0), torch.tensor(t1), t0[0]
+    mask = tokens >= 0
+    mask[2] = False  # verl's V1 padding sample: a copy of sample 0 cut to one token, out of the loss
+    out = dense_rows([encode_response_rows(r0, t0), encode_response_rows(r1, t1), encode_response_rows(r0, t0)],
+                     tokens, torch.tensor([5, 3, 1]), mask, key="generation_support")
+    assert out.shape == (3, 5, 6) and out.dtype == torch.int32
+    assert torch.equal(out[0], torch.from_numpy(r0)) and torch.equal(out[1, :3], torch.from_numpy(r1))
+    assert (out[1, 3:] == -1).all() and (out[2] == -1).all()
+
+
+def test_malformed_buffers_are_named():
+    rows, tokens = _response(4, 6)
+    buf = encode_response_rows(rows, tokens)
+    flipped = buf.copy()
+    flipped[-1] ^= 1
+    with pytest.raises(ValueError, match=r"where: 6 support rows for 5 generated tokens"):
+        decode_response_rows(buf, tokens[:5], 6, where="where")
+    with pytest.raises(ValueError, match=r"where: compact support: the buffer's CRC-32 does not match"):
+        decode_response_rows(flipped, tokens, 6, where="where")
+    with pytest.raises(ValueError, match=r"where: compact support: .*truncated|where: .*buffer"):
+        decode_response_rows(buf[:-3], tokens, 6, where="where")
+    with pytest.raises(ValueError, match=r"wider than the row width 2"):
+        decode_response_rows(buf, tokens, 2, where="where")
+    with pytest.raises(ValueError, match=r"one uint8 buffer .* got ndarray"):
+        decode_response_rows(rows, tokens, 6, where="where")
+    tokens_t = torch.tensor([tokens])
+    with pytest.raises(ValueError, match=r"\[0\] is object \(2, 3\); expected a 1-D uint8 buffer .*object_column"):
+        dense_rows([np.empty((2, 3), object)], tokens_t, torch.tensor([6]), tokens_t >= 0, key="generation_support")
+    with pytest.raises(ValueError, match=r"holds 6 rows for sample 0, whose response has 4 tokens"):
+        dense_rows([buf], tokens_t, torch.tensor([4]), tokens_t >= 0, key="generation_support")
+    wrong = list(tokens)
+    wrong[1] = next(t for t in range(5000) if t not in rows[1])
+    # Rows that drifted from their tokens fail by name, never rebuilt around the wrong token.
+    with pytest.raises(SupportAlignmentError, match=r"generation_support'\]\[0\] \(sample 0\)"):
+        dense_rows([buf], torch.tensor([wrong]), torch.tensor([6]), tokens_t >= 0, key="generation_support")
+    with pytest.raises(SupportAlignmentError, match=r"a response's support rows"):
+        encode_response_rows(rows, wrong)
