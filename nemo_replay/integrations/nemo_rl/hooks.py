@@ -34,10 +34,11 @@ import contextlib
 import contextvars
 import importlib
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from nemo_replay.integrations.nemo_rl.metrics import merge_parts, metric_parts
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY, next_token_logprobs
 
 __all__ = [
@@ -90,6 +91,7 @@ def replay_prepare_fn(
     *,
     support_key: str = SUPPORT_KEY,
     validate: bool = True,
+    metrics_sink: Optional[Callable[[dict], None]] = None,
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """NeMo-RL ``prepare_fn``: ``next_token_logprobs (B, S - 1)`` over the recorded supports.
 
@@ -101,6 +103,8 @@ def replay_prepare_fn(
             the dense ``(B, S, k)`` int32 token-aligned rows).
         loss_fn: a LOGPROB loss (``ClippedPGLossFn``...).
         vocab_parallel_rank, vocab_parallel_group, context_parallel_group: Megatron's groups.
+        metrics_sink: receives this call's replay metric parts (:func:`~.metrics.metric_parts`);
+            :class:`ReplayLossPostProcessor` hands them to NeMo-RL's metrics.
 
     Returns:
         ``({"next_token_logprobs": (B, S - 1) float32, differentiable}, data)``; data unchanged.
@@ -110,12 +114,14 @@ def replay_prepare_fn(
         logits, data, vocab_parallel_rank=vocab_parallel_rank, vocab_parallel_group=vocab_parallel_group,
         context_parallel_group=context_parallel_group, support_key=support_key, validate=validate,
     )
+    if metrics_sink is not None:
+        metrics_sink(metric_parts(scores.logprobs, data))
     return {"next_token_logprobs": scores.logprobs}, data
 
 
-def make_replay_prepare_fn(*, support_key: str = SUPPORT_KEY, validate: bool = True):
+def make_replay_prepare_fn(*, support_key: str = SUPPORT_KEY, validate: bool = True, metrics_sink=None):
     """:func:`replay_prepare_fn` reading the rows from ``data[support_key]``."""
-    return partial(replay_prepare_fn, support_key=support_key, validate=validate)
+    return partial(replay_prepare_fn, support_key=support_key, validate=validate, metrics_sink=metrics_sink)
 
 
 def _policy_cfg(cfg, name: str) -> dict:
@@ -157,7 +163,20 @@ class ReplayLossPostProcessor(_MegatronLoss):
                 "here; outside NeMo-RL call replay_prepare_fn directly"
             )
         _refuse_fused(_policy_cfg(cfg, "ReplayLossPostProcessor"), "ReplayLossPostProcessor")
-        super().__init__(loss_fn, cfg, *args, prepare_fn=prepare_fn or make_replay_prepare_fn(), **kwargs)
+        self._replay_parts: list[dict] = []  # one entry a prepare_fn call (a packed micro-batch: one a sequence)
+        prepare_fn = prepare_fn or make_replay_prepare_fn(metrics_sink=self._replay_parts.append)
+        super().__init__(loss_fn, cfg, *args, prepare_fn=prepare_fn, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        """NeMo-RL's closure, whose metrics also carry this micro-batch's replay parts (:mod:`.metrics`)."""
+        inner = super().__call__(*args, **kwargs)
+
+        def with_replay_metrics(*a, **k):
+            loss, metrics = inner(*a, **k)
+            parts, self._replay_parts[:] = merge_parts(self._replay_parts), []  # drained: a rerun counts once
+            return loss, {**metrics, **parts}
+
+        return with_replay_metrics
 
 
 def _megatron_groups(tp_group, tp_rank, cp_group):
@@ -260,10 +279,11 @@ class ReplayAutomodelLossPostProcessor(_AutomodelLoss):
         _check_logprob_loss(self.loss_fn)
         logits, cu = _automodel_logits(logits, processed_inputs, self.enable_seq_packing)
         scores = next_token_logprobs(logits, data_dict, cu_seqlens_padded=cu, support_key=self.support_key)
-        return self.loss_fn(
+        loss, metrics = self.loss_fn(
             data=data_dict, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
             next_token_logprobs=scores.logprobs,
         )
+        return loss, {**metrics, **metric_parts(scores.logprobs, data_dict)}  # replay's parts (.metrics)
 
 
 class ReplayAutomodelLogprobsPostProcessor(_AutomodelLogprobs):

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from nemo_replay.integrations.nemo_rl.datapath import install_data_path, replay_run
+from nemo_replay.integrations.nemo_rl.metrics import policy_with_replay_metrics
 from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
 from nemo_replay.integrations.nemo_rl.workers import nemo_rl_fqn, worker_fqn
 
@@ -177,7 +178,10 @@ def wire_driver(nemo: NemoRL, recipe: dict, run_dir: str) -> Callable:
         resolve_replay_worker.nemo_replay = True
         nemo.vllm_generation.resolve_generation_worker_cls = resolve_replay_worker
     _expose_package(run_dir)
-    return functools.partial(nemo.Policy, worker_extension_cls_fqn=worker_fqn(_policy_worker(recipe)))
+    # Policies whose train() combines replay's metric parts into replay/mismatch_mean and _max (metrics.py).
+    return policy_with_replay_metrics(
+        functools.partial(nemo.Policy, worker_extension_cls_fqn=worker_fqn(_policy_worker(recipe)))
+    )
 
 
 def register_worker_environments(nemo: NemoRL, recipe: dict) -> dict[str, str]:

@@ -438,7 +438,9 @@ def _nemo_rl_stand_in(tmp_path, recipe: dict, calls: list):
         get_tokenizer=record("get_tokenizer", "tokenizer"),
         configure_generation_config=record("configure_generation_config", lambda cfg, tok, **kw: cfg),
         setup_response_data=record("setup_response_data", ("data", None, {}, {})),
-        Policy=record("Policy"),
+        Policy=record("Policy", lambda *a, **k: types.SimpleNamespace(train=lambda: {"all_mb_metrics": {  # two ranks
+            "replay/mismatch_mean:sum": [0.5, 1.5], "replay/mismatch_mean:count": [10.0, 30.0],
+            "replay/mismatch_max": [0.2, 0.7], "loss": [1.0, 2.0]}})),
         grpo=grpo,
         batched_data_dict=bdd,
         rollouts=rollouts,
@@ -472,8 +474,11 @@ def test_the_launcher_wires_replay_then_runs_nemo_rls_setup_and_grpo_train(tmp_p
     setup = calls[names.index("setup")]
     assert setup[1][0].policy["generation"]["top_k"] == 32  # the override reached NeMo-RL's setup
     factory = setup[2]["policy_factory"]
-    factory(cluster="c")
+    policy = factory(cluster="c")
     assert calls[-1] == ("Policy", (), {"cluster": "c", "worker_extension_cls_fqn": workers.worker_fqn(policy_worker)})
+    # Its train() hands grpo.py the replay metrics combined over micro-batches and ranks (metrics.py).
+    assert policy.train()["all_mb_metrics"] == {"replay/mismatch_mean": [2.0 / 40.0], "replay/mismatch_max": [0.7],
+                                                "loss": [1.0, 2.0]}
     # The driver's data path is wrapped, NeMo-RL's vLLM worker resolves to replay's, workers find the package.
     assert nemo.grpo.add_grpo_token_loss_masks_and_generation_logprobs.__nemo_replay_wraps__ is not None
     vllm = workers.nemo_rl_fqn("ReplayVllmGenerationWorker")

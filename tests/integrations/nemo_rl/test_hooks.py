@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -500,6 +501,14 @@ def test_post_processors_subclass_nemo_rls_classes_when_it_is_importable(tmp_pat
                              draft_model=None, prepare_fn=None):
                     self.loss_fn, self.cfg, self.prepare_fn = loss_fn, cfg, prepare_fn
 
+                def __call__(self, data_dict, packed_seq_params=None, global_valid_seqs=None, global_valid_toks=None):
+                    # megatron/train.py:567-596: a closure over one micro-batch; prepare_fn, then the loss
+                    def processor_fn_inner(output_tensor):
+                        loss_input, data = self.prepare_fn(logits=output_tensor, data=data_dict, loss_fn=self.loss_fn)
+                        return self.loss_fn(data=data, global_valid_seqs=global_valid_seqs,
+                                            global_valid_toks=global_valid_toks, **loss_input)
+                    return processor_fn_inner
+
             class LogprobsPostProcessor:
                 pass
         """))
@@ -514,6 +523,22 @@ def test_post_processors_subclass_nemo_rls_classes_when_it_is_importable(tmp_pat
         assert issubclass(replay.ReplayAutomodelLogprobsPostProcessor, at.LogprobsPostProcessor)
         post = replay.ReplayLossPostProcessor(None, {"sequence_packing": {"enabled": True}})
         assert post.prepare_fn.func is replay.replay_prepare_fn
+        # Called as NeMo-RL calls it: the loss's metrics carry this micro-batch's replay parts, drained once.
+        from tests.integrations.nemo_rl.batches import TEMPERATURE, ClippedPGStyleLoss, make_batch, with_loss_inputs
+        data, raw, _ = make_batch()
+        scaled = raw / TEMPERATURE
+        data = with_loss_inputs(data, scaled)
+        post = replay.ReplayLossPostProcessor(ClippedPGStyleLoss(), {"sequence_packing": {"enabled": False}})
+        fn = post(data, global_valid_toks=(data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum())
+        loss, metrics = fn(scaled)
+        assert set(metrics) == {"loss", "replay/mismatch_mean:sum", "replay/mismatch_mean:count", "replay/mismatch_max"}
+        lp = replay.next_token_logprobs(scaled, data).logprobs.double()
+        mask = (data["token_mask"][:, 1:] != 0) & (data["sample_mask"] != 0)[:, None]
+        diff = (data["generation_logprobs"][:, 1:].double() - lp).abs()[mask]
+        assert metrics["replay/mismatch_mean:count"] == float(mask.sum()) > 0, metrics
+        assert abs(metrics["replay/mismatch_mean:sum"] - float(diff.sum())) < 1e-9 * max(1.0, float(diff.sum()))
+        assert metrics["replay/mismatch_max"] == float(diff.max())
+        assert post._replay_parts == []
         try:
             replay.ReplayLossPostProcessor(None, {"sequence_packing": {"enabled": True, "fuse_loss": True}})
         except ValueError as exc:
@@ -522,7 +547,7 @@ def test_post_processors_subclass_nemo_rls_classes_when_it_is_importable(tmp_pat
             raise AssertionError("fuse_loss was accepted")
         print("ok")
     """)
-    env = {"PYTHONPATH": f"{tmp_path}:{sys.path[0] if sys.path[0] else '.'}"}
+    env = {"PYTHONPATH": f"{tmp_path}:{Path(__file__).resolve().parents[3]}"}
     import os
 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
