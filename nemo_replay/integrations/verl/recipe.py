@@ -135,12 +135,23 @@ def _check_sampling(cfg, problems: list) -> None:
         )
 
 
+def _verl_release() -> str:
+    """The installed verl's version ("" when it is not installed)."""
+    try:
+        from importlib.metadata import version
+
+        return version("verl")
+    except Exception:  # noqa: BLE001 - not installed, or no metadata: no release to hold against
+        return ""
+
+
 def _check_engine(cfg, problems: list) -> None:
     name = get_path(cfg, f"{_ROLLOUT}.name")
     top_k = get_path(cfg, f"{_ROLLOUT}.top_k")
     if name not in ("vllm", "sglang"):
         problems.append(
-            f"{_ROLLOUT}.name={name!r}: set vllm or sglang (replay's servers extend those two; sglang needs >= 0.5.23)"
+            f"{_ROLLOUT}.name={name!r}: set vllm or sglang (replay's servers extend those two; sglang needs >= 0.5.23, "
+            f"and a verl whose SGLang server runs it)"
         )
     if name == "vllm":
         mode = get_path(cfg, f"{_ROLLOUT}.logprobs_mode", "processed_logprobs")
@@ -155,6 +166,13 @@ def _check_engine(cfg, problems: list) -> None:
             problem = max_logprobs_problem(top_k, vllm_kwargs.get("max_logprobs"), path, absent="max_logprobs" not in vllm_kwargs)
             if problem is not None:
                 problems.append(problem)
+    if name == "sglang" and _verl_release().startswith("0.9."):
+        problems.append(
+            f"{_ROLLOUT}.name='sglang': set vllm. verl {_verl_release()}'s SGLang server cannot run an SGLang that returns "
+            f"sampling masks (>= 0.5.21 with the fields replay reads): its launch calls dataclasses.fields(ServerArgs), a "
+            f"msgspec struct since SGLang 0.5.20, its weight sync lacks the weight-update session 0.5.21 requires, and "
+            f"SGLang 0.5.22+ pins transformers past verl's < 5.11; SGLang 0.5.12 (verl's pin) returns no support"
+        )
     if name == "sglang":
         limit = (get_path(cfg, f"{_ROLLOUT}.engine_kwargs.sglang") or {}).get("sampling_mask_max_tokens", 4096)
         if is_int(top_k) and is_int(limit) and top_k > limit:

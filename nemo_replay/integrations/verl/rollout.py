@@ -13,7 +13,8 @@ patched):
   ``launch_server``; every request that samples asks ``logprobs = top_k + 1`` on the
   ``SamplingParams`` verl built, and the final ``RequestOutput``'s ``CompletionOutput`` is read
   with :func:`~nemo_replay.rollout.engines.vllm.support_from_vllm_output`;
-- **SGLang** >= 0.5.23 (sampling masks): ``self.tokenizer_manager`` is wrapped; every
+- **SGLang** >= 0.5.23 (sampling masks; verl 0.9.1's own SGLang server cannot run such an
+  SGLang, and ``check_verl_config`` refuses it there: docs/engines.md): ``self.tokenizer_manager`` is wrapped; every
   request that samples gets ``return_sampling_mask`` with ``sampling_logprobs_mode
   "selected"``, and the response is read with
   :func:`~nemo_replay.rollout.engines.sglang.support_from_sglang_meta_info`. When verl asked
