@@ -37,11 +37,11 @@ PATCH_FILE = Path(__file__).with_name("patches") / f"nemo_rl_{NEMO_RL_COMMIT[:7]
 PATCHED_FILES = {
     "nemo_rl/experience/rollouts.py": (
         "7930275a3b15b86b85a12d1a64260a436ec443507b75134fe04317f0cac19193",
-        "d682498fc261b01081b8d0d2b978ecfda1e7dcb9c95d1a93c54562bbee147ede",
+        "21600272c5399f1fe566d20b69e0aa0bffc271668d7c73abc0d29fc403b357c8",
     ),
     "nemo_rl/experience/rollout_manager.py": (
         "94f87f3478fa2f81c8adb5fc000a0690067d2000a8f67e1eaef0f2c18545d71b",
-        "77a253201b578b98a1657d26e337048ef8d2479cb62b701a9d2f3edc68acb856",
+        "bcf332f249336bae36280ca6f1f338619b4812a68a04ad04c8936793a852b278",
     ),
 }
 

@@ -37,7 +37,7 @@ from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["SampleRows", "sample_rows", "batch_rows", "message_log_rows"]
+__all__ = ["GeneratedRows", "SampleRows", "sample_rows", "batch_rows", "message_log_rows"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,48 @@ class SampleRows:
     @property
     def nbytes(self) -> int:
         return int(self.runs.nbytes + self.data.nbytes)
+
+
+@dataclass(frozen=True)
+class GeneratedRows:
+    """One sample's rows as replay's vLLM worker returns them (what crosses Ray to the driver): the
+    generated tokens' rows, columns ``[start, start + n)`` of the worker's ``logprobs`` layout, compact.
+
+    The patched rollout code slices it as it slices ``logprobs`` (``rows[i][input_length:total_length]``):
+    a column slice gives the dense ``(columns, width)`` int32 rows the generated message carries, -1 where
+    a column holds no generated token or its support could not be recorded.
+
+    Attributes:
+        start: the column of the first generated token (the prompt's length).
+        width: the row width the message's rows are padded to.
+        data: uint8, the n rows in the compact codec (sampled ids kept: the message's tokens are checked
+            against them downstream).
+    """
+
+    start: int
+    width: int
+    data: np.ndarray
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, start: int) -> "GeneratedRows":
+        """From the generated tokens' dense rows ``(n, width)`` (-1 padded)."""
+        values = rows.cpu().to(torch.int32)
+        support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
+        bound = int(values.max()) + 1 if values.numel() else 1
+        return cls(int(start), int(values.shape[1]), encode_support(support, vocab_size=max(bound, 1)))
+
+    def __getitem__(self, columns: slice) -> torch.Tensor:
+        if not isinstance(columns, slice) or columns.step not in (None, 1):
+            raise ValueError(f"GeneratedRows are sliced by a column range, as logprobs are; got {columns!r}")
+        rows = decode_support(self.data)
+        n = rows.num_rows
+        lo = 0 if columns.start is None else int(columns.start)
+        hi = self.start + n if columns.stop is None else int(columns.stop)
+        out = torch.full((max(hi - lo, 0), self.width), -1, dtype=torch.int32)
+        a, b = max(lo, self.start), min(hi, self.start + n)
+        if b > a:
+            out[a - lo : b - lo] = rows.to_padded(self.width).values[a - self.start : b - self.start].to(torch.int32)
+        return out
 
 
 def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows:

@@ -28,10 +28,10 @@ import contextlib
 import importlib
 from typing import Any
 
-import torch
 
 from nemo_replay.integrations.nemo_rl import hooks
 from nemo_replay.integrations.nemo_rl.rollout import generation_support_from_vllm, vllm_support_request
+from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
 from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, vllm_row_width
 
@@ -112,9 +112,10 @@ class ReplayVllmMixin:
     """In front of NeMo-RL's ``VllmGenerationWorkerImpl``: supports requested, recorded and returned.
 
     Asks the engine for the sampling mask where it returns one, else for processed log-probs.
-    ``generation_support``: (B, total_length, width), int32, the row of token t at column t
-    (token-aligned like ``logprobs``), -1 on prompt and padding columns and on generated
-    tokens whose support could not be recorded (they leave the loss, :mod:`.datapath`).
+    ``generation_support``: a list of B :class:`~.sample_rows.GeneratedRows`, each the generated
+    tokens' rows in the compact codec, sliced by column as ``logprobs`` is into the dense
+    ``(n, width)`` rows of each message (the row of token t at column t, -1 where a generated
+    token's support could not be recorded: it leaves the loss, :mod:`.datapath`).
     """
 
     def _build_sampling_params(self, *, greedy: bool, stop_strings, max_new_tokens=None):
@@ -135,15 +136,21 @@ class ReplayVllmMixin:
         # Rows tied past top_k fit whole; the log-prob path can show at most max_logprobs - 1 of them.
         width = vllm_row_width(self.cfg["top_k"], None if _support_path(self) == "mask" else _max_logprobs(self))
         if not outputs:  # an empty shard: NeMo-RL returns before generating
-            result[SUPPORT_KEY] = torch.full((0, result["output_ids"].shape[1], width), -1, dtype=torch.int32)
+            result[SUPPORT_KEY] = []
             return result
         if len(outputs) != 1:
             raise ValueError(f"{type(self).__name__}.generate: expected one llm.generate call per batch, saw {len(outputs)}")
+        completions = [out.outputs[0] for out in outputs[0]]
         support = generation_support_from_vllm(
-            [out.outputs[0] for out in outputs[0]], data["input_lengths"], result["output_ids"].shape[1],
-            width=width, vocab_size=_vocab_size(self.llm),
+            completions, data["input_lengths"], result["output_ids"].shape[1], width=width, vocab_size=_vocab_size(self.llm),
         )
-        result[SUPPORT_KEY] = support.rows
+        # One compact entry a sample crosses Ray, not (B, total_length, width) int32; the patched rollout code
+        # slices it as it slices logprobs (sample_rows.GeneratedRows).
+        starts = [int(v) for v in data["input_lengths"]]
+        result[SUPPORT_KEY] = [
+            GeneratedRows.of(support.rows[i, start : start + len(c.token_ids)], start)
+            for i, (start, c) in enumerate(zip(starts, completions))
+        ]
         return result
 
 

@@ -42,7 +42,7 @@ def main() -> None:
 
     from nemo_replay.integrations.nemo_rl import install_data_path, replay_prepare_fn
     from nemo_replay.integrations.nemo_rl.datapath import replay_run
-    from nemo_replay.integrations.nemo_rl.sample_rows import batch_rows
+    from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows, batch_rows
     from nemo_replay.integrations.nemo_rl.workers import ReplayVllmMixin, worker_fqn
     from nemo_replay.rollout.engines.vllm import vllm_row_width
     from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
@@ -106,9 +106,10 @@ def main() -> None:
             return BatchedDataDict.from_batches([shard([0, 1]), shard([2, 3])], pad_value_dict={"output_ids": pad})
 
     joined = Generation().generate(None)
-    rows = joined["generation_support"]
-    assert rows.dtype == torch.int32 and rows.shape == (4, 4 + 7, width), rows.shape
-    assert (rows[:2, 9:] == -1).all(), "from_batches padded the narrower shard's rows with another value"
+    entries = joined["generation_support"]  # one GeneratedRows a sample; from_batches joined the shards' lists
+    assert isinstance(entries, list) and len(entries) == 4 and all(isinstance(e, GeneratedRows) for e in entries)
+    dense = 4 * (4 + 7) * width * 4  # the (B, total_length, width) int32 rows it replaces over Ray
+    assert len(pickle.dumps(entries)) < dense, (len(pickle.dumps(entries)), dense)
 
     batch = BatchedDataDict({"message_log": [[{"role": "user", "content": "", "token_ids": p}] for p in prompts]})
     input_lengths = torch.tensor([len(p) for p in prompts])

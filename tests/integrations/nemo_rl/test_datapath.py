@@ -43,7 +43,7 @@ from nemo_replay.integrations.nemo_rl import (
 from nemo_replay.integrations.nemo_rl import patch as patch_mod
 from nemo_replay.integrations.nemo_rl import workers
 from nemo_replay.support.errors import SupportAlignmentError
-from nemo_replay.integrations.nemo_rl.sample_rows import batch_rows, message_log_rows, sample_rows
+from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows, batch_rows, message_log_rows, sample_rows
 from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
 from tests.rollout.engines.engine_outputs import RequestOutput, SamplingMask, vllm_offline_output, vllm_steps
 
@@ -351,7 +351,9 @@ def test_the_vllm_worker_asks_for_the_support_and_returns_rows_that_reproduce_th
     worker = worker_cls(cfg, llm)
     result = worker.generate(data)
     assert llm.params[-1].logprobs == 2 * top_k and "generate" not in vars(llm)  # the recorder is gone again
-    rows = result["generation_support"]
+    entries = result["generation_support"]  # one compact entry a sample crosses Ray (sample_rows.GeneratedRows)
+    assert isinstance(entries, list) and all(isinstance(e, GeneratedRows) for e in entries)
+    rows = torch.stack([e[0:9] for e in entries])  # sliced by column as the patched rollout code slices it
     assert rows.shape == (2, 9, 2 * top_k - 1) and rows.dtype == torch.int32
     assert (rows[0, :3] == -1).all() and (rows[0, 7:] == -1).all() and (rows[1, :5] == -1).all()
     token_mask = (rows >= 0).any(-1).float()
@@ -636,7 +638,7 @@ def test_the_vllm_worker_takes_the_sampling_mask_where_the_engine_returns_it():
     worker_cls = type("W", (workers.ReplayVllmMixin, _NemoRLVllmWorker), {})
     result = worker_cls({"temperature": TEMPERATURE, "top_p": 0.9, "top_k": top_k}, llm).generate(data)
     assert llm.params[-1].logprobs == 0  # NeMo-RL's own request, unchanged
-    rows = result["generation_support"]
+    rows = torch.stack([e[0 : result["output_ids"].shape[1]] for e in result["generation_support"]])
     assert rows.shape[-1] == top_k + 16
     token_mask = (rows >= 0).any(-1).float()
     batch = {"input_ids": result["output_ids"], "input_lengths": torch.tensor([7, 7]), "token_mask": token_mask,
