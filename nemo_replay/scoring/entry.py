@@ -36,15 +36,15 @@ def flag_device(group, fallback: torch.device) -> torch.device:
     return torch.device("cpu") if dist.get_backend(group) == "gloo" else fallback
 
 
-def check_together(fn, group, *, name: str, device: Optional[torch.device] = None):
+def check_together(fn, group, *, name: str, device: torch.device):
     """``fn()`` on every rank of ``group``: when any rank raises, every rank raises the same error,
     prefixed with ``"<name> rank r of n: "`` (:func:`~nemo_replay.scoring.collectives.agree`).
 
     For a check of a batch that the ranks hold different shards of, run before a collective
-    (a rank that failed alone would leave the others waiting in it). ``device``: where the
-    tensors live (the flag goes to the CPU under gloo).
+    (a rank that failed alone would leave the others waiting in it). ``device``: the device the
+    group's backend reduces on (the accelerator under NCCL); under gloo the flag goes to the CPU.
     """
-    return agree(fn, group, device=flag_device(group, device or torch.device("cpu")), name=name)
+    return agree(fn, group, device=flag_device(group, torch.device(device)), name=name)
 
 
 def score_positions(

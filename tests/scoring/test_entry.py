@@ -76,5 +76,5 @@ def test_token_positions_name_the_caller_s_column(case):
 
 def test_without_a_group_checks_run_once_and_the_flag_stays_with_the_tensors():
     calls = []
-    assert check_together(lambda: calls.append(1) or "ok", None, name="worker") == "ok" and calls == [1]
+    assert check_together(lambda: calls.append(1) or "ok", None, name="worker", device="cpu") == "ok" and calls == [1]
     assert flag_device(None, torch.device("meta")) == torch.device("meta")

@@ -330,3 +330,17 @@ def test_csv_taken_back_from_a_start_killed_between_its_hold_and_its_rewrite(tmp
     (aside,) = folder.glob("metrics.after-step-1-*.csv")
     assert aside.read_text().splitlines() == ["reward,step", "0.75,2"]
     assert not (folder / ".metrics.csv.held").exists() and "moved to" in note
+
+
+def test_rows_written_under_the_old_metric_names_read_under_todays(tmp_path):
+    """A run folder from before diagnostics gave one spelling (support_mass, normalisation_gap) resumes and
+    compares whole: its rows read back under support_mass_mean / normalisation_gap_mean."""
+    from nemo_replay.trainer.loggers.metrics import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "support_mass": 0.8, "normalisation_gap": 0.3, "mismatch_mean": 1e-7}\n'
+                    '{"step": 1, "support_mass_mean": 0.7, "normalisation_gap_mean": 0.4, "mismatch_mean": 2e-7}\n')
+    rows = read_jsonl(path)
+    assert [r["support_mass_mean"] for r in rows] == [0.8, 0.7]
+    assert [r["normalisation_gap_mean"] for r in rows] == [0.3, 0.4]
+    assert not any("support_mass" in r or "normalisation_gap" in r for r in rows)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nemo_replay.integrations.nemo_rl.metrics import merge_parts, metric_parts
+from nemo_replay.integrations.nemo_rl.metrics import merge_parts, metric_parts, to_floats
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY, next_token_logprobs
 
 __all__ = [
@@ -174,7 +174,7 @@ class ReplayLossPostProcessor(_MegatronLoss):
         def with_replay_metrics(*a, **k):
             loss, metrics = inner(*a, **k)
             parts, self._replay_parts[:] = merge_parts(self._replay_parts), []  # drained: a rerun counts once
-            return loss, {**metrics, **parts}
+            return loss, {**metrics, **to_floats(parts)}  # one host read a micro-batch, packed or not
 
         return with_replay_metrics
 
@@ -283,7 +283,7 @@ class ReplayAutomodelLossPostProcessor(_AutomodelLoss):
             data=data_dict, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
             next_token_logprobs=scores.logprobs,
         )
-        return loss, {**metrics, **metric_parts(scores.logprobs, data_dict)}  # replay's parts (.metrics)
+        return loss, {**metrics, **to_floats(metric_parts(scores.logprobs, data_dict))}  # replay's parts (.metrics)
 
 
 class ReplayAutomodelLogprobsPostProcessor(_AutomodelLogprobs):

@@ -23,13 +23,14 @@ import torch
 
 from nemo_replay.diagnostics import StepStats, record_mismatch
 
-__all__ = ["metric_parts", "merge_parts", "combine_parts", "policy_with_replay_metrics"]
+__all__ = ["metric_parts", "merge_parts", "to_floats", "combine_parts", "policy_with_replay_metrics"]
 
 _SUM, _COUNT = ":sum", ":count"
 
 
-def metric_parts(next_token_logprobs: torch.Tensor, data: Mapping[str, Any]) -> dict[str, float]:
-    """One scoring call's parts, as Python floats (one host read); {} without ``generation_logprobs``.
+def metric_parts(next_token_logprobs: torch.Tensor, data: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """One scoring call's parts as 0-dim float64 tensors on the scores' device (no host read; :func:`to_floats`
+    reads a micro-batch's at once); {} without ``generation_logprobs``.
 
     Args:
         next_token_logprobs: (B, S - 1), the scores (column c predicts token c + 1).
@@ -43,29 +44,32 @@ def metric_parts(next_token_logprobs: torch.Tensor, data: Mapping[str, Any]) -> 
     mask = (data["token_mask"][:, 1:] != 0) & (data["sample_mask"] != 0)[:, None]
     stats = StepStats()
     record_mismatch(stats, gen[:, 1:].to(lp.device), lp, mask.to(lp.device))
-    names = sorted(stats.sums)
-    values = torch.stack(
-        [torch.as_tensor(stats.sums[n], dtype=torch.float64, device=lp.device) for n in names]
-        + [torch.as_tensor(stats.counts[n], dtype=torch.float64, device=lp.device) for n in names]
-        + [torch.as_tensor(stats.maxima[n], dtype=torch.float64, device=lp.device) for n in sorted(stats.maxima)]
-    ).tolist()
-    k = len(names)
-    out = {f"replay/{n}{_SUM}": values[i] for i, n in enumerate(names)}
-    out.update({f"replay/{n}{_COUNT}": values[k + i] for i, n in enumerate(names)})
-    out.update({f"replay/{n}": values[2 * k + i] for i, n in enumerate(sorted(stats.maxima))})
+    as64 = lambda v: torch.as_tensor(v, dtype=torch.float64, device=lp.device)  # noqa: E731
+    out = {f"replay/{n}{_SUM}": as64(stats.sums[n]) for n in stats.sums}
+    out.update({f"replay/{n}{_COUNT}": as64(stats.counts[n]) for n in stats.counts})
+    out.update({f"replay/{n}": as64(stats.maxima[n]) for n in stats.maxima})
     return out
 
 
-def merge_parts(parts: list[dict[str, float]]) -> dict[str, float]:
+def merge_parts(parts: list[dict]) -> dict:
     """Several calls' parts as one (the sequences of a packed micro-batch): sums added, maxima maxed."""
-    out: dict[str, float] = {}
+    out: dict = {}
     for part in parts:
         for key, value in part.items():
-            if key in out and not (key.endswith(_SUM) or key.endswith(_COUNT)):
-                out[key] = max(out[key], value)
+            if key not in out:
+                out[key] = value
+            elif key.endswith(_SUM) or key.endswith(_COUNT):
+                out[key] = out[key] + value
             else:
-                out[key] = out.get(key, 0.0) + value
+                out[key] = torch.maximum(torch.as_tensor(out[key]), torch.as_tensor(value))
     return out
+
+
+def to_floats(parts: dict) -> dict[str, float]:
+    """Parts as the Python floats NeMo-RL's metrics hold, in one host read."""
+    names = sorted(parts)
+    values = torch.stack([torch.as_tensor(parts[n], dtype=torch.float64).reshape(()) for n in names]).tolist() if names else []
+    return dict(zip(names, values))
 
 
 def combine_parts(metrics: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

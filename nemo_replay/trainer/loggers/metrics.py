@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 
-__all__ = ["clean", "row_text", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
+__all__ = ["clean", "current_names", "row_text", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
 
 # (metric, title, log scale) in plot order.
 PLOTTED = (
@@ -52,10 +52,19 @@ def clean(value: Any) -> Any:
     return value
 
 
+#: Metric names rows carried before ``nemo_replay.diagnostics`` gave every integration one spelling.
+RENAMED = {"support_mass": "support_mass_mean", "normalisation_gap": "normalisation_gap_mean"}
+
+
+def current_names(row: dict) -> dict:
+    """``row`` with its metrics under today's names (a run folder written before the renaming resumes whole)."""
+    return {RENAMED.get(k, k): v for k, v in row.items()}
+
+
 def read_jsonl(path: Union[str, os.PathLike]) -> list[dict]:
-    """The rows of a metrics file."""
+    """The rows of a metrics file, metrics under today's names (:data:`RENAMED`)."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [current_names(json.loads(line)) for line in f if line.strip()]
 
 
 def row_text(row: dict) -> str:

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 import nemo_replay.trainer.rundir.digests as digests  # the module, not the package: no import circle
 from nemo_replay.scoring.collectives import agree
-from nemo_replay.trainer.loggers.metrics import write_atomic
+from nemo_replay.trainer.loggers.metrics import current_names, write_atomic
 from nemo_replay.trainer.preemption import start_writer_helpers
 
 __all__ = [
@@ -574,5 +574,5 @@ class Checkpointer:
                 f"this run has {self.fabric.world_size}: resume with as many processes as wrote it"
             )
         self.last = info.path
-        return json.loads(common["history"]), common["ranks"][rank]
+        return [current_names(r) for r in json.loads(common["history"])], common["ranks"][rank]
 

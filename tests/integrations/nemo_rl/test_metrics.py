@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from nemo_replay.integrations.nemo_rl.metrics import combine_parts, merge_parts, metric_parts
+from nemo_replay.integrations.nemo_rl.metrics import combine_parts, merge_parts, metric_parts, to_floats
 
 
 def _data(seed: int, B: int = 3, S: int = 9):
@@ -33,9 +33,9 @@ def _loop(items):
 def test_parts_combine_into_the_pooled_mean_and_the_global_max():
     items = [_data(s) for s in range(5)]
     # Micro-batch 0 is packed: its three sequences are three calls, merged into one entry.
-    packed = merge_parts([metric_parts(lp[b : b + 1], {k: v[b : b + 1] for k, v in d.items()})
-                          for d, lp in items[:1] for b in range(3)])
-    rest = [metric_parts(lp, d) for d, lp in items[1:]]
+    packed = to_floats(merge_parts([metric_parts(lp[b : b + 1], {k: v[b : b + 1] for k, v in d.items()})
+                                    for d, lp in items[:1] for b in range(3)]))
+    rest = [to_floats(metric_parts(lp, d)) for d, lp in items[1:]]
     assert set(packed) == {"replay/mismatch_mean:sum", "replay/mismatch_mean:count", "replay/mismatch_max"}
     gathered = {key: [p[key] for p in [packed, *rest]] for key in packed}  # NeMo-RL's per-key lists
     gathered["loss"] = [1.0] * 5
@@ -49,7 +49,7 @@ def test_parts_combine_into_the_pooled_mean_and_the_global_max():
 def test_nothing_scored_leaves_the_mean_out_and_no_rollout_log_probs_gives_no_parts():
     data, lp = _data(7)
     data["sample_mask"] = torch.zeros(3)
-    gathered = {key: [value] for key, value in metric_parts(lp, data).items()}
+    gathered = {key: [value] for key, value in to_floats(metric_parts(lp, data)).items()}
     assert gathered["replay/mismatch_mean:count"] == [0.0]
     combine_parts(gathered)
     assert "replay/mismatch_mean" not in gathered and gathered["replay/mismatch_max"] == [0.0]
