@@ -125,6 +125,7 @@ def scenarios(T: int = 256, V: int = 4096, H: int = 64, k: int = 16) -> dict:
     """name -> zero-argument function returning the loss of one scorer call (inputs built once)."""
     from benchmarks.workloads import channels, hidden_inputs, logits_input, support_rows
     from nemo_replay.scoring.scorer import score_aligned_support, score_full_vocabulary
+    from nemo_replay.support.codec import CompactRows, encode_support
     from nemo_replay.support.ragged import RaggedSupport
 
     ch = channels(support_rows(T, V, k), vocab_size=V)
@@ -132,11 +133,14 @@ def scenarios(T: int = 256, V: int = 4096, H: int = 64, k: int = 16) -> dict:
     hidden, weight = hidden_inputs(T, V, H, torch.float32)
     hidden.requires_grad_(), weight.requires_grad_()
     ragged = RaggedSupport.from_padded(ch.support)
+    # Rows as one compact buffer a trajectory, kept compact until the scorer decodes them.
+    compact = CompactRows([encode_support(ragged[[i]], vocab_size=V) for i in range(ragged.batch_size)])
     args = (ch.sampled, ch.row_ids, ch.loss_mask)
     return {
         "logits, validate=True": lambda: score_aligned_support(logits, *args, ch.support).logprobs.sum(),
         "logits, validate=False": lambda: score_aligned_support(logits, *args, ch.support, validate=False).logprobs.sum(),
         "hidden": lambda: score_aligned_support(hidden, *args, ch.support, lm_head_weight=weight).logprobs.sum(),
+        "logits, compact rows decoded at the entry": lambda: score_aligned_support(logits, *args, compact).logprobs.sum(),
         "hidden, ragged rows": lambda: score_aligned_support(hidden, *args, ragged, lm_head_weight=weight).logprobs.sum(),
         "full vocabulary (replay off)": lambda: score_full_vocabulary(logits, ch.sampled).logprobs.sum(),
     }

@@ -6,6 +6,8 @@ them (and the sizes it needs) in ONE host read. Only when a flag is set does the
 position and the fix: the failure path is the only one that pays for the message.
 
     guard           what it catches                                       error
+    decode          compact rows decoded on the device that are not what  CodecError
+                    the encoder wrote (always on: the rows are garbage)
     row_range       a row id outside [-1, rows)                           ValueError
     id_range        an id of a scored row outside [-1, V): always on,     ValueError
                     whatever ``validate`` or a row's check record skips,
@@ -37,7 +39,7 @@ __all__ = [
     "raise_sampled_vocab",
 ]
 
-GUARDS = ("row_range", "support", "id_range", "synthetic_eos", "membership", "sampled_vocab")
+GUARDS = ("decode", "row_range", "support", "id_range", "synthetic_eos", "membership", "sampled_vocab")
 
 
 def raise_row_range(rows: torch.Tensor, num_rows: int, where: Where) -> None:

@@ -349,6 +349,9 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     local_all = None if call.tp == 1 and not hidden else _held(ids_all, call)
 
     reads = _Reads(call.device)
+    decode_flag = getattr(support, "decode_flag", None)  # DecodedRows: the decode's own checks, always read
+    if decode_flag is not None:
+        reads.add("decode", decode_flag)
     reads.add("row_range", ((call.rows < -1) | (call.rows >= support.num_rows)).any())
     # Memory safety on every path: the kernels read logits / LM-head rows at these ids. Under
     # TP without the global size only ids inside this shard are read, so only < -1 is known bad.
@@ -377,6 +380,7 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     got = reads.read()  # THE host read of this call's guards and sizes
 
     check_guards(got, {
+        "decode": lambda: support.raise_decode_error(),
         "row_range": lambda: raise_row_range(call.rows, support.num_rows, call.where),
         "id_range": lambda: raise_id_range(bad_rows, ids_all, call.rows, vocab, call.where),
         "support": check.raise_first_bad_row,

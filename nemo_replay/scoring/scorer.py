@@ -45,6 +45,7 @@ from nemo_replay.scoring.plan import Plan, plan_full, plan_support, prepare
 from nemo_replay.scoring.projection import project_support
 from nemo_replay.scoring.selection import select_scores
 from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.codec import CompactRows
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport, as_support
@@ -58,7 +59,7 @@ __all__ = [
     "has_support_row",
 ]
 
-SupportArg = Union[PackedTensor, RaggedSupport, torch.Tensor]
+SupportArg = Union[PackedTensor, RaggedSupport, CompactRows, torch.Tensor]
 
 
 @dataclass
@@ -380,6 +381,8 @@ def score_aligned_support(
             "compute_support_mass needs full logits; in hidden mode (lm_head_weight given) the scorer never builds "
             "them. Pass logits as source, or set compute_support_mass=False"
         )
+    if isinstance(support, CompactRows):  # decoded here, on the device the scorer runs on (docs/design.md §2)
+        support = support.decode(call.device)
     plan = plan_support(call, as_support(support, call.device), validate=validate, hidden=hidden)
     local = _local_support_scores(plan, compute_entropy)
     totals = _reduce(plan, local, compute_entropy, compute_support_mass)

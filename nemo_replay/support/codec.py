@@ -27,13 +27,24 @@ or tokens. Layout, all integers little-endian::
     the four stream sizes in bytes, u64 each: length unary, length low bits, gap unary, gap low bits
     cu_seqlens int64 (trajectories + 1) | the four streams
 
-Decoding checks everything it reads before any index is formed from it: the magic and
-version, every size against the buffer (a truncated or oversized buffer), the CRC-32 (a bit
-flipped in transit or at rest, which could otherwise decode to another valid row), the
-unary streams' counts and padding, each length against the header's maximum (a count past the row width),
-each id against ``U`` (a gap past the vocabulary), and the sampled tokens against ``V``; a
-failure is a :class:`CodecError` naming what and where. A decoded batch carries the record
-of a passed §2 check (ids distinct and in range, each sampled token in its row).
+Decoding is torch operations on any device, over several buffers at once (their rows back to
+back), in two parts:
+
+- on the host, everything a header says, before anything is copied or sized: the magic and
+  version, every size against the buffer (a truncated or oversized buffer), the CRC-32 (a bit
+  flipped in transit or at rest, which could otherwise decode to another valid row), the
+  trajectory offsets, and the bounds that size every array (values each stream can hold);
+- on the device, the array steps, with no host read: each size comes from the headers, every
+  index is clamped into its tensor, and what depends on the bits is a flag per check: the
+  unary streams' counts and padding, each length against the header's maximum (a count past
+  the row width), the low-bit stream's size, each id against ``U`` (a gap past the
+  vocabulary), the sampled tokens against ``V``.
+
+:func:`decode_support` and :func:`decode_batch` read the flags at once and raise a
+:class:`CodecError` naming what and where; :class:`CompactRows` hands them to the scorer,
+which reads them with its own guards in its one host read (the ``decode`` guard). A decoded
+batch carries the record of a passed §2 check (ids distinct and in range, each sampled token
+in its row).
 
 Worked example, ``V = 10``, one row ``{2, 5, 7}`` whose sampled token is 5: ``{2, 7}`` shift
 to ``{2, 6}`` in ``U = 9``; ``m = 2``, ``b = floor(log2(7 / 3)) = 1``; gaps ``2, 3`` ->
@@ -57,7 +68,10 @@ from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport, is_support
 from nemo_replay.support.validate import describe_row
 
-__all__ = ["MAGIC", "VERSION", "CodecError", "encode_support", "decode_support", "header_of", "rice_parameter"]
+__all__ = [
+    "MAGIC", "VERSION", "CodecError", "CompactRows", "DecodedRows", "encode_support", "decode_support", "decode_batch",
+    "header_of", "rice_parameter",
+]
 
 MAGIC = b"NRSC"
 VERSION = 1
@@ -117,40 +131,6 @@ def _fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
         part = ((word >> np.uint64(56 - 8 * j)) & np.uint64(0xFF)).astype(np.float64)
         out += np.bincount(first + j, weights=part, minlength=nbytes + 8)
     return out[:nbytes].astype(np.uint8)
-
-
-def _read_unary(stream: np.ndarray, count: int, what: str) -> np.ndarray:
-    """The first ``count`` unary values of ``stream``; everything after them must be zero padding."""
-    ones = np.flatnonzero(np.unpackbits(stream).view(bool))
-    if ones.size != count:
-        raise CodecError(f"compact support: the {what} stream holds {ones.size} values, the header says {count}; "
-                         f"a corrupted buffer")
-    if count and int(ones[-1]) < 8 * stream.size - 8:
-        raise CodecError(f"compact support: the {what} stream runs {8 * stream.size - 1 - int(ones[-1])} bits past its "
-                         f"last value; a corrupted buffer")
-    if count == 0 and stream.size:
-        raise CodecError(f"compact support: the {what} stream holds {stream.size} bytes for no value; a corrupted buffer")
-    return np.diff(ones, prepend=-1) - 1
-
-
-def _read_fields(stream: np.ndarray, widths: np.ndarray, what: str) -> np.ndarray:
-    """The fields of widths ``widths`` back to back in ``stream`` (:func:`_fields`'s inverse); int64."""
-    ends = np.cumsum(widths)
-    total = int(ends[-1]) if widths.size else 0
-    if -(-total // 8) != stream.size:
-        raise CodecError(f"compact support: the {what} stream holds {stream.size} bytes where its fields need "
-                         f"{-(-total // 8)}; a corrupted buffer")
-    out = np.zeros(widths.size, np.int64)
-    wide = np.flatnonzero(widths > 0)
-    starts, widths = (ends - widths)[wide], widths[wide].astype(np.uint64)
-    # The stream as big-endian 64-bit words; each field lies in the 64-bit window that starts at its
-    # first bit, made of its word and the next.
-    words = np.concatenate([stream, np.zeros(16 - stream.size % 8, np.uint8)]).view(">u8").astype(np.uint64)
-    q, r = starts >> 6, (starts & 63).astype(np.uint64)
-    hi, lo = words[q], words[q + 1]
-    window = np.where(r > 0, (hi << r) | (lo >> (np.uint64(64) - r)), hi)  # r == 0: the shift by 64 is discarded
-    out[wide] = (window >> (np.uint64(64) - widths)).astype(np.int64)
-    return out
 
 
 # ---------------------------------------------------------------------------- encode
@@ -231,7 +211,7 @@ def encode_support(
     return out
 
 
-# ---------------------------------------------------------------------------- decode
+# ---------------------------------------------------------------------------- decode: the host's part
 def header_of(buf: Union[np.ndarray, bytes, torch.Tensor]) -> Header:
     """The header of a compact buffer, checked against the buffer's size."""
     raw = _as_bytes(buf)
@@ -270,6 +250,383 @@ def _as_bytes(buf) -> np.ndarray:
     raise CodecError(f"compact support: expected a uint8 buffer, got {type(buf).__name__}")
 
 
+# The per-buffer integers the device reads, one row a buffer (:class:`_Batch`'s ``table``).
+_ROWS, _IDS, _LB, _V, _DROP, _WIDTH, _AT, _SIZE = 0, 1, 2, 3, 4, 5, 6, 10
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Buffers whose every header-level fact was checked on the host, ready for one copy to a device.
+
+    raw: the buffers back to back, then 8 zero bytes (a bit field's 5-byte window never
+    leaves it); table: (buffers, 14) int64, per buffer: rows, ids, length parameter, V, 1 when
+    the sampled ids were dropped, row width, the four streams' offsets in ``raw`` and sizes;
+    cu: (trajectories + 1,) int64, the batch's trajectory offsets over its rows.
+    """
+
+    headers: tuple
+    raw: np.ndarray
+    table: np.ndarray
+    cu: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.table[:, _ROWS].sum())
+
+    @property
+    def ids(self) -> int:
+        return int(self.table[:, _IDS].sum())
+
+    @property
+    def width(self) -> int:
+        return int(self.table[:, _WIDTH].max()) if len(self.headers) else 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.table[:, _V].max()) if len(self.headers) else 1
+
+    @property
+    def dropped(self) -> bool:
+        return bool(self.table[:, _DROP].any())
+
+
+def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) -> _Batch:
+    """Every check a header allows, per buffer, on the host: nothing data-dependent is left to size
+    an array by (the counts of values and bytes each stream holds are all fixed here)."""
+    raws, headers, table, cus, at, rows = [], [], [], [np.zeros(1, np.int64)], 0, 0
+    for i, buf in enumerate(buffers):
+        try:
+            raw = _as_bytes(buf)
+            h = header_of(raw)
+            if vocab_size is not None and vocab_size != h.vocab_size:
+                raise CodecError(f"compact support: the rows were coded for V = {h.vocab_size}, this model has {vocab_size}")
+            if _crc(raw) != h.crc:
+                raise CodecError("compact support: the buffer's CRC-32 does not match its header; corrupted in transit or at rest")
+            cu = raw[_HEAD.size:_HEAD.size + 8 * (h.trajectories + 1)].view("<i8").astype(np.int64)
+            if cu.size == 0 or cu[0] != 0 or bool(np.any(np.diff(cu) < 0)) or cu[-1] != h.rows:
+                raise CodecError(f"compact support: trajectory offsets are not 0 .. {h.rows} non-decreasing; a corrupted buffer")
+            len_high, len_low, gap_high, gap_low = h.streams
+            if -(-h.rows * h.length_bits // 8) != len_low:
+                raise CodecError(f"compact support: the length low-bit stream holds {len_low} bytes where its fields need "
+                                 f"{-(-h.rows * h.length_bits // 8)}; a corrupted buffer")
+            if h.max_length > h.vocab_size:
+                raise CodecError(f"compact support: row width {h.max_length} exceeds V = {h.vocab_size}; a corrupted buffer")
+            if h.rows > 8 * len_high or h.ids > 8 * gap_high or h.ids > h.rows * h.max_length:
+                # Each value takes at least one unary bit, each row at most max_length ids: bounds every array.
+                raise CodecError(f"compact support: the header says {h.rows} rows and {h.ids} ids, the streams hold at most "
+                                 f"{8 * len_high} and {min(8 * gap_high, h.rows * h.max_length)}; a corrupted buffer")
+            for count, size, what in ((h.rows, len_high, "length"), (h.ids, gap_high, "gap")):
+                if count == 0 and size:
+                    raise CodecError(f"compact support: the {what} stream holds {size} bytes for no value; a corrupted buffer")
+        except CodecError as exc:
+            raise CodecError(f"{labels[i]}: {exc}" if labels else str(exc)) from None
+        start = at + _HEAD.size + 8 * (h.trajectories + 1)
+        offsets = start + np.concatenate([[0], np.cumsum(h.streams)[:-1]])
+        table.append([h.rows, h.ids, h.length_bits, h.vocab_size, int(h.dropped), h.max_length, *offsets, *h.streams])
+        cus.append(cu[1:] + rows)
+        raws.append(raw)
+        headers.append(h)
+        at += raw.size
+        rows += h.rows
+    raws.append(np.zeros(8, np.uint8))
+    return _Batch(tuple(headers), np.concatenate(raws), np.asarray(table, np.int64).reshape(-1, 14), np.concatenate(cus))
+
+
+# ---------------------------------------------------------------------------- decode: array steps, any device
+def _exclusive(t: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sums with the total appended: ``(n + 1,)``."""
+    return torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])
+
+
+def _segments(sizes: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) the segment of each element of segments sized ``sizes`` (their sum, ``total``, read on
+    the host from headers: no device sync)."""
+    return torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes, output_size=total)
+
+
+def _rice(universe: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """:func:`rice_parameter` as torch operations."""
+    q = torch.clamp((universe - m) // (m + 1), min=1)
+    return torch.frexp(q.to(torch.float64))[1].to(torch.int64) - 1  # exact: q < 2**53
+
+
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
+# Row b: the positions (most significant bit first) of byte b's set bits, then zeros.
+_SET_BITS = torch.tensor([[i for i in range(8) if (b << i) & 128] + [0] * (8 - bin(b).count("1")) for b in range(256)],
+                         dtype=torch.int64).reshape(-1)
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[index]`` for a 1-D ``t`` (``index_select``: a fraction of advanced indexing's cost on the CPU)."""
+    return t.index_select(0, index)
+
+
+def _read_unary(raw: torch.Tensor, at: torch.Tensor, size: torch.Tensor, count: torch.Tensor, nbytes: int, total: int):
+    """The unary values of one stream kind across the buffers.
+
+    at, size, count: (buffers,) each buffer's stream offset in ``raw``, its bytes and its
+    values (from the headers); ``nbytes``, ``total``: their sums. Returns ``(values (total,),
+    popcount (buffers,), last one's bit (buffers,), bit start (buffers,))``, in bits of the
+    buffers' streams laid back to back. In bounds whatever the bits hold: the first ``total``
+    set bits are taken (missing ones read as the stream's end), and the popcounts say whether
+    each buffer held exactly its own.
+    """
+    dev = raw.device
+    seg = _segments(size, nbytes)
+    start = _exclusive(size)  # each buffer's bytes in the streams laid back to back, and their total
+    stream = _take(raw, _take(at - start[:-1], seg) + torch.arange(nbytes, device=dev))
+    # The j-th set bit: its byte by a running maximum over marks at each byte's first set bit's rank,
+    # its place in the byte from a table; ranks past a byte's count are clamped into the table.
+    code = stream.to(torch.int64)
+    before = _exclusive(_take(_POPCOUNT.to(dev), code))
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=dev)
+    marks.scatter_reduce_(0, before[:-1].clamp(max=total), torch.arange(nbytes, device=dev), "amax")
+    byte = torch.cummax(marks[:total], 0).values if total else marks[:0]
+    rank = torch.clamp(torch.arange(total, device=dev) - _take(before, byte), 0, 7)
+    ones = 8 * byte + _take(_SET_BITS.to(dev), 8 * _take(code, byte) + rank) if nbytes else byte
+    popcount = _take(before, start[1:]) - _take(before, start[:-1])
+    first = _exclusive(count)[:-1]
+    prev = torch.cat([ones.new_full((1,), -1), ones])  # a spare last slot for empty buffers' writes
+    prev = prev.scatter(0, torch.where(count > 0, first, total), 8 * start[:-1] - 1)[:total]
+    last = _take(ones, (first + count - 1).clamp(0, max(total - 1, 0))) if total else torch.zeros_like(count)
+    return ones - prev - 1, popcount, last, 8 * start[:-1]
+
+
+def _read_fields(words: torch.Tensor, bit: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """The fields of ``widths`` bits (<= 31) starting at absolute bits ``bit``; int64.
+
+    ``words``: the bytes as big-endian 32-bit words at every 4-byte boundary (int64). A field
+    of at most 31 bits lies in the 64-bit window of its word and the next; the indices are
+    clamped (a corrupted stream reads its neighbour's bits, never outside the tensor).
+    """
+    q = torch.clamp(bit >> 5, 0, words.numel() - 2)
+    window = (_take(words, q) << 32) | _take(words, q + 1)
+    # An arithmetic shift brings copies of the sign bit in at the top; the mask drops them.
+    return (window >> (64 - (bit & 31) - widths)) & ((1 << widths) - 1)
+
+
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """(ceil(len / 4) + 1,) int64: ``raw`` as big-endian 32-bit words, a zero word after them."""
+    pad = torch.cat([raw, raw.new_zeros(8 - raw.numel() % 4)]).to(torch.int64).reshape(-1, 4)
+    return (pad[:, 0] << 24) | (pad[:, 1] << 16) | (pad[:, 2] << 8) | pad[:, 3]
+
+
+@dataclass
+class _Decoded:
+    """One batch's decode, every index in bounds, and its data-dependent checks as device flags.
+
+    lengths (rows,); row_of, col, ids (coded ids,): each coded id's row, column and id;
+    put (rows,): the column of a dropped sampled token (-1 where none goes in); sampled
+    (rows,) or None; flags: check name -> (buffers,) or (rows,) or (coded ids,) bool.
+    """
+
+    batch: _Batch
+    lengths: torch.Tensor
+    m: torch.Tensor
+    universe: torch.Tensor
+    row_of: torch.Tensor
+    col: torch.Tensor
+    ids: torch.Tensor
+    put: torch.Tensor
+    sampled: Optional[torch.Tensor]
+    flags: dict
+    details: dict
+
+    def any_flag(self) -> torch.Tensor:
+        """0-d bool: some check failed (no host read)."""
+        return torch.stack([f.any() for f in self.flags.values()]).any()
+
+    def place(self, starts: torch.Tensor, total: int) -> torch.Tensor:
+        """(total,) int32: the members at ``starts[row] + column``, -1 elsewhere; a spare last slot takes
+        what a corrupted batch would put out of range."""
+        flat = torch.full((total + 1,), -1, dtype=torch.int32, device=self.lengths.device)
+        flat.scatter_(0, torch.clamp(starts[self.row_of] + self.col, 0, total), self.ids.to(torch.int32))
+        has = self.put >= 0
+        if self.sampled is not None:
+            flat.scatter_(0, torch.where(has, torch.clamp(starts + self.put, 0, total), total), self.sampled.to(torch.int32))
+        return flat[:total]
+
+
+def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device) -> _Decoded:
+    """The array steps of the module doc over every buffer of ``batch`` at once, on ``device``.
+
+    Sizes come from the headers (host), so nothing here waits for the device: the checks that
+    depend on the bits are flags (``_Decoded.flags``), and every index is clamped into its
+    tensor, so a corrupted batch decodes to garbage inside its tensors, flagged.
+    """
+    raw = torch.from_numpy(batch.raw).to(device)
+    t = torch.from_numpy(batch.table).to(device)
+    dev, words = raw.device, _words(raw)
+    R, I, host = batch.rows, batch.ids, batch.table
+    at, size = t[:, _AT:_AT + 4], t[:, _SIZE:_SIZE + 4]
+    buf_row = _segments(t[:, _ROWS], R)
+    per_row = lambda c: _take(t[:, c].contiguous(), buf_row)  # noqa: E731
+    lb, V, drop = per_row(_LB), per_row(_V), per_row(_DROP)
+    flags, details = {}, {}
+
+    # Lengths: unary high parts, then lb low bits a row, back to back.
+    high, pop, last, start = _read_unary(raw, at[:, 0], size[:, 0], t[:, _ROWS], int(host[:, _SIZE].sum()), R)
+    flags["length count"] = pop != t[:, _ROWS]
+    flags["length padding"] = (t[:, _ROWS] > 0) & (last < start + 8 * size[:, 0] - 8)
+    details["length"] = (pop, last, start)
+    first_row = _exclusive(t[:, _ROWS])
+    in_buf = torch.arange(R, device=dev) - _take(first_row, buf_row)
+    lengths = (high << lb) | _read_fields(words, 8 * per_row(_AT + 1) + in_buf * lb, lb)
+    flags["row width"] = (lengths > per_row(_WIDTH)) | (lengths < 0)  # < 0: set bits missing from the stream
+    lengths = lengths.clamp(min=0)
+    m = torch.where(drop > 0, (lengths - 1).clamp(min=0), lengths)
+    coded_sum = torch.zeros_like(t[:, _IDS]).index_add_(0, buf_row, m)
+    flags["id count"] = coded_sum != t[:, _IDS]
+    details["id count"] = coded_sum
+
+    # Ids. Each coded id's row: every row marks the id it starts at (the last of the rows starting
+    # there owns it: the ones before are empty), and a running maximum carries the mark; in bounds
+    # whatever the lengths say.
+    universe = V - drop
+    ends = torch.cumsum(m, 0)
+    row_start = ends - m
+    marks = torch.zeros(I + 1, dtype=torch.int64, device=dev)
+    marks.scatter_reduce_(0, row_start.clamp(max=I), torch.arange(R, device=dev), "amax")
+    row_of = torch.cummax(marks[:I], 0).values if I else marks[:0]
+    b = _take(_rice(universe, m), row_of)
+    gap_high, gpop, glast, gstart = _read_unary(raw, at[:, 2], size[:, 2], t[:, _IDS], int(host[:, _SIZE + 2].sum()), I)
+    flags["gap count"] = gpop != t[:, _IDS]
+    flags["gap padding"] = (t[:, _IDS] > 0) & (glast < gstart + 8 * size[:, 2] - 8)
+    details["gap"] = (gpop, glast, gstart)
+    bits = _exclusive(b)
+    first_id = _exclusive(t[:, _IDS])
+    buf_id = _segments(t[:, _IDS], I)
+    low_bits = _take(bits, first_id[1:]) - _take(bits, first_id[:-1])
+    flags["gap low size"] = (low_bits + 7) // 8 != size[:, 3]
+    details["gap low size"] = low_bits
+    low = _read_fields(words, _take(8 * at[:, 3] - _take(bits, first_id[:-1]), buf_id) + bits[:-1], b)
+    steps = _exclusive((gap_high << b) + low + 1)
+    coded = steps[1:] - _take(_take(steps, row_start.clamp(max=I)), row_of) - 1
+    flags["id range"] = (coded < 0) | (coded >= _take(universe, row_of))
+
+    # The sampled token goes back into a row that dropped it, at its sorted place.
+    col = torch.arange(I, device=dev) - _take(row_start, row_of)
+    put = torch.full_like(lengths, -1)
+    if sampled is not None:
+        flags["sampled range"] = (sampled < 0) | (sampled >= V)
+        above = (coded >= _take(sampled, row_of)) & (_take(drop, row_of) > 0)
+        coded, col = coded + above, col + above
+        below = m - torch.zeros_like(m).index_add_(0, row_of, above.to(torch.int64))
+        put = torch.where((drop > 0) & (lengths > 0), below, -1)
+    return _Decoded(batch, lengths, m, universe, row_of, col, coded, put, sampled, flags, details)
+
+
+# ---------------------------------------------------------------------------- decode: named errors
+def _raise_named(d: _Decoded, name: str, buffer_of, labels: Sequence[str]) -> None:
+    """Name the first failure of check ``name`` (host reads: the failure path only)."""
+    t, batch = d.batch.table, d.batch
+    flag = d.flags[name].cpu()
+    j = int(torch.nonzero(flag)[0])
+    i = j if flag.numel() == len(batch.headers) and name in ("length count", "length padding", "id count", "gap count",
+                                                              "gap padding", "gap low size") else buffer_of(j)
+    first_row = int(t[:i, _ROWS].sum())
+    if name in ("length count", "length padding", "gap count", "gap padding"):
+        what, count = ("length", int(t[i, _ROWS])) if name.startswith("length") else ("gap", int(t[i, _IDS]))
+        pop, last, start = (x[i].item() for x in d.details[what])
+        end = start + 8 * int(t[i, _SIZE + (0 if what == "length" else 2)])
+        msg = (f"the {what} stream holds {pop} values, the header says {count}" if name.endswith("count") else
+               f"the {what} stream runs {end - 1 - last} bits past its last value")
+    elif name == "row width":
+        msg = (f"row {j - first_row} decodes to {int(d.lengths[j])} ids, past the header's row width "
+               f"{int(t[i, _WIDTH])}")
+    elif name == "id count":
+        msg = f"the lengths give {int(d.details['id count'][i])} ids, the header says {int(t[i, _IDS])}"
+    elif name == "gap low size":
+        need = -(-int(d.details["gap low size"][i]) // 8)
+        msg = f"the gap low-bit stream holds {int(t[i, _SIZE + 3])} bytes where its fields need {need}"
+    elif name == "id range":
+        r = int(d.row_of[j])
+        msg = (f"row {r - first_row} decodes id {int(d.ids[j])}, past the {int(d.universe[r])} ids it is coded "
+               f"among")
+    else:  # sampled range
+        raise CodecError(f"{labels[i] + ': ' if labels else ''}compact support: sampled token {int(d.sampled[j])} of "
+                         f"row {j - first_row} is outside [0, {int(t[i, _V])})")
+    raise CodecError(f"{labels[i] + ': ' if labels else ''}compact support: {msg}; a corrupted buffer")
+
+
+def _check(d: _Decoded, labels: Sequence[str]) -> None:
+    """Read every flag of ``d`` at once and raise for the first set one, in the decode's order."""
+    names = list(d.flags)
+    got = torch.stack([d.flags[n].any() for n in names]).tolist() if names else []
+    t = d.batch.table
+    row_buf = np.repeat(np.arange(len(t)), t[:, _ROWS])
+    id_buf = np.repeat(np.arange(len(t)), t[:, _IDS])
+    for name, bad in zip(names, got):
+        if bad:
+            per = d.flags[name].numel()
+            _raise_named(d, name, lambda j: int((id_buf if per == d.batch.ids and per != d.batch.rows else row_buf)[j]),
+                         labels)
+
+
+def _sampled_arg(sampled_ids, rows: int, dropped: bool, device) -> Optional[torch.Tensor]:
+    if sampled_ids is None:
+        if dropped:
+            raise CodecError("compact support: the rows were coded without their sampled tokens; pass sampled_ids "
+                             "(the tokens sampled from them, one per row)")
+        return None
+    sampled = torch.as_tensor(sampled_ids)
+    if not is_integer(sampled):
+        raise CodecError(f"compact support: sampled_ids have dtype {sampled.dtype}, expected integer token ids; "
+                         f"pass the response's token ids as they came (torch.long)")
+    if sampled.shape != (rows,):
+        raise CodecError(f"compact support: sampled_ids has shape {tuple(sampled.shape)}, expected ({rows},): one per row")
+    return sampled.to(device=device, dtype=torch.int64)
+
+
+def decode_batch(
+    buffers: Sequence,
+    *,
+    sampled_ids: Optional[torch.Tensor] = None,
+    vocab_size: Optional[int] = None,
+    device=None,
+    labels: Sequence[str] = (),
+) -> RaggedSupport:
+    """The rows of several buffers, back to back (their trajectories in order), decoded at once.
+
+    Args:
+        buffers: what :func:`encode_support` wrote, one or more.
+        sampled_ids: (rows,) the sampled tokens of every row, in order; required when an encoder
+            dropped them; given for rows coded with them, each non-empty row must hold its own.
+        vocab_size: when given, every buffer's ``V`` must equal it.
+        device: where the decode runs and the rows go (default CPU); one host read of the checks.
+        labels: one name per buffer, prefixed to its errors.
+
+    Raises:
+        CodecError (a ValueError) for a buffer that is not one the encoder wrote (module doc);
+        SupportAlignmentError (a ValueError) for a sampled token missing from its row.
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+    batch = _parse(buffers, vocab_size, labels)
+    sampled = _sampled_arg(sampled_ids, batch.rows, batch.dropped, device)
+    d = _decode(batch, sampled, device)
+    _check(d, labels)
+    kept = torch.from_numpy(batch.table[:, _DROP] == 0).to(device)
+    starts = _exclusive(d.lengths)
+    members = d.place(starts[:-1], int(starts[-1]))
+    if sampled is not None and bool(kept.any()):
+        # Coded with the sampled tokens in: each non-empty row must hold its own (docs/design.md §2).
+        buf_row = torch.from_numpy(np.repeat(np.arange(len(batch.headers)), batch.table[:, _ROWS])).to(device)
+        hit = torch.zeros_like(d.lengths).index_add_(0, d.row_of, (d.ids == sampled[d.row_of]).to(torch.int64)) > 0
+        missing = torch.nonzero((d.lengths > 0) & ~hit & kept[buf_row]).flatten()
+        if missing.numel():
+            r = int(missing[0])
+            i = int(buf_row[r])
+            row = members[int(starts[r]):int(starts[r + 1])]
+            cu = torch.from_numpy(batch.cu)
+            raise SupportAlignmentError(
+                f"{labels[i] + ': ' if labels else ''}compact support: {describe_row(cu, r)}: sampled token "
+                f"{int(sampled[r])} is not a member of its support row {row[:16].tolist()}; rows and tokens are "
+                f"misaligned -- pass this response's own token ids")
+    out = RaggedSupport(members, starts, torch.from_numpy(batch.cu.astype(np.int32)))
+    record_checked(out, batch.vocab_size)
+    return out
+
+
 def decode_support(
     buf: Union[np.ndarray, bytes, torch.Tensor],
     *,
@@ -283,100 +640,101 @@ def decode_support(
         sampled_ids: (rows,) the sampled tokens, required when the encoder dropped them; given
             for rows coded with them, each non-empty row must hold its own.
         vocab_size: when given, must equal the buffer's ``V``.
-        device: where the rows go (default CPU).
+        device: where the decode runs and the rows go (default CPU).
 
     Raises:
         CodecError (a ValueError) for a buffer that is not one the encoder wrote (module doc);
         SupportAlignmentError (a ValueError) for a sampled token missing from its row.
     """
-    raw = _as_bytes(buf)
-    h = header_of(raw)
-    if vocab_size is not None and vocab_size != h.vocab_size:
-        raise CodecError(f"compact support: the rows were coded for V = {h.vocab_size}, this model has {vocab_size}")
-    at = _HEAD.size
-    if _crc(raw) != h.crc:
-        raise CodecError("compact support: the buffer's CRC-32 does not match its header; corrupted in transit or at rest")
-    cu = raw[at:at + 8 * (h.trajectories + 1)].view("<i8").astype(np.int64)
-    if cu.size == 0 or cu[0] != 0 or bool(np.any(np.diff(cu) < 0)) or cu[-1] != h.rows:
-        raise CodecError(f"compact support: trajectory offsets are not 0 .. {h.rows} non-decreasing; a corrupted buffer")
-    at += 8 * (h.trajectories + 1)
-    parts = []
-    for size in h.streams:
-        parts.append(raw[at:at + size])
-        at += size
-    len_high, len_low, gap_high, gap_low = parts
-    n = h.rows
-    lengths = (_read_unary(len_high, n, "length") << h.length_bits) | _read_fields(
-        len_low, np.full(n, h.length_bits, np.int64), "length low-bit")
-    if n and int(lengths.max()) > h.max_length:
-        r = int(np.argmax(lengths))
-        raise CodecError(f"compact support: row {r} decodes to {int(lengths[r])} ids, past the header's row width "
-                         f"{h.max_length}; a corrupted buffer")
-    if h.max_length > h.vocab_size:
-        raise CodecError(f"compact support: row width {h.max_length} exceeds V = {h.vocab_size}; a corrupted buffer")
-    m = np.maximum(lengths - 1, 0) if h.dropped else lengths
-    if h.ids > 8 * gap_high.size:  # each id takes at least one unary bit: bounds every array below
-        raise CodecError(f"compact support: the header says {h.ids} ids, the gap stream holds at most "
-                         f"{8 * gap_high.size}; a corrupted buffer")
-    if int(m.sum()) != h.ids:
-        raise CodecError(f"compact support: the lengths give {int(m.sum())} ids, the header says {h.ids}; a corrupted buffer")
-    universe = h.vocab_size - 1 if h.dropped else h.vocab_size
-    row_of = np.repeat(np.arange(n, dtype=np.int64), m)
-    b = rice_parameter(np.int64(universe), m)[row_of] if h.ids else np.zeros(0, np.int64)
-    gaps = (_read_unary(gap_high, h.ids, "gap") << b) | _read_fields(gap_low, b, "gap low-bit")
-    steps = np.cumsum(gaps + 1)
-    starts = np.concatenate([[0], np.cumsum(m)[:-1]]) if n else np.zeros(0, np.int64)
-    base = np.where(starts > 0, steps[np.maximum(starts - 1, 0)], 0) if h.ids else np.zeros(n, np.int64)
-    coded = steps - base[row_of] - 1 if h.ids else np.zeros(0, np.int64)
-    if coded.size and int(coded.max()) >= universe:
-        j = int(np.argmax(coded))
-        raise CodecError(f"compact support: row {int(row_of[j])} decodes id {int(coded[j])}, past the {universe} ids it "
-                         f"is coded among; a corrupted buffer")
-    if h.dropped and sampled_ids is None:
-        raise CodecError("compact support: the rows were coded without their sampled tokens; pass sampled_ids "
-                         "(the tokens sampled from them, one per row)")
-    if sampled_ids is not None:
-        sampled_t = torch.as_tensor(sampled_ids)
-        if not is_integer(sampled_t):
-            raise CodecError(f"compact support: sampled_ids have dtype {sampled_t.dtype}, expected integer token ids; "
-                             f"pass the response's token ids as they came (torch.long)")
-        sampled = sampled_t.cpu().numpy().astype(np.int64)
-        if sampled.shape != (n,):
-            raise CodecError(f"compact support: sampled_ids has shape {sampled.shape}, expected ({n},): one per row")
-        r = first_outside(sampled, h.vocab_size)
-        if r is not None:
-            raise CodecError(f"compact support: sampled token {int(sampled[r])} of row {r} is outside [0, {h.vocab_size})")
-        own = sampled[row_of]
-    if h.dropped:
-        above = coded >= own
-        ids = coded + above
-        # Insert each non-empty row's sampled token at its sorted place: a coded id moves up by the
-        # non-empty rows before its row, and by one more when it lies above its row's sampled token.
-        full = lengths.astype(np.int64)
-        has = full > 0
-        before = np.cumsum(has) - has
-        members = np.empty(int(full.sum()), np.int64)
-        members[np.arange(ids.size) + before[row_of] + above] = ids
-        below = m - np.bincount(row_of, weights=above, minlength=n).astype(np.int64)
-        out_starts = np.cumsum(full) - full
-        members[out_starts[has] + below[has]] = sampled[has]
-    else:
-        members = coded
-        full = lengths
-        if sampled_ids is not None:
-            # Coded with the sampled tokens in: each non-empty row must hold its own (docs/design.md §2).
-            hit = np.bincount(row_of, weights=coded == own, minlength=n) > 0
-            missing = np.flatnonzero((lengths > 0) & ~hit)
-            if missing.size:
-                r = int(missing[0])
-                raise SupportAlignmentError(
-                    f"compact support: {describe_row(torch.from_numpy(cu), r)}: sampled token {int(sampled[r])} is "
-                    f"not a member of its support row {coded[row_of == r][:16].tolist()}; rows and tokens are "
-                    f"misaligned -- pass this response's own token ids")
-    row_offsets = np.concatenate([[0], np.cumsum(full)]).astype(np.int64)
-    out = RaggedSupport(torch.from_numpy(members.astype(np.int32)), torch.from_numpy(row_offsets),
-                        torch.from_numpy(cu.astype(np.int32)))
-    if device is not None:
-        out = out.to(device)
-    record_checked(out, h.vocab_size)
-    return out
+    return decode_batch([buf], sampled_ids=sampled_ids, vocab_size=vocab_size, device=device)
+
+
+# ---------------------------------------------------------------------------- decode: where the scorer runs
+class DecodedRows(PackedTensor):
+    """Fixed-width rows ``(rows, width)`` decoded on a device from :class:`CompactRows`, -1 padded, whose
+    data-dependent checks are still a device flag (``decode_flag``, 0-d bool).
+
+    The scorer reads the flag with its other guards in its one host read and, when it is set,
+    :meth:`raise_decode_error` names the buffer and what is wrong. Until then the rows may be
+    garbage, but every index the decode formed stayed inside its tensor (docs/design.md §2).
+    """
+
+    def __init__(self, values: torch.Tensor, cu_seqlens: np.ndarray, decoded: _Decoded, labels: Sequence[str]):
+        # The offsets were checked on the host (:func:`_parse`): PackedTensor's own check would read the device.
+        self.values = values
+        self.cu_seqlens = torch.from_numpy(cu_seqlens.astype(np.int32)).to(values.device)
+        self._decoded, self._labels = decoded, tuple(labels)
+        self.decode_flag: Optional[torch.Tensor] = decoded.any_flag()
+
+    def raise_decode_error(self) -> None:
+        """Raise the named :class:`CodecError` of the first failed check (host reads: the failure path)."""
+        _check(self._decoded, self._labels)
+
+    def check(self) -> None:
+        """Read the flag now (one host read) and raise when it is set; the scorer then skips it."""
+        if self.decode_flag is not None and bool(self.decode_flag):
+            self.raise_decode_error()
+        self.decode_flag = None
+
+
+class CompactRows:
+    """Several compact buffers as one batch of rows (their trajectories back to back), kept compact
+    until the scorer's entry point decodes them on the device it runs on
+    (:func:`~nemo_replay.scoring.entry.score_positions`, docs/design.md §2).
+
+    Everything a header says is checked here, on the host (magic, version, sizes, CRC-32,
+    trajectory offsets): the rest is the decode's device flag.
+
+    Args:
+        buffers: what :func:`encode_support` wrote, one or more.
+        sampled_ids: (rows,) every row's sampled token, needed when an encoder dropped them.
+        labels: one name per buffer for its errors (for example the caller's sample).
+    """
+
+    def __init__(self, buffers: Sequence, *, sampled_ids: Optional[torch.Tensor] = None, labels: Sequence[str] = ()):
+        if labels and len(labels) != len(buffers):
+            raise ValueError(f"CompactRows: {len(labels)} labels for {len(buffers)} buffers; give one per buffer or none")
+        self.labels = tuple(labels)
+        self._batch = _parse(list(buffers), None, self.labels)
+        self._sampled = _sampled_arg(sampled_ids, self._batch.rows, self._batch.dropped, None)
+
+    @property
+    def num_rows(self) -> int:
+        return self._batch.rows
+
+    @property
+    def width_bound(self) -> int:
+        return self._batch.width
+
+    def rows_of(self, i: int) -> int:
+        """The rows buffer ``i`` holds (its header)."""
+        return int(self._batch.table[i, _ROWS])
+
+    @property
+    def vocab_size(self) -> int:
+        """The largest ``V`` the buffers were coded for: every id lies below it."""
+        return self._batch.vocab_size
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return torch.from_numpy(self._batch.cu)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._batch.raw.size - 8)
+
+    def decode(self, device) -> DecodedRows:
+        """The rows on ``device`` as :class:`DecodedRows`: two copies to the device (the bytes and a
+        table of their headers), array steps there, no host read."""
+        device = torch.device(device)
+        sampled = None if self._sampled is None else self._sampled.to(device)
+        d = _decode(self._batch, sampled, device)
+        R, width = self._batch.rows, max(self._batch.width, 1)
+        values = d.place(torch.arange(R, device=d.lengths.device) * width, R * width).reshape(R, width)
+        out = DecodedRows(values, self._batch.cu, d, self.labels)
+        record_checked(out, self._batch.vocab_size)  # what the decode guarantees once its flag reads clear
+        return out
+
+    def __repr__(self) -> str:
+        return (f"CompactRows(buffers={len(self._batch.headers)}, rows={self.num_rows}, width={self.width_bound}, "
+                f"bytes={self.nbytes})")

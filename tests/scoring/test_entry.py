@@ -5,11 +5,13 @@ Two gloo ranks failing together through it run in ``test_collectives.py`` (one s
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from nemo_replay.scoring.entry import ScorerChannels, check_together, flag_device, score_positions
 from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.packed import PackedTensor
 from tests.scoring.batches import make_case
 from tests.scoring.reference import reference_scores
 
@@ -78,3 +80,67 @@ def test_without_a_group_checks_run_once_and_the_flag_stays_with_the_tensors():
     calls = []
     assert check_together(lambda: calls.append(1) or "ok", None, name="worker", device="cpu") == "ok" and calls == [1]
     assert flag_device(None, torch.device("meta")) == torch.device("meta")
+
+
+def _compact(case, *, drop: bool):
+    """The case's rows as one compact buffer a trajectory (sampled ids dropped or kept)."""
+    from nemo_replay.support.codec import CompactRows, encode_support
+    from nemo_replay.support.ragged import RaggedSupport
+
+    ragged = RaggedSupport.from_padded(case.support)
+    row_sampled = torch.zeros(case.support.num_rows, dtype=torch.int64)
+    has = case.row_ids >= 0
+    row_sampled[case.row_ids[has]] = case.sampled_ids[has]
+    cu = case.support.cu_seqlens.tolist()
+    buffers = [encode_support(ragged[[i]], vocab_size=211, sampled_ids=row_sampled[cu[i]:cu[i + 1]] if drop else None)
+               for i in range(len(cu) - 1)]
+    labels = [f"completion {i}" for i in range(len(buffers))]
+    return CompactRows(buffers, sampled_ids=row_sampled if drop else None, labels=labels), buffers, row_sampled
+
+
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("hidden", [False, True])
+def test_compact_rows_decode_at_the_entry_and_score_bit_for_bit_as_the_fixed_rows(case, drop, hidden):
+    """Rows handed over compact are decoded on the scorer's device; scores and gradients equal
+    (bitwise) those from the same fixed-width rows, in logits and hidden mode."""
+    compact, _, _ = _compact(case, drop=drop)
+
+    def run(support):
+        src = (case.hidden if hidden else case.logits).clone().requires_grad_(True)
+        weight = case.weight.clone().requires_grad_(True) if hidden else None
+        got = score_positions(src, channels_of(case), support, temperature=T, lm_head_weight=weight,
+                              compute_entropy=True)
+        w = torch.randn(got.logprobs.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        grads = torch.autograd.grad((got.logprobs * w).sum(), [src] + ([weight] if hidden else []))
+        return got, grads
+
+    got, grads = run(compact)
+    # The fixed rows with each row's members sorted, as the codec returns them (member order moves last bits).
+    big = torch.iinfo(torch.int32).max
+    v = case.support.values
+    v = torch.where(v < 0, big, v).sort(1).values
+    want, want_grads = run(PackedTensor(torch.where(v == big, -1, v), case.support.cu_seqlens))
+    assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.entropy, want.entropy)
+    assert torch.equal(got.valid_mask, want.valid_mask) and torch.equal(got.fallback_mask, want.fallback_mask)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+def test_corrupted_compact_rows_stop_the_scorer_by_name_whatever_validate_says(case):
+    """A buffer whose header passes (CRC recomputed: a writer's bug) but whose rows do not decode is
+    named by its label through the scorer's one flag, with validate on or off."""
+    import struct
+
+    from nemo_replay.support import codec
+    from nemo_replay.support.codec import CodecError, CompactRows
+
+    _, buffers, _ = _compact(case, drop=False)
+    head = list(codec._HEAD.unpack(buffers[1][:codec._HEAD.size].tobytes()))
+    head[9] -= 1  # the row width: the widest row now decodes past it
+    head[10] = 0
+    bad = np.concatenate([np.frombuffer(codec._HEAD.pack(*head), np.uint8), buffers[1][codec._HEAD.size:]])
+    bad[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(bad)), np.uint8)
+    rows = CompactRows([buffers[0], bad, buffers[2]], labels=["completion 0", "completion 1", "completion 2"])
+    for validate in (True, False):
+        with pytest.raises(CodecError, match=r"completion 1: compact support: row \d+ decodes to \d+ ids, past the "
+                                             r"header's row width"):
+            score_positions(case.logits, channels_of(case), rows, validate=validate)

@@ -20,6 +20,7 @@ def calls():
 
 
 @pytest.mark.parametrize("name", ["logits, validate=True", "logits, validate=False", "hidden", "hidden, ragged rows",
+                                  "logits, compact rows decoded at the entry",
                                   "full vocabulary (replay off)"])
 def test_one_host_read_per_forward(calls, name):
     fwd, bwd = count_reads(calls[name])

@@ -184,7 +184,7 @@ def test_consistent_but_wrong_headers_never_read_outside_the_buffer():
     support = RaggedSupport.from_rows([[[1, 5, 9], [4]], [[2, 3]]])
     with pytest.raises(CodecError, match=r"decodes to 3 ids, past the header's row width 2"):
         decode_support(_forged(support, 10, max_length=2))
-    with pytest.raises(CodecError, match="says 1000000000000 ids, the gap stream holds at most"):
+    with pytest.raises(CodecError, match="says 3 rows and 1000000000000 ids, the streams hold at most"):
         decode_support(_forged(support, 10, ids=10**12))
     # Rows {0, 15} of V = 16 and of V = 15 take the same Rice parameter: only the range check can tell.
     with pytest.raises(CodecError, match="row 0 decodes id 15, past the 15 ids it is coded among"):
@@ -203,3 +203,65 @@ def test_the_codec_is_within_the_information_limit_s_margins():
     size = len(encode_support(support, vocab_size=V, sampled_ids=sampled)) - codec._HEAD.size - 16
     limit_bits = T * (math.lgamma(V) - math.lgamma(k) - math.lgamma(V - k + 1)) / math.log(2)
     assert size * 8 / limit_bits < 1.1, size * 8 / limit_bits
+
+
+def _recrc(buf: np.ndarray) -> np.ndarray:
+    import struct
+
+    out = buf.copy()
+    out[codec._CRC_AT:codec._CRC_AT + 4] = 0
+    out[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(out)), np.uint8)
+    return out
+
+
+def test_several_buffers_decode_at_once_as_each_alone():
+    """decode_batch / CompactRows over buffers of different V, dropped and kept sampled ids, empty
+    buffers and empty rows: the rows of each buffer alone, back to back."""
+    from nemo_replay.support.codec import CompactRows, decode_batch
+
+    parts = [random_rows(s, V, 4, L) for s, V, L in ((11, 97, 9), (12, 128256, 64), (13, 50, 5), (14, 2**31 - 1, 30))]
+    buffers = [encode_support(sup, vocab_size=V, sampled_ids=sampled if i % 2 else None)
+               for i, ((sup, sampled, _), V) in enumerate(zip(parts, (97, 128256, 50, 2**31 - 1)))]
+    buffers.insert(2, encode_support(RaggedSupport.from_rows([]), vocab_size=7))
+    sampled = torch.cat([p[1] for p in parts])
+    want = RaggedSupport.cat([decode_support(b, sampled_ids=p[1]) for b, p in zip(buffers[:2] + buffers[3:], parts)])
+    got = decode_batch(buffers, sampled_ids=sampled)
+    assert got == want
+    dev = CompactRows(buffers, sampled_ids=sampled).decode("cpu")
+    assert not bool(dev.decode_flag)
+    assert torch.equal(dev.values, want.to_padded(dev.values.shape[1]).values)
+    assert dev.cu_seqlens.tolist() == want.cu_seqlens.tolist()
+
+
+def test_any_bit_of_a_forged_buffer_is_a_named_error_or_rows_that_hold_the_invariants():
+    """Every single bit flip past the header, with the CRC recomputed (a writer's bug, not transit):
+    the device decode never indexes outside a tensor, and when its flag reads clear the rows hold
+    the docs/design.md §2 invariants (sorted, distinct, inside V, the sampled token in its row);
+    the host decode agrees with the flag."""
+    from nemo_replay.support.codec import CompactRows, decode_batch
+
+    support, sampled, _ = random_rows(21, 300, 3, 12)
+    for dropped in (False, True):
+        buf = encode_support(support, vocab_size=300, sampled_ids=sampled if dropped else None)
+        start = codec._HEAD.size + 8 * (header_of(buf).trajectories + 1)
+        flagged = clean = 0
+        for byte in range(start, len(buf)):
+            for bit in range(8):
+                bad = buf.copy()
+                bad[byte] ^= 1 << bit
+                bad = _recrc(bad)
+                try:
+                    rows = CompactRows([bad], sampled_ids=sampled if dropped else None).decode("cpu")
+                except CodecError:
+                    flagged += 1
+                    continue
+                if bool(rows.decode_flag):
+                    flagged += 1
+                    with pytest.raises(CodecError):
+                        rows.raise_decode_error()
+                    with pytest.raises(CodecError):
+                        decode_batch([bad], sampled_ids=sampled if dropped else None)
+                    continue
+                clean += 1
+                rows.validate(vocab_size=300, sampled_ids=sampled if dropped else None)
+        assert flagged > 0 and clean > 0, (flagged, clean)  # both outcomes happen: the test can fail either way

@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from nemo_replay.support.codec import decode_support, encode_support
+from nemo_replay.support.codec import CompactRows, decode_support, encode_support
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
@@ -160,8 +160,12 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
     return SampleRows(np.stack([cols[starts], counts], 1).astype(np.int32).reshape(-1, 2), data)
 
 
-def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, key: str) -> tuple[RaggedSupport, torch.Tensor]:
-    """A micro-batch's rows back: ``(support, token_rows)``.
+def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, key: str) -> tuple[CompactRows, torch.Tensor]:
+    """A micro-batch's rows, still compact: ``(support, token_rows)``.
+
+    The buffers' headers, CRCs and columns are checked here, on the host; the rows are decoded
+    where the scorer runs (:class:`~nemo_replay.support.codec.CompactRows`), and each recorded
+    row is checked against the token now at its column there (``check_canonical``).
 
     Args:
         entries: ``data[key]``, a list of N :class:`SampleRows` (one per data row).
@@ -170,13 +174,12 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
         input_lengths: (N,), int.
 
     Returns:
-        the rows (one segment per data row, CSR, on the CPU) and ``token_rows`` (N, W) int64,
-        the global row of token t at column t, -1 where none.
+        the rows (one segment per data row) and ``token_rows`` (N, W) int64, the global row of
+        token t at column t, -1 where none.
 
     Raises:
         ValueError naming the data row and the fix: not a list of N entries, a column at or past
-        the row's length, columns not increasing, a buffer that does not decode, or a recorded
-        row that does not hold the token at its column.
+        the row's length, columns not increasing, a buffer that is not one the encoder wrote.
     """
     N, W = input_ids.shape
     if not isinstance(entries, list) or len(entries) != N:
@@ -185,10 +188,9 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
             f"data[{key!r}] must be a list of {N} SampleRows, one per data row (NeMo-RL slices lists with its "
             f"samples), got {got}"
         )
-    ids = input_ids.cpu().to(torch.int64)
     lengths = input_lengths.cpu().to(torch.int64)
     token_rows = torch.full((N, W), -1, dtype=torch.int64)
-    parts, start = [], 0
+    start = 0
     for i, entry in enumerate(entries):
         if not isinstance(entry, SampleRows):
             raise ValueError(f"data[{key!r}][{i}] is a {type(entry).__name__}, expected SampleRows")
@@ -201,16 +203,13 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
                 f"data[{key!r}][{i}]: row columns {cols[:8].tolist()}... must increase and lie below the data row's "
                 f"input_lengths {int(lengths[i])}: the rows belong to another sample (reordered apart from input_ids?)"
             )
-        try:
-            rows = decode_support(entry.data, sampled_ids=ids[i, cols])
-        except ValueError as exc:
-            raise type(exc)(f"data[{key!r}][{i}] (data row {i}): {exc}") from exc
-        if rows.num_rows != cols.numel():
-            raise ValueError(f"data[{key!r}][{i}]: {rows.num_rows} rows for {cols.numel()} columns; a corrupted entry")
         token_rows[i, cols] = start + torch.arange(cols.numel())
         start += cols.numel()
-        parts.append(rows)
-    support = RaggedSupport.cat(parts) if parts else RaggedSupport.from_rows([])
+    support = CompactRows([e.data for e in entries], labels=[f"data[{key!r}][{i}] (data row {i})" for i in range(N)])
+    for i, entry in enumerate(entries):
+        rows = int(support.rows_of(i))
+        if rows != entry.columns.size:
+            raise ValueError(f"data[{key!r}][{i}]: {rows} rows for {entry.columns.size} columns; a corrupted entry")
     return support, token_rows
 
 

@@ -21,6 +21,7 @@ from nemo_replay.integrations.nemo_rl.token_aligned import canonical_of, check_w
 from nemo_replay.layout.checks import check_canonical
 from nemo_replay.scoring.entry import score_positions
 from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.codec import CompactRows
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 
@@ -211,6 +212,9 @@ def next_token_logprobs(
     padded = _padded_lengths(local, N, cp, cu_seqlens_padded)
     check_width("logits", lengths, W, padded)
     canonical = canonical_of(ids, lengths, mask, sample, token_rows)
+    if isinstance(support, CompactRows):  # decoded on the logits' device, its checks read before any use of the rows
+        support = support.decode(local.device)
+        support.check()
     if not full_vocab:  # on whole sequences, before the CP split; every rank alike
         check_canonical(canonical, support, hint=f"{support_key} must be token-aligned like generation_logprobs: the row "
                         f"of token t at column t")
