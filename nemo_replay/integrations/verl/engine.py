@@ -29,10 +29,11 @@ import torch.distributed as dist
 from nemo_replay.integrations.verl.keys import SUPPORT_KEY
 from nemo_replay.integrations.verl.metrics import FULL_VOCAB_LOG_PROBS
 from nemo_replay.integrations.verl.response_layout import ResponseLayout, response_layout, slot_channels
-from nemo_replay.integrations.verl.response_rows import buffers_of, dense_rows
+from nemo_replay.integrations.verl.response_rows import buffers_of, compact_rows
 from nemo_replay.layout.checks import Where, check_canonical
 from nemo_replay.scoring.entry import ScorerChannels, check_together, score_positions
 from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.codec import CompactRows
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 
@@ -89,23 +90,47 @@ class Responses:
     The legacy trainer hands the engines dense right-padded ``responses`` and ``response_mask``,
     the TransferQueue trainer nested ones (``(B, R_i)``). ``generation_support`` is one compact
     buffer a sample (:mod:`~nemo_replay.integrations.verl.response_rows`, what replay's agent
-    loops write), decoded here, or the dense ``[B, response_length, K]`` / nested ``(B, R_i, K)``
-    rows. Nested tensors are padded here (tokens and rows with -1, the mask with 0) to ``W``,
-    the widest response.
+    loops write), kept compact until the scorer decodes it, or the dense ``[B, response_length,
+    K]`` / nested ``(B, R_i, K)`` rows. Nested tensors are padded here (tokens and rows with -1,
+    the mask with 0) to ``W``, the widest response.
 
     Attributes:
-        tokens: (B, W), int64. rows: (B, W, K), the support's integer dtype.
-        mask: (B, W), bool. lengths: (B,), int64, ``R_i``.
+        tokens: (B, W), int64. mask: (B, W), bool. lengths: (B,), int64, ``R_i``.
+        rows: the rows, compact (:class:`~nemo_replay.support.codec.CompactRows`, one
+            trajectory a sample) or dense (B, W, K) in the support's integer dtype.
+        row_ids: (B, W), int64: the row of response position j of sample i, -1 where none.
     """
 
     tokens: torch.Tensor
-    rows: torch.Tensor
+    rows: Any
     mask: torch.Tensor
     lengths: torch.Tensor
+    row_ids: torch.Tensor
 
     @property
     def width(self) -> int:
         return int(self.tokens.shape[1])
+
+    def support(self, device):
+        """The rows as the scorer takes them: compact as they are, or the dense rows as ``B * W`` rows
+        of one trajectory a sample (row ``i * W + j``)."""
+        if isinstance(self.rows, CompactRows):
+            return self.rows
+        B, W = self.tokens.shape
+        return PackedTensor(self.rows.reshape(B * W, self.rows.shape[2]).to(device),
+                            torch.arange(0, (B + 1) * W, W, dtype=torch.int64))
+
+
+def _dense(tokens: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> Responses:
+    B, W = tokens.shape
+    row_ids = torch.arange(B * W, dtype=torch.int64, device=tokens.device).view(B, W)
+    return Responses(tokens, rows, mask.to(tokens.device) != 0, lengths.to(tokens.device), row_ids)
+
+
+def _compact(tokens: torch.Tensor, buffers: list, mask: torch.Tensor, lengths: torch.Tensor) -> Responses:
+    mask = mask.to(tokens.device) != 0
+    rows, row_ids = compact_rows(buffers, lengths, mask, key=SUPPORT_KEY)
+    return Responses(tokens, rows, mask, lengths.to(tokens.device), row_ids)
 
 
 def _missing_support() -> ValueError:
@@ -163,8 +188,7 @@ def read_responses(data) -> Responses:
         else:
             mask = mask_in[:, :width]
         if buffers is not None:
-            return Responses(tokens, dense_rows(buffers, tokens, lengths, mask.to(tokens.device) != 0, key=SUPPORT_KEY),
-                             mask.to(tokens.device) != 0, lengths.to(tokens.device))
+            return _compact(tokens, buffers, mask, lengths)
         if not getattr(rows, "is_nested", False) or rows.dim() != 3 or int(rows.size(0)) != B:
             raise ValueError(
                 f"batch[{SUPPORT_KEY!r}] must be nested [batch, R_i, K] like the nested 'responses' ({B} samples), got "
@@ -190,8 +214,8 @@ def read_responses(data) -> Responses:
                 f"flag per response column, sliced as 'responses' is"
             )
         if buffers is not None:
-            rows = dense_rows(buffers, tokens, lengths, mask.to(tokens.device) != 0, key=SUPPORT_KEY)
-        elif rows.dim() != 3 or tuple(rows.shape[:2]) != (B, width) or getattr(rows, "is_nested", False):
+            return _compact(tokens, buffers, mask, lengths)
+        if rows.dim() != 3 or tuple(rows.shape[:2]) != (B, width) or getattr(rows, "is_nested", False):
             raise ValueError(
                 f"batch[{SUPPORT_KEY!r}] has shape {tuple(rows.shape)}, expected [{B}, {width}, K]: one row per column "
                 f"of 'responses' ({B} x {width}), padded with -1 to the widest row. Carry the rows through padding, "
@@ -199,7 +223,7 @@ def read_responses(data) -> Responses:
             )
     if rows.shape[-1] == 0:
         raise ValueError(f"batch[{SUPPORT_KEY!r}] has K = 0 columns; a recorded support holds at least the sampled token")
-    return Responses(tokens, rows, mask.to(tokens.device) != 0, lengths.to(tokens.device))
+    return _dense(tokens, rows, mask, lengths)
 
 
 def _name(data, i: int) -> str:
@@ -233,8 +257,10 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
     B = int(tokens.shape[0])
     if B == 0 or width == 0:
         return  # no response token: no row to check
-    rows = PackedTensor(resp.rows.reshape(B * width, resp.rows.shape[2]),
-                        torch.arange(0, (B + 1) * width, width, dtype=torch.int64))
+    rows = resp.support(tokens.device)
+    if isinstance(rows, CompactRows):  # decoded on the tokens' device; its own checks read first
+        rows = rows.decode(tokens.device)
+        rows.check()
     try:
         rows.validate(vocab_size=vocab_size, where=f"batch[{SUPPORT_KEY!r}]")
     except ValueError as exc:
@@ -243,7 +269,7 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
     col = torch.arange(width, device=tokens.device).expand(B, width)
     traj = torch.arange(B, dtype=torch.int64, device=tokens.device)[:, None].expand(B, width)
     channels = ScorerChannels(
-        sampled_ids=tokens, row_ids=torch.arange(B * width, device=tokens.device).view(B, width),
+        sampled_ids=tokens, row_ids=resp.row_ids,
         loss_mask=mask.to(tokens.device) & (col < lengths[:, None].to(tokens.device)), trajectory_ids=traj,
         token_positions=col,
     )
@@ -271,13 +297,13 @@ def prepare_replay_batch(data, *, vocab_size: Optional[int], group, device) -> N
                                           device=data["input_ids"].device)
 
 
-def micro_batch_layout(micro_batch) -> tuple[ResponseLayout, PackedTensor]:
+def micro_batch_layout(micro_batch) -> tuple[ResponseLayout, Any]:
     """The coordinates and support rows of one micro-batch (``input_ids`` nested, no padding).
 
     Returns:
-        the :class:`~nemo_replay.integrations.verl.response_layout.ResponseLayout`, and the rows as one
-        packed support of ``b * R`` rows (row ``i * R + j`` is ``generation_support[i, j]``),
-        read in place.
+        the :class:`~nemo_replay.integrations.verl.response_layout.ResponseLayout` (with the row of
+        each response position), and the rows: compact, decoded by the scorer on its device, or the
+        dense ones as ``b * R`` rows read in place (:meth:`Responses.support`).
     """
     input_ids = micro_batch["input_ids"]
     if not getattr(input_ids, "is_nested", False):
@@ -286,13 +312,11 @@ def micro_batch_layout(micro_batch) -> tuple[ResponseLayout, PackedTensor]:
             f"dense input_ids {tuple(input_ids.shape)}"
         )
     resp = read_responses(micro_batch)
-    b, width = int(input_ids.size(0)), resp.width
     sample_ids = micro_batch[SAMPLE_INDEX_KEY] if SAMPLE_INDEX_KEY in micro_batch.keys() else None
     cu = input_ids.offsets()
     layout = response_layout(cu, resp.lengths.to(cu.device), resp.mask.to(cu.device),
-                             None if sample_ids is None else sample_ids.to(cu.device))
-    rows = resp.rows.reshape(b * width, resp.rows.shape[2]).to(cu.device)
-    return layout, PackedTensor(rows, torch.arange(0, (b + 1) * width, width, dtype=torch.int64))
+                             None if sample_ids is None else sample_ids.to(cu.device), row_ids=resp.row_ids.to(cu.device))
+    return layout, resp.support(cu.device)
 
 
 def scalar_temperature(temperature) -> Optional[float]:
@@ -346,7 +370,7 @@ def score_slots(
     sampled_ids: torch.Tensor,
     predicted: torch.Tensor,
     layout: ResponseLayout,
-    support: PackedTensor,
+    support: Any,
     *,
     temperature: float,
     compute_entropy: bool,
@@ -372,7 +396,7 @@ def score_slots(
     shape = predicted.shape
     scores = score_positions(
         logits.reshape(-1, logits.shape[-1]), slot_channels(layout, predicted.to(logits.device), sampled_ids).flat(),
-        support.to(logits.device), shard=shard, temperature=temperature, compute_entropy=compute_entropy,
+        support, shard=shard, temperature=temperature, compute_entropy=compute_entropy,
         compute_support_mass=True, validate=False, group=group, group_name=group_name,
         context="verl micro-batch (trajectory = sample index in the batch the engine was handed, token position = "
                 "response position)",

@@ -62,6 +62,8 @@ class ResponseLayout:
         response_mask: (b, R), bool. verl's ``response_mask`` (its loss mask).
         sample_ids: (b,), int64. How errors name sample i (its index in the batch the
             engine was handed, carried through verl's micro-batching).
+        row_ids: (b, R), int64, the support row of response position j of sample i (-1: none),
+            or None: row ``i * R + j`` (dense ``generation_support``).
     """
 
     cu_seqlens: torch.Tensor
@@ -69,6 +71,7 @@ class ResponseLayout:
     response_width: int
     response_mask: torch.Tensor
     sample_ids: torch.Tensor
+    row_ids: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,7 @@ class ResponseLayout:
         return ResponseLayout(
             self.cu_seqlens.to(device), self.response_lengths.to(device), self.response_width,
             self.response_mask.to(device), self.sample_ids.to(device),
+            None if self.row_ids is None else self.row_ids.to(device),
         )
 
 
@@ -86,6 +90,7 @@ def response_layout(
     response_lengths: torch.Tensor,
     response_mask: torch.Tensor,
     sample_ids: Optional[torch.Tensor] = None,
+    row_ids: Optional[torch.Tensor] = None,
 ) -> ResponseLayout:
     """Check and hold a micro-batch's coordinates.
 
@@ -94,6 +99,8 @@ def response_layout(
         response_lengths: (b,), int. ``R_i``, as ``no_padding_2_padding`` computes it.
         response_mask: (b, R), bool/int/float.
         sample_ids: (b,), int; default ``arange(b)``.
+        row_ids: (b, R), int64, the row of each response position (compact rows); default
+            ``i * R + j``.
 
     Raises:
         ValueError when a response does not fit its sample: verl needs at least one prompt
@@ -118,7 +125,10 @@ def response_layout(
             f"response_length tokens (attention_mask and input_ids come from different batches?)"
         )
     ids = torch.arange(b, dtype=torch.int64, device=cu.device) if sample_ids is None else sample_ids.to(torch.int64)
-    return ResponseLayout(cu, lengths, width, response_mask.to(cu.device) != 0, ids.to(cu.device))
+    if row_ids is not None and tuple(row_ids.shape) != (b, width):
+        raise ValueError(f"row_ids has shape {tuple(row_ids.shape)}, expected ({b}, {width}) like response_mask")
+    return ResponseLayout(cu, lengths, width, response_mask.to(cu.device) != 0, ids.to(cu.device),
+                          None if row_ids is None else row_ids.to(device=cu.device, dtype=torch.int64))
 
 
 def next_token_index(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -178,8 +188,9 @@ def slot_channels(layout: ResponseLayout, predicted: torch.Tensor, sampled_ids: 
     shape, -1 = none), each shaped like ``predicted``.
 
     ``sampled_ids`` are verl's labels (the token each slot's logit predicts). Row ids sit at the
-    slot of the logit that predicts the token (never rolled, §3): row ``i * R + j`` of the
-    flattened ``generation_support`` for response position j of sample i, -1 where the slot
+    slot of the logit that predicts the token (never rolled, §3): ``layout.row_ids[i, j]`` (row
+    ``i * R + j`` of the flattened dense ``generation_support`` without them) for response
+    position j of sample i, -1 where the slot
     predicts no response token. The loss mask is the predicted token's ``response_mask``;
     trajectories are ``sample_ids[i]``; token positions the response position j (errors name
     it).
@@ -197,7 +208,7 @@ def slot_channels(layout: ResponseLayout, predicted: torch.Tensor, sampled_ids: 
     none = torch.full_like(p, -1)
     return ScorerChannels(
         sampled_ids=sampled_ids.to(device=p.device, dtype=torch.int64).reshape(p.shape),
-        row_ids=torch.where(is_response, seq * lay.response_width + j, none),
+        row_ids=torch.where(is_response, seq * lay.response_width + j if lay.row_ids is None else lay.row_ids[seq, jj], none),
         loss_mask=is_response & mask,
         trajectory_ids=torch.where(has, lay.sample_ids[seq], none),
         token_positions=torch.where(is_response, j, none),

@@ -21,11 +21,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from nemo_replay.support.codec import decode_support, encode_support, header_of
+from nemo_replay.support.codec import CompactRows, decode_support, encode_support, header_of
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["encode_response_rows", "decode_response_rows", "object_column", "buffers_of", "dense_rows"]
+__all__ = ["encode_response_rows", "decode_response_rows", "object_column", "buffers_of", "compact_rows"]
 
 
 def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
@@ -95,25 +95,37 @@ def buffers_of(value: Any) -> list | None:
     raise ValueError(f"replay: a support field of type {type(value).__name__}; expected one uint8 buffer a sample")
 
 
-def dense_rows(buffers: list, tokens: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, *, key: str) -> torch.Tensor:
-    """``(B, W, K)`` int32 rows, -1 padded, from one buffer a sample (decoded on the host).
+_EMPTY = encode_support(RaggedSupport.from_rows([[]]), vocab_size=1)  # one trajectory, no row
+
+
+def compact_rows(buffers: list, lengths: torch.Tensor, mask: torch.Tensor, *, key: str) -> tuple[CompactRows, torch.Tensor]:
+    """A batch's rows kept compact, one trajectory a sample: ``(rows, row_ids)``.
+
+    The buffers' headers and CRCs are checked here, on the host, and their row counts against
+    the responses; the rows are decoded where the scorer runs
+    (:class:`~nemo_replay.support.codec.CompactRows`), and checked there against the tokens now
+    at their positions (membership).
 
     Args:
-        tokens: (B, W) int64 response tokens, -1 past each response. lengths: (B,) ``R_i``.
-        mask: (B, W) bool, the response mask.
+        lengths: (B,) ``R_i``. mask: (B, W) bool, the response mask.
+
+    Returns:
+        the rows (sample i's ``R_i`` rows after those of the samples before it) and ``row_ids``
+        (B, W) int64 on ``mask``'s device: the row of response position j of sample i, -1 where
+        none.
 
     A sample with no position in the mask may hold rows of another length (verl's V1 trainer
     pads a batch with copies of sample 0 cut to one token): it gets none.
 
     Raises:
-        ValueError naming the sample: not a uint8 buffer, a buffer that does not decode (the
-        codec's checks: size, CRC, ids in range), rows of another count than its response, or a
-        row that does not hold its token.
+        ValueError naming the sample: not a uint8 buffer, a buffer whose header or CRC does not
+        check, or rows of another count than its response.
     """
-    B, W = tokens.shape
+    B, W = mask.shape
     if len(buffers) != B:
         raise ValueError(f"batch[{key!r}] holds {len(buffers)} buffers for {B} samples; one a sample")
-    parts, counts = [], []
+    kept, counts = [], []
+    lengths = lengths.cpu().to(torch.int64)
     for i, buf in enumerate(buffers):
         if isinstance(buf, (bytes, bytearray)):
             buf = np.frombuffer(buf, np.uint8)
@@ -125,26 +137,24 @@ def dense_rows(buffers: list, tokens: torch.Tensor, lengths: torch.Tensor, mask:
                 f"equal-length buffers a 2-D array)"
             )
         R = int(lengths[i])
-        rows = header_of(buf).rows
+        try:
+            rows = header_of(buf).rows
+        except ValueError as exc:
+            raise type(exc)(f"batch[{key!r}][{i}] (sample {i}): {exc}") from exc
         if rows != R:
             if not bool(mask[i].any()):
-                parts.append(None)
+                kept.append(_EMPTY)
                 counts.append(0)
                 continue
             raise ValueError(
                 f"batch[{key!r}] holds {rows} rows for sample {i}, whose response has {R} tokens: one row per response "
                 f"token, sliced and reordered with 'responses'"
             )
-        sampled = tokens[i, :R].cpu()
-        try:
-            got = decode_support(buf, sampled_ids=torch.where(sampled < 0, 0, sampled))
-        except ValueError as exc:
-            raise type(exc)(f"batch[{key!r}][{i}] (sample {i}): {exc}") from exc
-        parts.append(got)
+        kept.append(buf)
         counts.append(R)
-    K = max([1] + [p.width_bound for p in parts if p is not None])
-    out = torch.full((B, W, K), -1, dtype=torch.int32)
-    for i, p in enumerate(parts):
-        if p is not None and counts[i]:
-            out[i, : counts[i]] = p.to_padded(K).values.to(torch.int32)
-    return out
+    out = CompactRows(kept, labels=[f"batch[{key!r}][{i}] (sample {i})" for i in range(B)])
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    starts = torch.cumsum(counts_t, 0) - counts_t
+    col = torch.arange(W, dtype=torch.int64)
+    row_ids = torch.where(col[None, :] < counts_t[:, None], starts[:, None] + col[None, :], -1)
+    return out, row_ids.to(mask.device)

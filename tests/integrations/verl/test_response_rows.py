@@ -12,11 +12,12 @@ import torch
 from nemo_replay.integrations.verl.response_rows import (
     buffers_of,
     decode_response_rows,
-    dense_rows,
+    compact_rows,
     encode_response_rows,
     object_column,
 )
 from nemo_replay.support.errors import SupportAlignmentError
+from tests.integrations.verl.engine_batches import dense_from_compact
 
 
 def _response(seed: int, n: int, width: int = 6, vocab: int = 5000):
@@ -55,14 +56,17 @@ def test_the_column_keeps_one_buffer_a_sample_even_at_equal_lengths():
     assert buffers_of(torch.zeros(3, 8, 6)) is None  # the dense form is the caller's
 
 
-def test_dense_rows_place_each_sample_and_skip_a_maskless_padding_copy():
+def test_compact_rows_place_each_sample_and_skip_a_maskless_padding_copy():
     (r0, t0), (r1, t1) = _response(2, 5), _response(3, 3)
     tokens = torch.full((3, 5), -1, dtype=torch.int64)
     tokens[0], tokens[1, :3], tokens[2, :1] = torch.tensor(t0), torch.tensor(t1), t0[0]
     mask = tokens >= 0
     mask[2] = False  # verl's V1 padding sample: a copy of sample 0 cut to one token, out of the loss
-    out = dense_rows([encode_response_rows(r0, t0), encode_response_rows(r1, t1), encode_response_rows(r0, t0)],
-                     tokens, torch.tensor([5, 3, 1]), mask, key="generation_support")
+    rows, row_ids = compact_rows([encode_response_rows(r0, t0), encode_response_rows(r1, t1),
+                                  encode_response_rows(r0, t0)], torch.tensor([5, 3, 1]), mask, key="generation_support")
+    assert rows.num_rows == 8 and rows.cu_seqlens.tolist() == [0, 5, 8, 8]  # one trajectory a sample
+    assert row_ids.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, -1, -1], [-1] * 5]
+    out = dense_from_compact(rows, row_ids)
     assert out.shape == (3, 5, 6) and out.dtype == torch.int32
     assert torch.equal(out[0], torch.from_numpy(r0)) and torch.equal(out[1, :3], torch.from_numpy(r1))
     assert (out[1, 3:] == -1).all() and (out[2] == -1).all()
@@ -85,13 +89,21 @@ def test_malformed_buffers_are_named():
         decode_response_rows(rows, tokens, 6, where="where")
     tokens_t = torch.tensor([tokens])
     with pytest.raises(ValueError, match=r"\[0\] is object \(2, 3\); expected a 1-D uint8 buffer .*object_column"):
-        dense_rows([np.empty((2, 3), object)], tokens_t, torch.tensor([6]), tokens_t >= 0, key="generation_support")
+        compact_rows([np.empty((2, 3), object)], torch.tensor([6]), tokens_t >= 0, key="generation_support")
     with pytest.raises(ValueError, match=r"holds 6 rows for sample 0, whose response has 4 tokens"):
-        dense_rows([buf], tokens_t, torch.tensor([4]), tokens_t >= 0, key="generation_support")
+        compact_rows([buf], torch.tensor([4]), tokens_t >= 0, key="generation_support")
+    with pytest.raises(ValueError, match=r"generation_support'\]\[0\] \(sample 0\): compact support: the buffer's CRC-32"):
+        compact_rows([flipped], torch.tensor([6]), tokens_t >= 0, key="generation_support")
     wrong = list(tokens)
     wrong[1] = next(t for t in range(5000) if t not in rows[1])
-    # Rows that drifted from their tokens fail by name, never rebuilt around the wrong token.
-    with pytest.raises(SupportAlignmentError, match=r"generation_support'\]\[0\] \(sample 0\)"):
-        dense_rows([buf], torch.tensor([wrong]), torch.tensor([6]), tokens_t >= 0, key="generation_support")
+    # Rows that drifted from their tokens fail by name (the engine's whole-batch check), never rebuilt around the
+    # wrong token.
+    from nemo_replay.integrations.verl.engine import check_replay_batch
+
+    batch = {"responses": torch.tensor([wrong]), "response_mask": torch.ones(1, 6, dtype=torch.int64),
+             "prompts": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 8, dtype=torch.int64),
+             "generation_support": [buf]}
+    with pytest.raises(SupportAlignmentError, match=r"sample 0, response position 1: token \d+ is not a member"):
+        check_replay_batch(batch, vocab_size=5000)
     with pytest.raises(SupportAlignmentError, match=r"a response's support rows"):
         encode_response_rows(rows, wrong)

@@ -63,10 +63,11 @@ from nemo_replay.integrations.verl.engine import read_responses  # noqa: E402
 from nemo_replay.integrations.verl.response_rows import (  # noqa: E402
     buffers_of,
     decode_response_rows,
-    dense_rows,
+    compact_rows,
     encode_response_rows,
 )
 from nemo_replay.support.codec import header_of  # noqa: E402
+from tests.integrations.verl.engine_batches import dense_from_compact  # noqa: E402
 from nemo_replay.support.errors import SupportAlignmentError  # noqa: E402
 from tests.integrations.verl.conftest import TOKENS  # noqa: E402
 from tests.rollout.engines.engine_outputs import (  # noqa: E402
@@ -416,11 +417,11 @@ def v0_config(model_dir, *overrides):
 
 
 def decoded_rows(column, responses, mask, width: int = TOP_K) -> torch.Tensor:
-    """(B, W, width) int32 rows of a batch's compact column, as the engines decode it (response_rows.dense_rows)."""
+    """(B, W, width) int32 rows of a batch's compact column, as the engines read it (response_rows.compact_rows)."""
     buffers = buffers_of(column)
     assert all(isinstance(b, np.ndarray) and b.dtype == np.uint8 and b.ndim == 1 for b in buffers)
     lengths = torch.tensor([header_of(b).rows for b in buffers])
-    rows = dense_rows(buffers, responses.to(torch.int64), lengths, mask != 0, key=SUPPORT_KEY)
+    rows = dense_from_compact(*compact_rows(buffers, lengths, mask != 0, key=SUPPORT_KEY))
     return torch.nn.functional.pad(rows, (0, width - rows.shape[2]), value=PAD_ID)
 
 
@@ -466,7 +467,8 @@ def test_v0_batch_carries_rows_aligned_with_responses(tiny_model_dir):
                                     both.batch["response_mask"]), torch.cat([rows, rows]))
     # and survive the engines' TensorDict (protocol.py to_tensordict: a NonTensorStack), read as the engine reads it
     resp = read_responses(out.to_tensordict())
-    assert torch.equal(torch.nn.functional.pad(resp.rows, (0, TOP_K - resp.rows.shape[2]), value=PAD_ID), rows)
+    dense = dense_from_compact(resp.rows, resp.row_ids)  # the engine keeps them compact; decoded to compare
+    assert torch.equal(torch.nn.functional.pad(dense, (0, TOP_K - dense.shape[2]), value=PAD_ID), rows)
 
 
 def test_v0_validation_batch_has_padding_rows(tiny_model_dir):
