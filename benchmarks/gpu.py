@@ -206,6 +206,35 @@ def _hidden(torch, timer, cfg, dname, rates, rows_out) -> None:
     del hidden, weight
 
 
+def _compact(torch, timer, cfg, dname, rows_out) -> None:
+    """Compact rows decoded at the scorer's entry (eight buffers, one a sample) against the logits-mode
+    forward from the fixed rows they decode to, and the same forward from the compact rows."""
+    from benchmarks.workloads import channels, logits_input, support_rows
+    from nemo_replay.scoring.scorer import score_aligned_support
+    from nemo_replay.support.codec import CompactRows, decode_batch, encode_support
+    from nemo_replay.support.ragged import RaggedSupport
+
+    dev, T, V = timer.device, cfg["T"], cfg["V"]
+    logits = logits_input(T, V, getattr(torch, dname)).to(dev)
+    for k in cfg["k"]:
+        ch = channels(support_rows(T, V, k), vocab_size=V)
+        cuts = [T * i // 8 for i in range(9)]
+        ragged = RaggedSupport.from_padded(ch.support).resegment(cuts)
+        buffers = [encode_support(ragged[[i]], vocab_size=V) for i in range(8)]
+        compact = CompactRows(buffers)
+        fixed = decode_batch(buffers).to_padded().to(dev)  # the rows the decode gives, sorted
+        args = (ch.sampled.to(dev), ch.row_ids.to(dev), ch.loss_mask.to(dev))
+        with torch.no_grad():
+            check = (score_aligned_support(logits, *args, compact).logprobs
+                     - score_aligned_support(logits, *args, fixed).logprobs).abs().max().item()
+            got = timer.rounds({"decode": lambda: compact.decode(dev),
+                                "fixed": lambda: score_aligned_support(logits, *args, fixed),
+                                "compact": lambda: score_aligned_support(logits, *args, compact)}, cfg["rounds"])
+        rows_out.append({"config": f"T={T} V={V} k={k}", "dtype": dname, "bytes": sum(b.size for b in buffers) / T,
+                         **{n: got[n]["ms"] for n in got}, "check": check})
+    del logits
+
+
 def _empty_cache(torch, dev) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -218,7 +247,7 @@ def _on(ch, dev):
     return Channels(ch.sampled.to(dev), ch.row_ids.to(dev), ch.loss_mask.to(dev), ch.support.to(dev))
 
 
-def _render(info: dict, rates: dict, rows: list) -> str:
+def _render(info: dict, rates: dict, rows: list, compact: list = ()) -> str:
     from benchmarks.report import Table, fmt_mib, fmt_ms, fmt_rate, fmt_ratio
 
     parts = [BEGIN, "## GPU\n",
@@ -247,6 +276,18 @@ def _render(info: dict, rates: dict, rows: list) -> str:
               fmt_ratio(r["fwd"]["ms"] / r["lim_fwd"]), fmt_ratio(fb["ms"] / r["lim_fwdbwd"]) if fb else "-",
               fmt_mib(r["peak"]), "-" if r["check"] is None else f"{r['check']:.1e}")
     parts.append(t.markdown())
+    if compact:
+        c = Table("GPU: compact rows decoded at the scorer's entry point",
+                  ["configuration", "dtype", "compact B/token", "decode ms", "forward, fixed rows ms",
+                   "decode / forward", "forward from compact rows ms", "compact / fixed", "max abs diff"],
+                  "Eight buffers, one a sample, decoded on the device by `CompactRows.decode` (no host read); the "
+                  "logits-mode forward (no grad) from the fixed rows they decode to, and from the compact rows "
+                  "(the decode included).")
+        for r in compact:
+            c.add(r["config"], r["dtype"], f"{r['bytes']:.1f}", fmt_ms(r["decode"]), fmt_ms(r["fixed"]),
+                  fmt_ratio(r["decode"] / r["fixed"]), fmt_ms(r["compact"]), fmt_ratio(r["compact"] / r["fixed"]),
+                  f"{r['check']:.1e}")
+        parts.append(c.markdown())
     parts.append(END)
     return "\n".join(parts) + "\n"
 
@@ -268,18 +309,20 @@ def main(profile: str, *, out: str | None = None, device: str = "cuda") -> int:
     cfg = PROFILES[profile]
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     timer = _Timer(torch, dev)
-    rates, rows = {}, []
+    rates, rows, compact = {}, [], []
     for dname in cfg["dtypes"]:
         rates[dname] = _rates(torch, timer, cfg["rates_bytes"], getattr(torch, dname))
         _logits(torch, timer, {**cfg["logits"], "rounds": cfg["rounds"]}, dname, rates[dname], rows)
         _empty_cache(torch, dev)
         _hidden(torch, timer, {**cfg["hidden"], "rounds": cfg["rounds"]}, dname, rates[dname], rows)
         _empty_cache(torch, dev)
+        _compact(torch, timer, {**cfg["logits"], "rounds": cfg["rounds"]}, dname, compact)
+        _empty_cache(torch, dev)
     info = {"command": "python -m benchmarks.run --device cuda" + {"full": "", "quick": " --quick", "tiny": " --tiny"}[profile],
             "when": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(time.time() - started),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev} (the GPU code on the CPU)",
             "torch": torch.__version__}
-    section = _render(info, rates, rows)
+    section = _render(info, rates, rows, compact)
     print(section)
     out = out or ("docs/benchmarks.md" if profile == "full" else None)
     if out:

@@ -18,8 +18,9 @@ Forms, in bytes per token: ``fixed int32`` (``k`` int32 ids, -1 padded: the in-m
 ``ids+count int32`` (the members and a count per token: prime-rl's form), ``codec``
 (``support/codec.py``, the sampled ids dropped, headers included), and the ``limit``:
 per row ``log2 C(V - 1, n - 1)`` bits for the ids plus the length's entropy over the set.
-Then encode and decode rates, decoding a micro-batch against the scorer's forward over the
-same rows (logits mode, V = 128k), and the pickle size (what Ray ships) of a NeMo-RL
+Then encode and decode rates, decoding a micro-batch (on the host, and at the scorer's entry
+from one buffer a sample) against the scorer's forward over the same rows (logits mode,
+V = 128k; hidden mode), the forward from compact rows against the one from fixed rows, and the pickle size (what Ray ships) of a NeMo-RL
 ``BatchedDataDict`` and a verl ``DataProto`` holding the rows, each where importable.
 """
 
@@ -130,25 +131,41 @@ def sizes(rows, sampled, V) -> dict:
     }
 
 
-def decode_vs_scorer(rows, sampled, V, micro: int) -> dict:
-    """Decoding one micro-batch's rows against the scorer's logits-mode forward on them."""
+def decode_vs_scorer(rows, sampled, V, micro: int, buffers: int = 8) -> dict:
+    """Decoding one micro-batch's rows against the scorer's forward on them.
+
+    ``decode_s``: one buffer decoded and checked on the host (``decode_support``, what the wire
+    and the rollout side run). ``entry_s``: the micro-batch as ``buffers`` buffers (one a sample,
+    as NeMo-RL's and verl's batches hand them), headers checked and decoded at the scorer's entry
+    (``CompactRows(...).decode``), its checks left as the device flag the scorer reads.
+    ``scorer_s`` / ``compact_s``: the logits-mode forward from the fixed rows / from the compact
+    rows (decode included); ``hidden_s``: the hidden-mode forward from the fixed rows.
+    """
     from nemo_replay.scoring.scorer import score_aligned_support
-    from nemo_replay.support.codec import decode_support, encode_support
+    from nemo_replay.support.codec import CompactRows, decode_support, encode_support
 
     rows, sampled = rows[:micro], torch.tensor(sampled[:micro])
     support = _support(rows)
     buf = encode_support(support, vocab_size=V, sampled_ids=sampled)
     decode = 1 / _rate(lambda: decode_support(buf, sampled_ids=sampled), 1)
+    cut = np.linspace(0, micro, buffers + 1).astype(int)
+    parts = [encode_support(_support(rows[a:b]), vocab_size=V, sampled_ids=sampled[a:b]) for a, b in zip(cut, cut[1:])]
+    compact = lambda: CompactRows(parts, sampled_ids=sampled)  # noqa: E731
+    entry = 1 / _rate(lambda: compact().decode("cpu"), 1)
     g = torch.Generator().manual_seed(0)
     rows_t, loss = torch.arange(micro), torch.ones(micro, dtype=torch.bool)
-    padded = support.to_padded(K)
+    padded = decode_support(buf, sampled_ids=sampled).to_padded()  # sorted rows as wide as the widest, as decoded
     logits = torch.randn(micro, V, generator=g)
     score = 1 / _rate(lambda: score_aligned_support(logits, sampled, rows_t, loss, padded), 1, repeats=3)
+    from_compact = 1 / _rate(lambda: score_aligned_support(logits, sampled, rows_t, loss, compact()), 1, repeats=3)
+    same = score_aligned_support(logits, sampled, rows_t, loss, compact()).logprobs
+    assert torch.equal(same, score_aligned_support(logits, sampled, rows_t, loss, padded).logprobs)
     del logits
     hidden, weight = torch.randn(micro, HIDDEN, generator=g), torch.randn(V, HIDDEN, generator=g) / HIDDEN**0.5
     project = 1 / _rate(lambda: score_aligned_support(hidden, sampled, rows_t, loss, padded, lm_head_weight=weight), 1,
                         repeats=3)
-    return {"micro": micro, "decode_s": decode, "scorer_s": score, "hidden_s": project}
+    return {"micro": micro, "decode_s": decode, "entry_s": entry, "scorer_s": score, "compact_s": from_compact,
+            "hidden_s": project}
 
 
 def batch_pickles(rows, sampled, V) -> dict:
@@ -217,15 +234,16 @@ def main(argv=None) -> int:
               f"{r['limit']:.2f} | {r['codec'] / r['ids+count int32']:.3f} | {r['codec'] / r['limit']:.3f} | "
               f"{r['encode tok/s'] / 1e6:.2f} M tok/s | {r['decode tok/s'] / 1e6:.2f} M tok/s |", flush=True)
     print()
-    print(f"| set | micro-batch | decode | scorer forward, logits (V = 128k) | decode / it | scorer forward, "
-          f"hidden (H = {HIDDEN}) | decode / it |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| set | micro-batch | decode, host (1 buffer) | decode at the entry (8 buffers) | scorer forward, logits "
+          f"(V = 128k) | entry decode / it | forward from compact / from fixed rows | scorer forward, hidden "
+          f"(H = {HIDDEN}) | entry decode / it |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in ("zipf", "full k=64"):
         rows, sampled, V = sets[name]
         d = decode_vs_scorer(rows, sampled, V, args.micro)
-        print(f"| {name} | {d['micro']} | {1e3 * d['decode_s']:.2f} ms | {1e3 * d['scorer_s']:.1f} ms | "
-              f"{d['decode_s'] / d['scorer_s']:.2f} | {1e3 * d['hidden_s']:.1f} ms | {d['decode_s'] / d['hidden_s']:.2f} |",
-              flush=True)
+        print(f"| {name} | {d['micro']} | {1e3 * d['decode_s']:.2f} ms | {1e3 * d['entry_s']:.2f} ms | "
+              f"{1e3 * d['scorer_s']:.1f} ms | {d['entry_s'] / d['scorer_s']:.2f} | {d['compact_s'] / d['scorer_s']:.2f} | "
+              f"{1e3 * d['hidden_s']:.1f} ms | {d['entry_s'] / d['hidden_s']:.2f} |", flush=True)
     print()
     print("| batch (8 x 256 prompt + responses, zipf rows) | token-aligned int32 rows | compact | ratio |")
     print("|---|---|---|---|")

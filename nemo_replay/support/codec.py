@@ -70,7 +70,7 @@ from nemo_replay.support.validate import describe_row
 
 __all__ = [
     "MAGIC", "VERSION", "CodecError", "CompactRows", "DecodedRows", "encode_support", "decode_support", "decode_batch",
-    "header_of", "rice_parameter",
+    "row_lengths", "header_of", "rice_parameter",
 ]
 
 MAGIC = b"NRSC"
@@ -447,8 +447,9 @@ class _Decoded:
         return flat[:total]
 
 
-def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device) -> _Decoded:
-    """The array steps of the module doc over every buffer of ``batch`` at once, on ``device``.
+def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_only: bool = False) -> _Decoded:
+    """The array steps of the module doc over every buffer of ``batch`` at once, on ``device``
+    (``lengths_only``: the rows' lengths and their checks, no id decoded).
 
     Sizes come from the headers (host), so nothing here waits for the device: the checks that
     depend on the bits are flags (``_Decoded.flags``), and every index is clamped into its
@@ -474,6 +475,10 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device) -> _Decoded:
     lengths = (high << lb) | _read_fields(words, 8 * per_row(_AT + 1) + in_buf * lb, lb)
     flags["row width"] = (lengths > per_row(_WIDTH)) | (lengths < 0)  # < 0: set bits missing from the stream
     lengths = lengths.clamp(min=0)
+    if lengths_only:
+        none = lengths.new_zeros(0)
+        return _Decoded(batch, lengths, lengths, V - drop, none, none, none, torch.full_like(lengths, -1), None, flags,
+                        details)
     m = torch.where(drop > 0, (lengths - 1).clamp(min=0), lengths)
     coded_sum = torch.zeros_like(t[:, _IDS]).index_add_(0, buf_row, m)
     flags["id count"] = coded_sum != t[:, _IDS]
@@ -625,6 +630,17 @@ def decode_batch(
     out = RaggedSupport(members, starts, torch.from_numpy(batch.cu.astype(np.int32)))
     record_checked(out, batch.vocab_size)
     return out
+
+
+def row_lengths(buf: Union[np.ndarray, bytes, torch.Tensor]) -> np.ndarray:
+    """(rows,) int64: each row's number of ids, from the length streams alone (no id is decoded).
+
+    Raises:
+        CodecError as :func:`decode_support` for a buffer whose header or lengths do not decode.
+    """
+    d = _decode(_parse([buf], None, ()), None, torch.device("cpu"), lengths_only=True)
+    _check(d, ())
+    return d.lengths.numpy()
 
 
 def decode_support(

@@ -93,6 +93,9 @@ def test_gpu_tables_code_runs_and_keeps_its_section(tmp_path):
     assert len(rows) == 2 * (4 + 3), rows  # two dtypes: logits full/plain/support/gather, hidden full/support/sparse
     checks = [float(r.rstrip(" |").rsplit("| ", 1)[1]) for r in rows if "| support |" in r]
     assert len(checks) == 4 and max(checks[:2] + checks[2:3]) < 1e-4 and max(checks) < 0.1, checks  # bf16 hidden: rounding
+    compact = [line for line in text.splitlines() if line.startswith("| T=64 V=2048 k=8 |")]
+    assert len(compact) == 2, compact  # compact rows decoded at the entry, one row a dtype, scoring as the fixed rows
+    assert all(float(r.rstrip(" |").rsplit("| ", 1)[1]) == 0 for r in compact), compact  # same rows, same order
     section = gpu.section_of(text)
     assert section and gpu.splice("# new CPU run\n", section).count("\n## GPU\n") == 1
 
@@ -108,6 +111,9 @@ def test_the_transport_and_checkpoint_benchmarks_run_and_their_figures_hold_toge
         r = transport.sizes(rows, sampled, V)
         assert r["limit"] <= r["codec"] < min(r["ids+count int32"], r["fixed int32"]) < r["base64 int32"], r
         assert r["encode tok/s"] > 0 and r["decode tok/s"] > 0
+    # The micro-batch section: the forward from compact rows equals the one from fixed rows (asserted inside).
+    d = transport.decode_vs_scorer(*transport._zipf(64, 2), 64)
+    assert min(d["decode_s"], d["entry_s"], d["scorer_s"], d["compact_s"], d["hidden_s"]) > 0, d
     pickles = transport.batch_pickles(*transport._zipf(64, 1))
     before, after = pickles["NeMo-RL BatchedDataDict"]
     assert after < before / 4, pickles

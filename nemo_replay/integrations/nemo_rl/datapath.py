@@ -40,7 +40,7 @@ from typing import Any, MutableMapping, Optional, Sequence
 
 import torch
 
-from nemo_replay.integrations.nemo_rl.sample_rows import SampleRows, message_log_rows
+from nemo_replay.integrations.nemo_rl.sample_rows import MessageRows, SampleRows, message_log_rows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
 from nemo_replay.support.dtypes import is_integer
 
@@ -76,17 +76,22 @@ def with_support_pad(pad_value_dict: Optional[dict] = None, *, key: str = SUPPOR
     return pads
 
 
-def _rows_of(message: dict, key: str, where: str) -> torch.Tensor:
+def _recorded(message: dict, key: str, where: str) -> torch.Tensor:
+    """(num_tokens,) bool: the tokens of a generated message whose support was recorded."""
     rows = message[key]
     num_tokens = int(message["token_ids"].shape[0])
+    if isinstance(rows, MessageRows) and rows.shape[0] == num_tokens:
+        return rows.recorded()  # the rows' lengths alone; the ids are decoded where the log is flattened
     if (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[0] != num_tokens
             or not is_integer(rows)):
         got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+        if isinstance(rows, MessageRows):
+            got = f"MessageRows of {rows.shape[0]} rows"
         raise ValueError(
             f"{where}: {key} must be integer rows (num_tokens={num_tokens}, k), one per token_ids entry, got {got}; "
             f"slice the vLLM worker's rows as generation_logprobs is sliced ([i, input_length:total_length])"
         )
-    return rows
+    return (rows >= 0).any(-1)
 
 
 def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY, cause: Optional[str] = None) -> int:
@@ -125,8 +130,7 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
                         f"but carries no {key}: {cause or _UNKNOWN_CAUSE}"
                     )
                 continue
-            rows = _rows_of(message, key, f"trajectory {i}, message {j}")
-            recorded = (rows >= 0).any(-1)
+            recorded = _recorded(message, key, f"trajectory {i}, message {j}")
             flagged = (mask != 0) & ~recorded.to(mask.device)
             dropped += int(flagged.sum())
             message["token_loss_mask"] = mask.masked_fill(flagged, 0)

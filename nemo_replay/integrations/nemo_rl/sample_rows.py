@@ -32,12 +32,12 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from nemo_replay.support.codec import CompactRows, decode_support, encode_support
+from nemo_replay.support.codec import CompactRows, decode_support, encode_support, header_of, row_lengths
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["GeneratedRows", "SampleRows", "sample_rows", "batch_rows", "message_log_rows"]
+__all__ = ["GeneratedRows", "MessageRows", "SampleRows", "sample_rows", "batch_rows", "message_log_rows"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ class GeneratedRows:
     generated tokens' rows, columns ``[start, start + n)`` of the worker's ``logprobs`` layout, compact.
 
     The patched rollout code slices it as it slices ``logprobs`` (``rows[i][input_length:total_length]``):
-    a column slice gives the dense ``(columns, width)`` int32 rows the generated message carries, -1 where
-    a column holds no generated token or its support could not be recorded.
+    a column slice is a :class:`MessageRows`, the message's window of the same buffer (no row where a
+    column holds no generated token or its support could not be recorded).
 
     Attributes:
         start: the column of the first generated token (the prompt's length).
@@ -97,18 +97,81 @@ class GeneratedRows:
         bound = int(values.max()) + 1 if values.numel() else 1
         return cls(int(start), int(values.shape[1]), encode_support(support, vocab_size=max(bound, 1)))
 
-    def __getitem__(self, columns: slice) -> torch.Tensor:
+    def __getitem__(self, columns: slice) -> "MessageRows":
         if not isinstance(columns, slice) or columns.step not in (None, 1):
             raise ValueError(f"GeneratedRows are sliced by a column range, as logprobs are; got {columns!r}")
-        rows = decode_support(self.data)
-        n = rows.num_rows
         lo = 0 if columns.start is None else int(columns.start)
-        hi = self.start + n if columns.stop is None else int(columns.stop)
-        out = torch.full((max(hi - lo, 0), self.width), -1, dtype=torch.int32)
-        a, b = max(lo, self.start), min(hi, self.start + n)
+        hi = self.start + self.num_rows if columns.stop is None else int(columns.stop)
+        return MessageRows(self, lo, max(hi, lo))
+
+    @property
+    def num_rows(self) -> int:
+        return header_of(self.data).rows
+
+
+@dataclass(frozen=True)
+class MessageRows:
+    """A generated message's rows as the patched rollout code slices them out of a :class:`GeneratedRows`
+    (``rows[i][input_length:total_length]``): columns ``[lo, hi)`` of the worker's ``logprobs`` layout,
+    still compact (the message log holds a reference to the sample's buffer, not ``(n, width)`` int32).
+
+    A column outside the generated tokens has no row. :meth:`recorded` reads the rows' lengths alone;
+    :meth:`rows` decodes the window, once, where the message log is flattened (:func:`sample_rows`).
+    """
+
+    source: GeneratedRows
+    lo: int
+    hi: int
+
+    @property
+    def shape(self) -> tuple:
+        return (self.hi - self.lo, self.source.width)
+
+    def _window(self) -> tuple[int, int]:
+        """The window's generated rows ``[a, b)``, as row indices of the source."""
+        start = self.source.start
+        a = min(max(self.lo, start), start + self.source.num_rows) - start
+        b = max(min(self.hi, start + self.source.num_rows) - start, a)
+        return a, b
+
+    def recorded(self) -> torch.Tensor:
+        """(hi - lo,) bool: columns whose support was recorded (a non-empty row)."""
+        out = torch.zeros(self.hi - self.lo, dtype=torch.bool)
+        a, b = self._window()
         if b > a:
-            out[a - lo : b - lo] = rows.to_padded(self.width).values[a - self.start : b - self.start].to(torch.int32)
+            at = a + self.source.start - self.lo
+            out[at:at + b - a] = torch.from_numpy(row_lengths(self.source.data)[a:b] > 0)
         return out
+
+    def rows(self) -> RaggedSupport:
+        """The window's rows, one segment of ``hi - lo`` rows (empty outside the generated tokens)."""
+        got = decode_support(self.source.data)
+        a, b = self._window()
+        offsets = got.row_offsets
+        lead = a + self.source.start - self.lo
+        lengths = torch.zeros(self.hi - self.lo, dtype=torch.int64)
+        lengths[lead:lead + b - a] = offsets[a + 1:b + 1] - offsets[a:b]
+        members = got.member_ids[int(offsets[a]):int(offsets[b])]
+        return RaggedSupport(members, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]),
+                             torch.tensor([0, self.hi - self.lo], dtype=torch.int32))
+
+    def dense(self) -> torch.Tensor:
+        """``(hi - lo, width)`` int32, -1 padded: the rows as a token-aligned tensor."""
+        return self.rows().to_padded(self.source.width).values.to(torch.int32)
+
+
+def _message_rows(r: Any, n: int, key: str, where: str) -> RaggedSupport:
+    """A generated message's rows as one segment of ``n`` CSR rows: compact (:class:`MessageRows`) or
+    dense ``(n, k)`` integer rows, -1 padded."""
+    if isinstance(r, MessageRows):
+        if r.shape[0] != n:
+            raise ValueError(f"{where}: {key} holds {r.shape[0]} rows for {n} tokens; slice the worker's rows as "
+                             f"generation_logprobs is sliced")
+        return r.rows()
+    if not (is_integer(r) and r.dim() == 2 and r.shape[0] == n):
+        got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
+        raise ValueError(f"{where}: {key} must be integer rows ({n}, k), one per token, got {got}")
+    return RaggedSupport.from_padded(PackedTensor(r.cpu().to(torch.int32), [0, n]))
 
 
 def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows:
@@ -116,36 +179,31 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
 
     Args:
         messages: the sample's messages in order, each with ``token_ids (n,)``; generated ones
-            also ``key``, ``(n, k)`` int rows (-1 padded; an all -1 row is a token whose support
-            could not be recorded, left out).
+            also ``key``: a :class:`MessageRows` or ``(n, k)`` int rows (-1 padded). An empty row is
+            a token whose support could not be recorded, left out.
         where: names the sample in errors.
 
     Raises:
-        ValueError naming the message when its rows are not ``(n, k)`` integer rows, or a
-        recorded row does not hold its token.
+        ValueError naming the message when its rows are not one per token, or a recorded row does
+        not hold its token.
     """
-    offset, columns, rows, sampled = 0, [], [], []
+    offset, columns, parts, sampled = 0, [], [], []
     for j, message in enumerate(messages):
         tokens = message["token_ids"]
         n = int(tokens.shape[0])
         if key in message:
-            r = message[key]
-            if not (is_integer(r) and r.dim() == 2 and r.shape[0] == n):
-                got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
-                raise ValueError(f"{where}, message {j}: {key} must be integer rows ({n}, k), one per token, got {got}")
-            r = r.cpu()
-            recorded = torch.nonzero((r >= 0).any(-1)).flatten()
+            rows = _message_rows(message[key], n, key, f"{where}, message {j}")
+            recorded = torch.nonzero(rows.row_lengths > 0).flatten()
             columns.append(recorded + offset)
-            rows.append(r[recorded].to(torch.int32))
+            parts.append(rows.resegment(torch.arange(n + 1)).gather(recorded))  # one segment a recorded row
             sampled.append(tokens.cpu().to(torch.int64)[recorded])
         offset += n
-    width = max((int(r.shape[1]) for r in rows), default=1)
-    rows = [torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in rows]
-    values = torch.cat(rows) if rows else torch.zeros(0, width, dtype=torch.int32)
+    support = RaggedSupport.cat(parts) if parts else RaggedSupport.from_rows([])
+    support = support.resegment([0, support.num_rows])
     sampled = torch.cat(sampled) if sampled else torch.zeros(0, dtype=torch.int64)
-    support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
     # The codec's V bounds the ids; the model's vocabulary is not known here, the largest id is.
-    bound = int(max(int(values.max()) if values.numel() else 0, int(sampled.max()) if sampled.numel() else 0)) + 1
+    ids = support.member_ids
+    bound = max(int(ids.max()) if ids.numel() else 0, int(sampled.max()) if sampled.numel() else 0) + 1
     try:
         # Sampled ids kept in the rows: decoding checks each row against the token now at its column, so a list
         # that drifted from input_ids fails by name (a dropped id would be rebuilt around the wrong token).

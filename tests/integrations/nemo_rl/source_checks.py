@@ -42,7 +42,7 @@ def main() -> None:
 
     from nemo_replay.integrations.nemo_rl import install_data_path, replay_prepare_fn
     from nemo_replay.integrations.nemo_rl.datapath import replay_run
-    from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows, batch_rows
+    from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows, MessageRows, batch_rows
     from nemo_replay.integrations.nemo_rl.workers import ReplayVllmMixin, worker_fqn
     from nemo_replay.rollout.engines.vllm import vllm_row_width
     from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
@@ -117,8 +117,10 @@ def main() -> None:
     batch, _, _ = rollouts.generate_responses(Generation(), BatchedDataDict({}), batch, tokenizer, input_lengths)
     for i, log in enumerate(batch["message_log"]):
         reply = log[-1]
+        # The message holds a window of the sample's compact buffer, not (n, width) int32 rows.
+        assert isinstance(reply["generation_support"], MessageRows)
         assert reply["generation_support"].shape == (gen_lengths[i], width)
-        assert (reply["generation_support"] == reply["token_ids"][:, None]).any(1).all()
+        assert (reply["generation_support"].dense() == reply["token_ids"][:, None]).any(1).all()
 
     lost = [[dict(m) for m in log] for log in batch["message_log"]]
     del lost[2][-1]["generation_support"]
@@ -152,7 +154,7 @@ def main() -> None:
         start = sum(int(m["token_ids"].shape[0]) for m in log[:-1])
         cols = torch.nonzero(token_rows[i] >= 0).flatten().tolist()
         assert cols == list(range(start, start + gen_lengths[i])), (i, cols)
-        for c, want in zip(cols, log[-1]["generation_support"].tolist()):
+        for c, want in zip(cols, log[-1]["generation_support"].dense().tolist()):
             assert [t for t in support.values[int(token_rows[i, c])].tolist() if t >= 0] == sorted(t for t in want if t >= 0)
     dense = 4 * W * width * 4  # what the token-aligned (B, S, k) int32 tensor held
     compact = len(pickle.dumps(entries))

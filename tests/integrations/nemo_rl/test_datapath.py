@@ -28,6 +28,7 @@ import textwrap
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -43,7 +44,13 @@ from nemo_replay.integrations.nemo_rl import (
 from nemo_replay.integrations.nemo_rl import patch as patch_mod
 from nemo_replay.integrations.nemo_rl import workers
 from nemo_replay.support.errors import SupportAlignmentError
-from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows, batch_rows, message_log_rows, sample_rows
+from nemo_replay.integrations.nemo_rl.sample_rows import (
+    GeneratedRows,
+    MessageRows,
+    batch_rows,
+    message_log_rows,
+    sample_rows,
+)
 from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
 from tests.rollout.engines.engine_outputs import RequestOutput, SamplingMask, vllm_offline_output, vllm_steps
 
@@ -84,6 +91,35 @@ def _multi_turn_logs():
         _message("assistant", [61], [[61, 9, 10, 11, 12]], generated=True),
     ]
     return [t0, t1]
+
+
+def test_message_windows_of_the_worker_s_compact_rows_read_as_the_dense_rows():
+    """What the patched rollout code puts in a message, ``rows[i][input_length:total_length]`` of the
+    worker's GeneratedRows (a window of one compact buffer, the worker's left pad and right padding
+    columns included), gives the same flagged tokens and the same compact entry as the dense rows."""
+    dense, windows = _multi_turn_logs(), _multi_turn_logs()
+    for log in windows:
+        for m in log:
+            if "generation_support" in m:
+                rows = m["generation_support"]
+                n = rows.shape[0]
+                # The worker's layout: 4 prompt columns, then the generated tokens' rows, then padding.
+                generated = GeneratedRows.of(rows, 4)
+                m["generation_support"] = generated[4:4 + n]
+                wide = generated[2:4 + n + 3]  # a wider window: no rows outside the generated tokens
+                assert wide.shape == (n + 5, rows.shape[1]) and wide.recorded()[:2].sum() == 0
+                as_sets = lambda t: [sorted(v for v in r if v >= 0) for r in t.tolist()]  # noqa: E731 (rows come sorted)
+                assert as_sets(wide.dense()[2:2 + n]) == as_sets(rows) and (wide.dense()[2 + n:] == -1).all()
+    _nemo_rl_masks(dense), _nemo_rl_masks(windows)
+    assert backfill_support(dense) == backfill_support(windows) == 1
+    assert all(torch.equal(a["token_loss_mask"], b["token_loss_mask"]) for x, y in zip(dense, windows) for a, b in zip(x, y))
+    for a, b in zip(message_log_rows(dense, "generation_support"), message_log_rows(windows, "generation_support")):
+        assert np.array_equal(a.runs, b.runs) and a.data.tobytes() == b.data.tobytes()
+    short = _multi_turn_logs()
+    short[0][1]["generation_support"] = GeneratedRows.of(short[0][1]["generation_support"], 0)[0:2]
+    _nemo_rl_masks(short)
+    with pytest.raises(ValueError, match=r"trajectory 0, message 1: generation_support must be .* got MessageRows of 2 rows"):
+        backfill_support(short)
 
 
 def test_flagged_tokens_leave_the_loss_and_each_sample_keeps_its_response_rows_only():
@@ -359,7 +395,11 @@ def test_the_vllm_worker_asks_for_the_support_and_returns_rows_that_reproduce_th
     assert llm.params[-1].logprobs == 2 * top_k and "generate" not in vars(llm)  # the recorder is gone again
     entries = result["generation_support"]  # one compact entry a sample crosses Ray (sample_rows.GeneratedRows)
     assert isinstance(entries, list) and all(isinstance(e, GeneratedRows) for e in entries)
-    rows = torch.stack([e[0:9] for e in entries])  # sliced by column as the patched rollout code slices it
+    # Sliced by column as the patched rollout code slices it: a window of the same compact buffer.
+    windows = [e[0:9] for e in entries]
+    assert all(isinstance(w, MessageRows) and w.shape == (9, 2 * top_k - 1) for w in windows)
+    assert all(torch.equal(w.recorded(), (w.dense() >= 0).any(-1)) for w in windows)
+    rows = torch.stack([w.dense() for w in windows])
     assert rows.shape == (2, 9, 2 * top_k - 1) and rows.dtype == torch.int32
     assert (rows[0, :3] == -1).all() and (rows[0, 7:] == -1).all() and (rows[1, :5] == -1).all()
     token_mask = (rows >= 0).any(-1).float()
@@ -644,7 +684,7 @@ def test_the_vllm_worker_takes_the_sampling_mask_where_the_engine_returns_it():
     worker_cls = type("W", (workers.ReplayVllmMixin, _NemoRLVllmWorker), {})
     result = worker_cls({"temperature": TEMPERATURE, "top_p": 0.9, "top_k": top_k}, llm).generate(data)
     assert llm.params[-1].logprobs == 0  # NeMo-RL's own request, unchanged
-    rows = torch.stack([e[0 : result["output_ids"].shape[1]] for e in result["generation_support"]])
+    rows = torch.stack([e[0 : result["output_ids"].shape[1]].dense() for e in result["generation_support"]])
     assert rows.shape[-1] == top_k + 16
     token_mask = (rows >= 0).any(-1).float()
     batch = {"input_ids": result["output_ids"], "input_lengths": torch.tensor([7, 7]), "token_mask": token_mask,
