@@ -168,6 +168,44 @@ def decode_vs_scorer(rows, sampled, V, micro: int, buffers: int = 8) -> dict:
             "hidden_s": project}
 
 
+def policy_step(rows, sampled, V, micro: int, buffers: int = 8, rounds: int = 5) -> dict:
+    """One policy step (forward, scorer, backward) of a Llama built from a config (2 layers, hidden 64,
+    V = 32000) on ``micro`` positions, from fixed rows against from compact rows decoded at the entry.
+
+    Rows: the ``tiny llama`` set (that model's own top-k / top-p supports), ``buffers`` buffers of one
+    sample each; the fixed rows are the ones the buffers decode to (same member order).
+    """
+    import transformers
+
+    from nemo_replay.scoring.entry import ScorerChannels, score_positions
+    from nemo_replay.support.codec import CompactRows, decode_batch, encode_support
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(config)
+    rows, sampled = rows[:micro], torch.tensor(sampled[:micro])
+    cut = np.linspace(0, micro, buffers + 1).astype(int)
+    parts = [encode_support(_support(rows[a:b]), vocab_size=V, sampled_ids=sampled[a:b]) for a, b in zip(cut, cut[1:])]
+    fixed = decode_batch(parts, sampled_ids=sampled).to_padded()
+    ids = torch.randint(0, V, (buffers, micro // buffers + 1), generator=torch.Generator().manual_seed(1))
+    ch = ScorerChannels(sampled, torch.arange(micro), torch.ones(micro, dtype=torch.bool), torch.zeros(micro, dtype=torch.int64))
+
+    def step(support):
+        model.zero_grad(set_to_none=True)
+        logits = model(ids).logits[:, :-1].reshape(-1, V)
+        scores = score_positions(logits, ch, support())
+        (-scores.logprobs.mean()).backward()
+        return scores.logprobs.detach()
+
+    assert torch.equal(step(lambda: fixed), step(lambda: CompactRows(parts, sampled_ids=sampled)))
+    times = {"fixed": [], "compact": []}
+    for _ in range(rounds):  # round-robin, so a slower stretch of the machine hits both
+        for name, make in (("fixed", lambda: fixed), ("compact", lambda: CompactRows(parts, sampled_ids=sampled))):
+            times[name].append(median_ms(lambda: step(make), repeats=1, warmup=0))
+    return {"micro": micro, "fixed_ms": float(np.median(times["fixed"])), "compact_ms": float(np.median(times["compact"]))}
+
+
 def batch_pickles(rows, sampled, V) -> dict:
     """Pickled sizes of a batch of 8 responses whose rows are token-aligned int32 ``(B, S, k)``
     (prompt positions -1, as NeMo-RL carried ``generation_support``; verl's ``(B, R, k)`` holds
@@ -244,6 +282,13 @@ def main(argv=None) -> int:
         print(f"| {name} | {d['micro']} | {1e3 * d['decode_s']:.2f} ms | {1e3 * d['entry_s']:.2f} ms | "
               f"{1e3 * d['scorer_s']:.1f} ms | {d['entry_s'] / d['scorer_s']:.2f} | {d['compact_s'] / d['scorer_s']:.2f} | "
               f"{1e3 * d['hidden_s']:.1f} ms | {d['entry_s'] / d['hidden_s']:.2f} |", flush=True)
+    print()
+    print("| policy step (Llama from a config, 2 layers, V = 32000, tiny llama rows) | micro-batch | from fixed rows | "
+          "from compact rows (decoded at the entry) | ratio |")
+    print("|---|---|---|---|---|")
+    p = policy_step(*sets["tiny llama"], args.micro)
+    print(f"| forward, scorer, backward | {p['micro']} | {p['fixed_ms']:.1f} ms | {p['compact_ms']:.1f} ms | "
+          f"{p['compact_ms'] / p['fixed_ms']:.2f} |", flush=True)
     print()
     print("| batch (8 x 256 prompt + responses, zipf rows) | token-aligned int32 rows | compact | ratio |")
     print("|---|---|---|---|")

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +115,10 @@ def test_the_transport_and_checkpoint_benchmarks_run_and_their_figures_hold_toge
     # The micro-batch section: the forward from compact rows equals the one from fixed rows (asserted inside).
     d = transport.decode_vs_scorer(*transport._zipf(64, 2), 64)
     assert min(d["decode_s"], d["entry_s"], d["scorer_s"], d["compact_s"], d["hidden_s"]) > 0, d
+    g = np.random.default_rng(0)
+    rows = [g.choice(512, int(n), replace=False).tolist() for n in g.integers(1, 9, 64)]
+    p = transport.policy_step(rows, [r[0] for r in rows], 512, 64, rounds=1)  # trains bit for bit from either form (inside)
+    assert p["fixed_ms"] > 0 and p["compact_ms"] > 0, p
     pickles = transport.batch_pickles(*transport._zipf(64, 1))
     before, after = pickles["NeMo-RL BatchedDataDict"]
     assert after < before / 4, pickles
