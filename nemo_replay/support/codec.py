@@ -705,12 +705,15 @@ class CompactRows:
         buffers: what :func:`encode_support` wrote, one or more.
         sampled_ids: (rows,) every row's sampled token, needed when an encoder dropped them.
         labels: one name per buffer for its errors (for example the caller's sample).
+        width: decode to at least this many columns (rows captured at a fixed width score bit for
+            bit as those rows when decoded as wide).
     """
 
-    def __init__(self, buffers: Sequence, *, sampled_ids: Optional[torch.Tensor] = None, labels: Sequence[str] = ()):
+    def __init__(self, buffers: Sequence, *, sampled_ids: Optional[torch.Tensor] = None, labels: Sequence[str] = (),
+                 width: Optional[int] = None):
         if labels and len(labels) != len(buffers):
             raise ValueError(f"CompactRows: {len(labels)} labels for {len(buffers)} buffers; give one per buffer or none")
-        self.labels = tuple(labels)
+        self.labels, self._width = tuple(labels), width
         self._batch = _parse(list(buffers), None, self.labels)
         self._sampled = _sampled_arg(sampled_ids, self._batch.rows, self._batch.dropped, None)
 
@@ -720,7 +723,8 @@ class CompactRows:
 
     @property
     def width_bound(self) -> int:
-        return self._batch.width
+        """The decoded rows' width: the widest row, or the ``width`` asked when that is wider."""
+        return max(self._batch.width, self._width or 0, 1)
 
     def rows_of(self, i: int) -> int:
         """The rows buffer ``i`` holds (its header)."""
@@ -745,7 +749,7 @@ class CompactRows:
         device = torch.device(device)
         sampled = None if self._sampled is None else self._sampled.to(device)
         d = _decode(self._batch, sampled, device)
-        R, width = self._batch.rows, max(self._batch.width, 1)
+        R, width = self._batch.rows, self.width_bound
         values = d.place(torch.arange(R, device=d.lengths.device) * width, R * width).reshape(R, width)
         out = DecodedRows(values, self._batch.cu, d, self.labels)
         record_checked(out, self._batch.vocab_size)  # what the decode guarantees once its flag reads clear

@@ -3,7 +3,7 @@
 TRL-independent (no ``trl`` import), so it is tested on its own.
 
 One :class:`CompletionRecord` per generated completion travels in TRL's batch dict as a
-Python list under :data:`RECORDS_KEY`, its rows compact (:class:`CompactRows`) while they wait
+Python list under :data:`RECORDS_KEY`, its rows compact (:class:`KeptRows`) while they wait
 in TRL's buffer and decoded when a batch is scored: TRL's ``shuffle_sequence_dict`` permutes lists with
 the tensors and ``split_tensor_dict`` slices them, so record ``i`` stays with row ``i``.
 Every scoring call checks that it did (:func:`completion_channels`).
@@ -27,13 +27,13 @@ import torch
 
 from nemo_replay.rollout.capture.hf import CapturedSupport
 from nemo_replay.scoring.entry import ScorerChannels
-from nemo_replay.support.codec import decode_support, encode_support
+from nemo_replay.support.codec import CompactRows, decode_support, encode_support
 from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = [
     "RECORDS_KEY",
-    "CompactRows",
+    "KeptRows",
     "CompletionRecord",
     "records_from_capture",
     "records_from_vllm",
@@ -45,7 +45,7 @@ __all__ = [
 RECORDS_KEY = "replay_records"
 
 
-class CompactRows(NamedTuple):
+class KeptRows(NamedTuple):
     """A completion's rows as they wait in TRL's buffer: one compact buffer
     (:mod:`nemo_replay.support.codec`, the sampled tokens dropped: the record holds them) --
     about 11 B a token for typical top-p supports where int32 rows of k = 64 hold 256.
@@ -61,7 +61,7 @@ class CompactRows(NamedTuple):
     width: Optional[int]
 
     @classmethod
-    def of(cls, support: Union[PackedTensor, RaggedSupport], token_ids: torch.Tensor, vocab_size: int) -> "CompactRows":
+    def of(cls, support: Union[PackedTensor, RaggedSupport], token_ids: torch.Tensor, vocab_size: int) -> "KeptRows":
         width = None if support.csr else support.width_bound  # fixed-width rows come back as wide
         data = encode_support(support, vocab_size=vocab_size, sampled_ids=token_ids)
         return cls(torch.from_numpy(data), vocab_size, width)
@@ -78,28 +78,28 @@ class CompletionRecord(NamedTuple):
     Attributes:
         token_ids: (R,), int64 -- the sampled tokens (a stop token included).
         logprobs: (R,), float32 -- each token's processed log-prob over its row.
-        support: one segment of R rows: :class:`CompactRows` (as the trainer keeps them), or a
+        support: one segment of R rows: :class:`KeptRows` (as the trainer keeps them), or a
             ``PackedTensor`` (values (R, w) int32) or ``RaggedSupport``.
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
-    support: Union[CompactRows, PackedTensor, RaggedSupport]
+    support: Union[KeptRows, PackedTensor, RaggedSupport]
 
     def rows(self) -> Union[PackedTensor, RaggedSupport]:
         """The record's rows as the scorer takes them."""
-        return self.support.rows(self.token_ids) if isinstance(self.support, CompactRows) else self.support
+        return self.support.rows(self.token_ids) if isinstance(self.support, KeptRows) else self.support
 
 
 def _kept(support, token_ids: torch.Tensor, vocab_size: Optional[int]):
     """Rows as a record keeps them: compact when the vocabulary is known."""
-    return support if vocab_size is None else CompactRows.of(support, token_ids, vocab_size)
+    return support if vocab_size is None else KeptRows.of(support, token_ids, vocab_size)
 
 
 def records_from_capture(completions: Sequence[Sequence[int]], captured: CapturedSupport, *,
                          vocab_size: Optional[int] = None) -> list[CompletionRecord]:
     """Split a batch capture (:meth:`SupportRecorder.finish`) into one record per completion;
-    rows kept compact (:class:`CompactRows`) when ``vocab_size`` is given."""
+    rows kept compact (:class:`KeptRows`) when ``vocab_size`` is given."""
     lengths = captured.lengths.tolist()
     if len(lengths) != len(completions):
         raise ValueError(f"{len(completions)} completions for a capture of {len(lengths)}")
@@ -195,12 +195,14 @@ class Completions(NamedTuple):
         channels: the scorer's channels, each (B, C): ``sampled_ids`` the completion ids,
             ``row_ids`` the row of ``support`` per position (-1 past R_i), ``loss_mask`` TRL's
             completion mask, ``trajectory_ids`` the completion's index b.
-        support: the B records' rows, completion-major.
+        support: the B records' rows, completion-major: still compact
+            (:class:`~nemo_replay.support.codec.CompactRows`, decoded by the scorer) when every
+            record kept them so, at one width; else decoded here.
         rollout_logprobs: (B, C), float32 -- the engine's processed log-probs, 0 past R_i.
     """
 
     channels: ScorerChannels
-    support: Union[PackedTensor, RaggedSupport]
+    support: Union[CompactRows, PackedTensor, RaggedSupport]
     rollout_logprobs: torch.Tensor
 
 
@@ -260,6 +262,12 @@ def completion_channels(
         )
     offsets = lengths_to_cu_seqlens(lengths).to(torch.int64)[:-1]
     row_ids = torch.where(inside, offsets[:, None] + cols[None, :], torch.full_like(tokens, -1))
-    support = join_supports([r.rows() for r in records])
     channels = ScorerChannels(ids, row_ids, mask, torch.arange(B)[:, None].expand(B, C)).to(device)
+    kept = [r.support for r in records]
+    if kept and all(isinstance(k, KeptRows) for k in kept) and len({k.width for k in kept}) == 1:
+        # Still compact: the scorer decodes the chunk's buffers on its own device (docs/design.md §2).
+        support = CompactRows([k.data.numpy() for k in kept], sampled_ids=torch.cat([r.token_ids for r in records]),
+                              labels=[f"{where}: completion {i}" for i in range(B)], width=kept[0].width)
+        return Completions(channels, support, rollout.to(device))
+    support = join_supports([r.rows() for r in records])
     return Completions(channels, support.to(device), rollout.to(device))
