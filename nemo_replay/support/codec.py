@@ -356,6 +356,16 @@ _SET_BITS = torch.tensor([[i for i in range(8) if (b << i) & 128] + [0] * (8 - b
                          dtype=torch.int64).reshape(-1)
 
 
+_TABLES: dict = {}  # device -> (_POPCOUNT, _SET_BITS) there
+
+
+def _tables(device: torch.device) -> tuple:
+    got = _TABLES.get(device)
+    if got is None:
+        got = _TABLES[device] = (_POPCOUNT.to(device), _SET_BITS.to(device))
+    return got
+
+
 def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t[index]`` for a 1-D ``t`` (``index_select``: a fraction of advanced indexing's cost on the CPU)."""
     return t.index_select(0, index)
@@ -378,12 +388,13 @@ def _read_unary(raw: torch.Tensor, at: torch.Tensor, size: torch.Tensor, count: 
     # The j-th set bit: its byte by a running maximum over marks at each byte's first set bit's rank,
     # its place in the byte from a table; ranks past a byte's count are clamped into the table.
     code = stream.to(torch.int64)
-    before = _exclusive(_take(_POPCOUNT.to(dev), code))
+    popcounts, set_bits = _tables(dev)
+    before = _exclusive(_take(popcounts, code))
     marks = torch.zeros(total + 1, dtype=torch.int64, device=dev)
     marks.scatter_reduce_(0, before[:-1].clamp(max=total), torch.arange(nbytes, device=dev), "amax")
     byte = torch.cummax(marks[:total], 0).values if total else marks[:0]
     rank = torch.clamp(torch.arange(total, device=dev) - _take(before, byte), 0, 7)
-    ones = 8 * byte + _take(_SET_BITS.to(dev), 8 * _take(code, byte) + rank) if nbytes else byte
+    ones = 8 * byte + _take(set_bits, 8 * _take(code, byte) + rank) if nbytes else byte
     popcount = _take(before, start[1:]) - _take(before, start[:-1])
     first = _exclusive(count)[:-1]
     prev = torch.cat([ones.new_full((1,), -1), ones])  # a spare last slot for empty buffers' writes
@@ -434,7 +445,15 @@ class _Decoded:
 
     def any_flag(self) -> torch.Tensor:
         """0-d bool: some check failed (no host read)."""
-        return torch.stack([f.any() for f in self.flags.values()]).any()
+        return torch.cat([f.reshape(-1) for f in self.flags.values()]).any()
+
+    def failed(self) -> list:
+        """The names of the checks that failed, in order: one host read."""
+        names = list(self.flags)
+        ends = torch.tensor([f.numel() for f in self.flags.values()]).cumsum(0).to(self.lengths.device)
+        hits = torch.cat([self.lengths.new_zeros(1), torch.cat([f.reshape(-1) for f in self.flags.values()]).cumsum(0)])
+        counts = _take(hits, ends) - _take(hits, torch.cat([ends.new_zeros(1), ends[:-1]]))
+        return [n for n, c in zip(names, counts.tolist()) if c]
 
     def place(self, starts: torch.Tensor, total: int) -> torch.Tensor:
         """(total,) int32: the members at ``starts[row] + column``, -1 elsewhere; a spare last slot takes
@@ -525,10 +544,8 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_o
 def _raise_named(d: _Decoded, name: str, buffer_of, labels: Sequence[str]) -> None:
     """Name the first failure of check ``name`` (host reads: the failure path only)."""
     t, batch = d.batch.table, d.batch
-    flag = d.flags[name].cpu()
-    j = int(torch.nonzero(flag)[0])
-    i = j if flag.numel() == len(batch.headers) and name in ("length count", "length padding", "id count", "gap count",
-                                                              "gap padding", "gap low size") else buffer_of(j)
+    j = int(torch.nonzero(d.flags[name].cpu())[0])
+    i = buffer_of(j) if name in _PER_ROW + _PER_ID else j
     first_row = int(t[:i, _ROWS].sum())
     if name in ("length count", "length padding", "gap count", "gap padding"):
         what, count = ("length", int(t[i, _ROWS])) if name.startswith("length") else ("gap", int(t[i, _IDS]))
@@ -554,18 +571,17 @@ def _raise_named(d: _Decoded, name: str, buffer_of, labels: Sequence[str]) -> No
     raise CodecError(f"{labels[i] + ': ' if labels else ''}compact support: {msg}; a corrupted buffer")
 
 
+_PER_ROW, _PER_ID = ("row width", "sampled range"), ("id range",)  # the other flags are one a buffer
+
+
 def _check(d: _Decoded, labels: Sequence[str]) -> None:
-    """Read every flag of ``d`` at once and raise for the first set one, in the decode's order."""
-    names = list(d.flags)
-    got = torch.stack([d.flags[n].any() for n in names]).tolist() if names else []
-    t = d.batch.table
-    row_buf = np.repeat(np.arange(len(t)), t[:, _ROWS])
-    id_buf = np.repeat(np.arange(len(t)), t[:, _IDS])
-    for name, bad in zip(names, got):
-        if bad:
-            per = d.flags[name].numel()
-            _raise_named(d, name, lambda j: int((id_buf if per == d.batch.ids and per != d.batch.rows else row_buf)[j]),
-                         labels)
+    """Read every flag of ``d`` at once (one host read) and raise for the first set one, in the decode's order."""
+    failed = d.failed()
+    if failed:
+        t, name = d.batch.table, failed[0]
+        counts = t[:, _IDS] if name in _PER_ID else t[:, _ROWS]
+        owner = np.repeat(np.arange(len(t)), counts)  # the buffer of each row or id
+        _raise_named(d, name, lambda j: int(owner[j]), labels)
 
 
 def _sampled_arg(sampled_ids, rows: int, dropped: bool, device) -> Optional[torch.Tensor]:
