@@ -30,11 +30,18 @@ def first_outside(ids, high: int, low: int = 0) -> Optional[int]:
     array. Errors name the position it returns.
     """
     if isinstance(ids, torch.Tensor):
-        wide = ids.reshape(-1).to(torch.int64)
-        bad = (wide < low) | (wide >= high)
-        if not bool(bad.any()):
+        flat = ids.reshape(-1)
+        if not flat.numel():
             return None
-        return int(torch.nonzero(bad)[0])
+        try:  # the bounds in the ids' own dtype, read as Python ints: no widened copy of a long prompt
+            least, most = torch.stack(torch.aminmax(flat)).tolist()
+            if least >= low and most < high:
+                return None
+        except RuntimeError:  # a dtype aminmax does not take: the widened comparison below decides
+            pass
+        wide = flat.to(torch.int64)
+        bad = torch.nonzero((wide < low) | (wide >= high))
+        return int(bad[0]) if bad.numel() else None
     flat = np.asarray(ids).reshape(-1)
     if not flat.size or (flat.min() >= low and flat.max() < high):
         return None

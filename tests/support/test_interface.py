@@ -57,3 +57,19 @@ def test_resegment_and_widen_keep_rows_and_record(form):
     assert RaggedSupport.of(wide) == RaggedSupport.of(support)
     joined = type(support).cat([wide, wide])
     assert joined.batch_size == 4 and joined.checked is not None
+
+
+def test_first_outside_names_the_first_id_out_of_range_in_every_integer_dtype():
+    """support/dtypes.first_outside: in the ids' own dtype when torch's aminmax takes it (no widened copy of a
+    long prompt: tests/rollout/transport/test_server.py measures the server's memory), widened otherwise."""
+    import numpy as np
+
+    from nemo_replay.support.dtypes import first_outside
+
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        ids = torch.tensor([1, 2, 9, 3, 100], dtype=dtype)
+        assert first_outside(ids, 200) is None and first_outside(ids, 9) == 2 and first_outside(ids, 200, low=2) == 0
+        assert first_outside(ids[:0], 1) is None
+    assert first_outside(torch.tensor([[5, -1], [0, 7]]), 8) == 1  # flat index of a 2-D tensor
+    assert first_outside(torch.tensor([2**40, 5]), 2**31) == 0  # int64 ids past int32
+    assert first_outside(np.array([3, 4, 12]), 10) == 2 and first_outside(np.array([], np.int64), 1) is None
