@@ -94,3 +94,38 @@ def test_an_fsdp2_policy_step_over_nccl_on_one_rank():
         assert hidden["lm_head.weight"].abs().sum() > 0
         for name, g in hidden.items():
             torch.testing.assert_close(g, logits[name], atol=1e-10, rtol=1e-8, msg=f"{regime}, {name}")
+
+
+def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_the_cpu():
+    """CompactRows handed to the scorer on CUDA: decoded there (the same rows as the CPU decode), the
+    forward's one host read unchanged, scores equal to the CPU's from the same rows; a forged buffer
+    whose rows do not decode is named through that read, with no device-side assert."""
+    import struct
+
+    import numpy as np
+
+    from nemo_replay.support import codec
+    from nemo_replay.support.codec import CodecError, CompactRows, encode_support
+    from nemo_replay.support.ragged import RaggedSupport
+
+    case = _case()
+    ragged = RaggedSupport.from_padded(case.support)
+    buffers = [encode_support(ragged[[i]], vocab_size=4096) for i in range(ragged.batch_size)]
+    compact = CompactRows(buffers, labels=[f"sample {i}" for i in range(len(buffers))])
+    on_gpu, on_cpu = compact.decode("cuda"), compact.decode("cpu")
+    assert torch.equal(on_gpu.values.cpu(), on_cpu.values) and not bool(on_gpu.decode_flag)
+    channels = [t.to("cuda") for t in (case.sampled_ids, case.row_ids, case.loss_mask)]
+    z = case.logits.to("cuda", torch.float32)
+    score_aligned_support(z, *channels, compact)  # warm-up
+    got, reads = _synchronisations(lambda: score_aligned_support(z, *channels, compact))
+    assert reads == 1, reads
+    want = score_aligned_support(z.cpu(), *[t.cpu() for t in channels], on_cpu)
+    torch.testing.assert_close(got.logprobs.cpu(), want.logprobs, atol=1e-5, rtol=0)
+    head = list(codec._HEAD.unpack(buffers[1][:codec._HEAD.size].tobytes()))
+    head[9], head[10] = head[9] - 1, 0  # a row width the widest row decodes past (CRC recomputed)
+    bad = np.concatenate([np.frombuffer(codec._HEAD.pack(*head), np.uint8), buffers[1][codec._HEAD.size:]])
+    bad[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(bad)), np.uint8)
+    with pytest.raises(CodecError, match=r"sample 1: compact support: row \d+ decodes to"):
+        score_aligned_support(z, *channels, CompactRows([buffers[0], bad, *buffers[2:]],
+                                                         labels=[f"sample {i}" for i in range(len(buffers))]))
+    torch.cuda.synchronize()  # the stream is still usable: nothing read out of bounds
