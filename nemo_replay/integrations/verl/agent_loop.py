@@ -36,16 +36,18 @@ from typing import Any, Optional
 
 import numpy as np
 import ray
+import torch
 from pydantic import ConfigDict
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopOutput, AgentLoopWorker, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
-from nemo_replay.integrations.verl.keys import PAD_ID, SUPPORT_KEY
+from nemo_replay.integrations.verl.keys import SUPPORT_KEY
 from nemo_replay.integrations.verl.response_rows import decode_response_rows, encode_response_rows, object_column
 from nemo_replay.integrations.verl.rollout import FLAGS_KEY, RolloutReplay
 from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = [
     "AGENT_LOOPS",
@@ -84,9 +86,9 @@ class SupportTrack:
 
     def __init__(self, replay: RolloutReplay, response_length: int):
         self.replay, self.response_length = replay, response_length
-        self.rows: list[np.ndarray] = []
+        self.rows: list[RaggedSupport] = []  # each captured turn's rows, CSR
         self.flags: Counter = Counter()
-        self._turns: list[Optional[np.ndarray]] = []  # captured, not yet merged
+        self._turns: list[Optional[RaggedSupport]] = []  # captured, not yet merged
         self._index: list[float] = []
         self._candidate: Optional[tuple[str, list[float]]] = None
 
@@ -105,7 +107,7 @@ class SupportTrack:
                 "nemo_replay.integrations.verl.plugin in ray_kwargs.ray_init.runtime_env.env_vars (configs/verl/"
                 "replay_fsdp.yaml does)"
             )
-        if rows is not None:  # the server's compact buffer (rollout.attach_support), decoded to the row width
+        if rows is not None:  # the server's compact buffer (rollout.attach_support), decoded to CSR rows
             rows = decode_response_rows(rows, output.token_ids, self.replay.width, where="replay: a TokenOutput's rows")
         self._turns.append(rows)
 
@@ -127,12 +129,12 @@ class SupportTrack:
         self._sync(response_len, "assistant merge")
         rows = self._turns.pop(0) if self._turns else None
         n = len(assistant_ids)
-        if rows is not None and rows.shape[0] != n:
-            raise SupportAlignmentError(f"replay: {rows.shape[0]} support rows for {n} assistant tokens in one merge")
+        if rows is not None and rows.num_rows != n:
+            raise SupportAlignmentError(f"replay: {rows.num_rows} support rows for {n} assistant tokens in one merge")
         if rows is None:
             numbers = [0.0] * n
         else:
-            base = sum(r.shape[0] for r in self.rows)
+            base = sum(r.num_rows for r in self.rows)
             self.rows.append(rows)
             numbers = [float(base + i + 1) for i in range(n)]
         _, index = builder.align_response_metadata(merge, [0] * len(self._index), self._index, assistant_logprobs=numbers)
@@ -146,9 +148,9 @@ class SupportTrack:
 
     # ------------------------------------------------------------------ finish
 
-    def finish(self, response_ids: list, response_mask: list) -> tuple[np.ndarray, list, int]:
-        """Rows ``(R, K)`` aligned with the loop's (cut) response, the mask with flagged tokens
-        out, and their count.
+    def finish(self, response_ids: list, response_mask: list) -> tuple[RaggedSupport, list, int]:
+        """The rows of the loop's (cut) response, one CSR row a position (empty where none), the mask
+        with flagged tokens out, and their count.
 
         Raises:
             SupportAlignmentError when a row lands on a token that is not generated or is not
@@ -165,26 +167,33 @@ class SupportTrack:
                 f"replay: the response holds {len(response_ids)} tokens and {num} mask entries, the support track "
                 f"{len(index)} positions"
             )
-        all_rows = np.concatenate(self.rows) if self.rows else np.full((0, self.replay.width), PAD_ID, np.int32)
-        out = np.full((num, self.replay.width), PAD_ID, dtype=np.int32)
-        mask, flagged = list(response_mask), 0
-        for j in range(num):
-            r = int(index[j])
-            if r == 0:
-                continue
-            if not mask[j]:
-                raise SupportAlignmentError(f"replay: response position {j} carries support row {r - 1} but is not a generated token")
-            row = all_rows[r - 1]
-            if (row == PAD_ID).all():
-                mask[j], flagged = 0, flagged + 1  # not recorded whole: out of the loss
-                continue
-            if int(response_ids[j]) not in row:
+        captured = RaggedSupport.cat(self.rows) if self.rows else RaggedSupport.from_rows([[]])
+        row = torch.tensor([int(r) for r in index[:num]], dtype=torch.int64) - 1  # -1: no row
+        mask = torch.tensor([int(m) for m in response_mask], dtype=torch.int64)
+        stray = torch.nonzero((row >= 0) & (mask == 0)).flatten()
+        if stray.numel():
+            j = int(stray[0])
+            raise SupportAlignmentError(f"replay: response position {j} carries support row {int(row[j])} but is not a generated token")
+        sizes = torch.where(row >= 0, captured.row_lengths[row.clamp(min=0)], 0) if captured.num_rows else torch.zeros_like(row)
+        flagged = (row >= 0) & (sizes == 0)  # not recorded whole: out of the loss
+        mask = torch.where(flagged, 0, mask)
+        kept = torch.nonzero(sizes > 0).flatten()
+        picked = captured.resegment(torch.arange(captured.num_rows + 1)).gather(row[kept]) if kept.numel() else None
+        if picked is not None:
+            ids = torch.tensor([int(response_ids[j]) for j in kept.tolist()], dtype=torch.int64)
+            owner = torch.repeat_interleave(torch.arange(kept.numel()), picked.row_lengths)  # each member's row
+            member = torch.zeros(kept.numel(), dtype=torch.int64).index_add_(
+                0, owner, (picked.member_ids.to(torch.int64) == ids[owner]).to(torch.int64)) > 0
+            if not bool(member.all()):
+                k = int(torch.nonzero(~member)[0])
+                j, got = int(kept[k]), picked.row(k)
                 raise SupportAlignmentError(
-                    f"replay: response position {j} holds token {int(response_ids[j])}, not a member of its support "
-                    f"row {row[row >= 0].tolist()[:16]}; the rows and the response are misaligned"
+                    f"replay: response position {j} holds token {int(ids[k])}, not a member of its support "
+                    f"row {got.tolist()[:16]}; the rows and the response are misaligned"
                 )
-            out[j] = row
-        return out, mask, flagged
+        members = picked.member_ids if picked is not None else torch.zeros(0, dtype=torch.int32)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.where(sizes > 0, sizes, 0), 0)])
+        return RaggedSupport(members, offsets, torch.tensor([0, num])), mask.tolist(), int(flagged.sum())
 
 
 class ReplayAgentLoopOutput(AgentLoopOutput):
@@ -303,7 +312,9 @@ class ReplayAgentLoopWorker(AgentLoopWorker):
                     f"dataset's agent_name"
                 )
             if rows is None:  # a validation loop without rows: none recorded, for every response position
-                rows = encode_response_rows(np.full((len(output.response_ids), 1), PAD_ID), output.response_ids)
+                n = len(output.response_ids)
+                none = RaggedSupport(torch.zeros(0, dtype=torch.int32), torch.zeros(n + 1, dtype=torch.int64), [0, n])
+                rows = encode_response_rows(none, output.response_ids)
             internal.extra_fields[SUPPORT_KEY] = rows
         return internal
 

@@ -29,30 +29,37 @@ __all__ = ["encode_response_rows", "decode_response_rows", "object_column", "buf
 
 
 def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
-    """One response's rows ``(R, K)`` (-1 padded; an all -1 row records nothing) as a uint8 buffer.
+    """One response's rows as a uint8 buffer: ``(R, K)`` int rows (-1 padded; an all -1 row records
+    nothing) or one segment of R CSR rows (a :class:`RaggedSupport`; an empty row records nothing).
 
     Raises:
         ValueError naming the row when a recorded row does not hold its response token.
     """
-    values = torch.as_tensor(np.asarray(rows), dtype=torch.int32)
     sampled = torch.as_tensor(list(response_ids), dtype=torch.int64)
-    if values.dim() != 2 or values.shape[0] != sampled.numel():
-        raise ValueError(f"replay: support rows of shape {tuple(values.shape)} for a response of {sampled.numel()} tokens")
-    support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
+    if isinstance(rows, RaggedSupport):
+        support = rows
+    else:
+        values = torch.as_tensor(np.asarray(rows), dtype=torch.int32)
+        if values.dim() != 2:
+            raise ValueError(f"replay: support rows of shape {tuple(values.shape)}; expected (R, K)")
+        support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
+    if support.num_rows != sampled.numel():
+        raise ValueError(f"replay: {support.num_rows} support rows for a response of {sampled.numel()} tokens")
+    ids = support.member_ids
     # The codec's V bounds the ids; the model's vocabulary is not known here, the largest id is.
-    bound = max(int(values.max()) if values.numel() else 0, int(sampled.max()) if sampled.numel() else 0) + 1
+    bound = max(int(ids.max()) if ids.numel() else 0, int(sampled.max()) if sampled.numel() else 0) + 1
     support.validate(sampled_ids=sampled, where="replay: a response's support rows")  # each holds its token
     # Sampled ids kept, not dropped: the buffer travels apart from ``responses``, and a row decoded against another
     # sample's tokens must fail the membership check, not be rebuilt around them.
-    return encode_support(support, vocab_size=bound)
+    return encode_support(support.resegment([0, support.num_rows]), vocab_size=bound)
 
 
-def decode_response_rows(buf: Any, token_ids: Sequence[int], width: int, *, where: str) -> np.ndarray:
-    """One buffer's rows as int32 ``(n, width)``, -1 padded: the inverse of :func:`encode_response_rows`.
+def decode_response_rows(buf: Any, token_ids: Sequence[int], width: int, *, where: str) -> RaggedSupport:
+    """One buffer's rows, one segment of ``len(token_ids)`` CSR rows: the inverse of :func:`encode_response_rows`.
 
     Raises:
         ValueError naming ``where``: not a uint8 buffer, rows of another count than ``token_ids``,
-        a row wider than ``width``, or a buffer that does not decode.
+        a row wider than ``width``, a buffer that does not decode, or a row without its token.
     """
     if isinstance(buf, (bytes, bytearray)):
         buf = np.frombuffer(buf, np.uint8)
@@ -67,7 +74,7 @@ def decode_response_rows(buf: Any, token_ids: Sequence[int], width: int, *, wher
         raise type(exc)(f"{where}: {exc}") from exc
     if n and rows.width_bound > width:
         raise ValueError(f"{where}: a support row holds {rows.width_bound} ids, wider than the row width {width}")
-    return rows.to_padded(width).values.numpy().astype(np.int32) if n else np.zeros((0, width), np.int32)
+    return rows.resegment([0, n])
 
 
 def object_column(buffers: Sequence[Any]) -> np.ndarray:

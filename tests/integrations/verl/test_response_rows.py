@@ -41,8 +41,11 @@ def test_round_trip_equals_the_rows_and_costs_less_than_int32():
     rows, tokens = _response(0, 200)
     buf = encode_response_rows(rows, tokens)
     assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.nbytes < rows.nbytes / 3
-    assert np.array_equal(decode_response_rows(buf, tokens, 6, where="t"), rows)
-    assert np.array_equal(decode_response_rows(buf.tobytes(), tokens, 8, where="t")[:, :6], rows)  # bytes, wider
+    got = decode_response_rows(buf, tokens, 6, where="t")  # CSR rows, one segment
+    assert got.num_rows == 200 and got.cu_seqlens.tolist() == [0, 200]
+    assert np.array_equal(got.to_padded(6).values.numpy(), rows)
+    assert np.array_equal(decode_response_rows(buf.tobytes(), tokens, 8, where="t").to_padded(6).values.numpy(), rows)
+    assert encode_response_rows(got, tokens).tobytes() == buf.tobytes()  # CSR rows encode as the fixed ones
 
 
 def test_the_column_keeps_one_buffer_a_sample_even_at_equal_lengths():

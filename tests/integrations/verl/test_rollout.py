@@ -243,10 +243,10 @@ def make_server(cfg, engine, **kw) -> ReplayServer:
 
 def server_rows(output, width: int = TOP_K) -> np.ndarray:
     """The rows a server put into ``TokenOutput.extra_fields``: one uint8 buffer (what crosses Ray), decoded as the
-    agent loop decodes it (response_rows.decode_response_rows) to ``(len(token_ids), width)`` int32."""
+    agent loop decodes it (response_rows.decode_response_rows), padded here to ``(len(token_ids), width)`` int32."""
     buf = output.extra_fields[SUPPORT_KEY]
     assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1
-    return decode_response_rows(buf, output.token_ids, width, where="test")
+    return decode_response_rows(buf, output.token_ids, width, where="test").to_padded(width).values.numpy()
 
 
 def support_of(step, width: int) -> list:
