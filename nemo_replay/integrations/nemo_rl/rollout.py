@@ -18,13 +18,15 @@ For replay the worker must see each token's whole support:
 - or vLLM's sampling masks (``return_sampling_mask`` on a Model Runner V2 engine), exact
   sets of any width.
 
-:func:`generation_support_from_vllm` turns the worker's outputs into ``generation_support``
-rows laid out exactly like its ``logprobs`` tensor (int32 ``[B, total_length, width]``, the row
-of token t at column t, ``-1`` on prompt and padding), through the engine adapters of
-:mod:`nemo_replay.rollout.engines.vllm`. Replay's vLLM worker (:mod:`.workers`) returns them; the
-patched rollout code slices them into each generated message like ``logprobs`` (:mod:`.patch`),
-and :mod:`.datapath` turns each sample's messages into one compact entry, response positions
-only (:mod:`.sample_rows`), before NeMo-RL builds its policy batches.
+:func:`completion_supports` reads the worker's outputs through the engine adapters of
+:mod:`nemo_replay.rollout.engines.vllm`: each completion's rows, CSR, placed after its prompt in
+the columns of the worker's ``logprobs`` tensor. Replay's vLLM worker (:mod:`.workers`) returns
+them as one compact ``GeneratedRows`` a sample; the patched rollout code slices each into its
+generated message like ``logprobs`` (:mod:`.patch`), and :mod:`.datapath` turns each sample's
+messages into one compact entry, response positions only (:mod:`.sample_rows`), before NeMo-RL
+builds its policy batches. :func:`generation_support_from_vllm` lays the same rows out densely,
+exactly like ``logprobs`` (int32 ``[B, total_length, width]``, the row of token t at column t,
+``-1`` on prompt and padding), for a data path that carries that form.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from nemo_replay.rollout.engines.vllm import support_from_vllm_output, vllm_row_width
 
-__all__ = ["vllm_support_request", "generation_support_from_vllm", "GenerationSupport"]
+__all__ = ["vllm_support_request", "completion_supports", "generation_support_from_vllm", "GenerationSupport"]
 
 
 def vllm_support_request(top_k: int, *, path: str = "logprobs", max_logprobs: Optional[int] = None) -> dict:
@@ -83,6 +85,28 @@ class GenerationSupport:
         self.rows, self.flagged, self.logprobs = rows, flagged, logprobs
 
 
+def completion_supports(completions: Sequence[Any], input_lengths, total_length: int, *, width: int,
+                        vocab_size: Optional[int] = None, sampling_params: Any = None):
+    """``(i, start, EngineSupport)`` of each completion, its rows CSR, checked to fit ``total_length``
+    after its prompt (the arguments as :func:`generation_support_from_vllm` takes them)."""
+    lengths = torch.as_tensor(input_lengths, dtype=torch.int64).cpu()
+    B = len(completions)
+    if lengths.shape != (B,):
+        raise ValueError(f"input_lengths has shape {tuple(lengths.shape)} for {B} completions; pass one prompt length per request")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be the row width k (an int >= 1, the requests' top_k), got {width!r}")
+    for i, completion in enumerate(completions):
+        got = support_from_vllm_output(completion, width=width, vocab_size=vocab_size, sampling_params=sampling_params)
+        n = got.support.num_rows
+        start = int(lengths[i])
+        if start < 0 or start + n > total_length:
+            raise ValueError(
+                f"request {i}: {start} prompt tokens + {n} generated tokens do not fit total_length={total_length}; pass "
+                f"the width of the worker's output_ids"
+            )
+        yield i, start, got
+
+
 def generation_support_from_vllm(
     completions: Sequence[Any],
     input_lengths: Sequence[int] | torch.Tensor,
@@ -108,24 +132,12 @@ def generation_support_from_vllm(
         ValueError naming the request when its tokens do not fit ``total_length``, and the
         adapters' errors (misaligned log-probs, a raw log-prob mode, missing log-probs).
     """
-    lengths = torch.as_tensor(input_lengths, dtype=torch.int64).cpu()
-    B = len(completions)
-    if lengths.shape != (B,):
-        raise ValueError(f"input_lengths has shape {tuple(lengths.shape)} for {B} completions; pass one prompt length per request")
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be the row width k (an int >= 1, the requests' top_k), got {width!r}")
-    rows = torch.full((B, int(total_length), width), -1, dtype=torch.int32)
-    flagged = torch.zeros(B, int(total_length), dtype=torch.bool)
-    logprobs = torch.zeros(B, int(total_length), dtype=torch.float32)
-    for i, completion in enumerate(completions):
-        got = support_from_vllm_output(completion, width=width, vocab_size=vocab_size, sampling_params=sampling_params)
+    rows = torch.full((len(completions), int(total_length), width), -1, dtype=torch.int32)
+    flagged = torch.zeros(len(completions), int(total_length), dtype=torch.bool)
+    logprobs = torch.zeros(len(completions), int(total_length), dtype=torch.float32)
+    for i, start, got in completion_supports(completions, input_lengths, total_length, width=width,
+                                             vocab_size=vocab_size, sampling_params=sampling_params):
         n = got.support.num_rows
-        start = int(lengths[i])
-        if start < 0 or start + n > total_length:
-            raise ValueError(
-                f"request {i}: {start} prompt tokens + {n} generated tokens do not fit total_length={total_length}; pass "
-                f"the width of the worker's output_ids"
-            )
         rows[i, start : start + n] = got.support.to_padded().values  # (n, width): generation_support's rows
         flagged[i, start : start + n] = got.flagged
         if got.logprobs is not None:

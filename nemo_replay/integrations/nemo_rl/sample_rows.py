@@ -90,12 +90,17 @@ class GeneratedRows:
     data: np.ndarray
 
     @classmethod
-    def of(cls, rows: torch.Tensor, start: int) -> "GeneratedRows":
-        """From the generated tokens' dense rows ``(n, width)`` (-1 padded)."""
-        values = rows.cpu().to(torch.int32)
-        support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
-        bound = int(values.max()) + 1 if values.numel() else 1
-        return cls(int(start), int(values.shape[1]), encode_support(support, vocab_size=max(bound, 1)))
+    def of(cls, rows, start: int, width: Optional[int] = None) -> "GeneratedRows":
+        """From the generated tokens' rows: dense ``(n, width)`` (-1 padded), or one segment of CSR rows
+        (a :class:`RaggedSupport`, empty where nothing was recorded) with the ``width`` messages pad to."""
+        if isinstance(rows, RaggedSupport):
+            support, width = rows.resegment([0, rows.num_rows]), int(width if width is not None else rows.width_bound)
+        else:
+            values = rows.cpu().to(torch.int32)
+            support, width = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]])), int(values.shape[1])
+        ids = support.member_ids
+        bound = int(ids.max()) + 1 if ids.numel() else 1
+        return cls(int(start), width, encode_support(support, vocab_size=max(bound, 1)))
 
     def __getitem__(self, columns: slice) -> "MessageRows":
         if not isinstance(columns, slice) or columns.step not in (None, 1):

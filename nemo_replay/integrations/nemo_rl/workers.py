@@ -9,7 +9,7 @@ only its own NeMo-RL worker module (the vLLM environment has no Megatron):
   each sampled request asks ``logprobs = top_k + 1`` processed log-probs
   (``_build_sampling_params``; NeMo-RL asks 0, vllm_worker.py:662), and ``generate``
   returns ``generation_support`` rows next to ``logprobs``, laid out like it
-  (:func:`~.rollout.generation_support_from_vllm`). Greedy calls (validation) record
+  (:func:`~.rollout.completion_supports`). Greedy calls (validation) record
   nothing.
 - ``ReplayMegatronPolicyWorker`` and ``ReplayDTensorPolicyWorkerV2``
   (:class:`ReplayPolicyMixin` + NeMo-RL's worker implementation): before NeMo-RL's
@@ -30,7 +30,7 @@ from typing import Any
 
 
 from nemo_replay.integrations.nemo_rl import hooks
-from nemo_replay.integrations.nemo_rl.rollout import generation_support_from_vllm, vllm_support_request
+from nemo_replay.integrations.nemo_rl.rollout import completion_supports, vllm_support_request
 from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
 from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, vllm_row_width
@@ -141,15 +141,13 @@ class ReplayVllmMixin:
         if len(outputs) != 1:
             raise ValueError(f"{type(self).__name__}.generate: expected one llm.generate call per batch, saw {len(outputs)}")
         completions = [out.outputs[0] for out in outputs[0]]
-        support = generation_support_from_vllm(
-            completions, data["input_lengths"], result["output_ids"].shape[1], width=width, vocab_size=_vocab_size(self.llm),
-        )
-        # One compact entry a sample crosses Ray, not (B, total_length, width) int32; the patched rollout code
-        # slices it as it slices logprobs (sample_rows.GeneratedRows).
-        starts = [int(v) for v in data["input_lengths"]]
+        # One compact entry a sample crosses Ray, built from each completion's CSR rows: no (B, total_length,
+        # width) int32 tensor in the worker; the patched rollout code slices it as it slices logprobs
+        # (sample_rows.GeneratedRows).
         result[SUPPORT_KEY] = [
-            GeneratedRows.of(support.rows[i, start : start + len(c.token_ids)], start)
-            for i, (start, c) in enumerate(zip(starts, completions))
+            GeneratedRows.of(got.support, start, width)
+            for _, start, got in completion_supports(completions, data["input_lengths"], result["output_ids"].shape[1],
+                                                     width=width, vocab_size=_vocab_size(self.llm))
         ]
         return result
 

@@ -53,11 +53,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Mapping, Optional
 
-import numpy as np
-import torch
 
 from nemo_replay.integrations.verl.keys import SUPPORT_KEY
 from nemo_replay.integrations.verl.response_rows import encode_response_rows
+from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.rollout.engines.base import EngineSupport, capture_settings_from_engine
 from nemo_replay.rollout.engines.sglang import (
     SGLANG_DEFAULT_MASK_MAX_TOKENS,
@@ -185,10 +184,9 @@ def _unrecordable(replay: RolloutReplay, params: Any, engine: str, reason: str) 
     logger.debug("replay (%s server): request served without support rows (not a training request): %s", engine, reason)
 
 
-def _rows(result: EngineSupport) -> tuple[np.ndarray, dict]:
-    """An adapter's fixed-width support -> (int32 [n, width] rows, flag counts)."""
-    values = result.support.to_padded().values  # the (n, width) rows verl's batch field holds
-    return values.to(dtype=torch.int32).numpy().copy(), dict(result.reasons)
+def _rows(result: EngineSupport) -> tuple[RaggedSupport, dict]:
+    """An adapter's support -> (its n CSR rows, one segment; flag counts)."""
+    return result.support, dict(result.reasons)
 
 
 # ---------------------------------------------------------------------------------- vLLM
@@ -232,8 +230,8 @@ class VllmSupportRecorder:
         check_vllm_request(sampling_params, path=self.path)
         return True
 
-    def read(self, completion: Any, sampling_params: Any) -> tuple[np.ndarray, dict]:
-        """(rows int32 [n, width], flag counts) of one finished ``CompletionOutput``, read
+    def read(self, completion: Any, sampling_params: Any) -> tuple[RaggedSupport, dict]:
+        """(n CSR rows, flag counts) of one finished ``CompletionOutput``, read
         :data:`READ_CHUNK` positions at a time: run off the event loop (``_RecordingVllmEngine``),
         no single call holds the interpreter long enough to stall the loop's thread."""
         n, parts, flags = len(completion.token_ids), [], {}
@@ -246,7 +244,8 @@ class VllmSupportRecorder:
             parts.append(rows)
             for reason, count in counts.items():
                 flags[reason] = flags.get(reason, 0) + count
-        return np.concatenate(parts) if len(parts) > 1 else parts[0], flags
+        rows = RaggedSupport.cat(parts) if len(parts) > 1 else parts[0]
+        return rows.resegment([0, rows.num_rows]), flags
 
 
 #: Positions a server reads at a time (about 5 ms at k = 64 on one core).
@@ -345,8 +344,8 @@ class SglangSupportRecorder:
         request.sampling_logprobs_mode = "selected"
         return body
 
-    def read(self, response: Mapping[str, Any], body: Mapping[str, Any]) -> tuple[np.ndarray, dict, Any]:
-        """(rows int32 [n, width], flag counts, the sampler's log-probs (n,)) of one response dict."""
+    def read(self, response: Mapping[str, Any], body: Mapping[str, Any]) -> tuple[RaggedSupport, dict, Any]:
+        """(n CSR rows, flag counts, the sampler's log-probs (n,)) of one response dict."""
         result = support_from_sglang_meta_info(
             response.get("meta_info") or {}, list(response.get("output_ids") or []), width=self.replay.width,
             vocab_size=self.vocab_size, sampling_params=body["sampling_params"],
@@ -406,9 +405,9 @@ def attach_support(output: Any, recorded: Optional[tuple], *, replace_logprobs: 
     n = len(output.token_ids)
     if n == 0:
         return output
-    if rows.shape[0] != n:
+    if rows.num_rows != n:
         raise ValueError(
-            f"replay: {rows.shape[0]} support rows for {n} generated tokens in one TokenOutput; the engine's output "
+            f"replay: {rows.num_rows} support rows for {n} generated tokens in one TokenOutput; the engine's output "
             f"and verl's token_ids are misaligned"
         )
     output.extra_fields[SUPPORT_KEY] = encode_response_rows(rows, output.token_ids)  # what crosses Ray: the compact rows

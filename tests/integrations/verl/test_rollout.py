@@ -67,6 +67,7 @@ from nemo_replay.integrations.verl.response_rows import (  # noqa: E402
     encode_response_rows,
 )
 from nemo_replay.support.codec import header_of  # noqa: E402
+from nemo_replay.support.ragged import RaggedSupport  # noqa: E402
 from tests.integrations.verl.engine_batches import dense_from_compact  # noqa: E402
 from nemo_replay.support.errors import SupportAlignmentError  # noqa: E402
 from tests.integrations.verl.conftest import TOKENS  # noqa: E402
@@ -379,7 +380,7 @@ def test_sglang_recorder_reads_masks_and_the_sampler_log_probs(tiny_model_dir):
     response = {"output_ids": [s.token for s in steps], "meta_info": sglang_meta_info(steps, "selected")}
     recorded = recorder.read(response, body)
     for j, s in enumerate(steps):
-        assert recorded[0][j].tolist() == s.row + [PAD_ID] * (TOP_K - len(s.row))
+        assert sorted(recorded[0].row(j).tolist()) == sorted(s.row)  # CSR rows, one a generated token
     # verl's TokenOutput (async_sglang_server.py:661-666, :718-725): full-vocabulary log-probs
     output = TokenOutput(token_ids=response["output_ids"], log_probs=[-9.0] * len(steps), extra_fields={"global_steps": 0})
     attach_support(output, recorded, replace_logprobs=True)
@@ -393,9 +394,9 @@ def test_sglang_recorder_reads_masks_and_the_sampler_log_probs(tiny_model_dir):
 def test_attach_support_refuses_rows_of_another_length():
     output = TokenOutput(token_ids=[5, 6, 7], extra_fields={})
     with pytest.raises(ValueError, match=r"2 support rows for 3 generated tokens"):
-        attach_support(output, (np.zeros((2, 4), np.int32), {}))
+        attach_support(output, (RaggedSupport.from_rows([[[5], [6]]]), {}))
     aborted = TokenOutput(token_ids=[], stop_reason="aborted", extra_fields={})
-    assert SUPPORT_KEY not in attach_support(aborted, (np.zeros((2, 4), np.int32), {})).extra_fields
+    assert SUPPORT_KEY not in attach_support(aborted, (RaggedSupport.from_rows([[[5], [6]]]), {})).extra_fields
 
 
 # ---------------------------------------------------------------------------------- agent loops
