@@ -33,6 +33,7 @@ from nemo_replay.integrations.verl.response_rows import buffers_of, compact_rows
 from nemo_replay.layout.checks import Where, check_canonical
 from nemo_replay.scoring.entry import ScorerChannels, check_together, score_positions
 from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.checked import checked
 from nemo_replay.support.codec import CompactRows
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
@@ -261,11 +262,13 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
     if isinstance(rows, CompactRows):  # decoded on the tokens' device; its own checks read first
         rows = rows.decode(tokens.device)
         rows.check()
-    try:
-        rows.validate(vocab_size=vocab_size, where=f"batch[{SUPPORT_KEY!r}]")
-    except ValueError as exc:
-        raise ValueError(f"{exc} (trajectory = sample index in this batch, row = response position)") from exc
-    # Response coordinates: position (i, j) predicts response token j of sample i over row i * R + j.
+    record = checked(rows)  # decoded rows hold the §2 invariants below their codec's V: only a larger V is news
+    if record is None or not record.covers(vocab_size):
+        try:
+            rows.validate(vocab_size=vocab_size, where=f"batch[{SUPPORT_KEY!r}]")
+        except ValueError as exc:
+            raise ValueError(f"{exc} (trajectory = sample index in this batch, row = response position)") from exc
+    # Response coordinates: position (i, j) predicts the response token j of sample i over its row.
     col = torch.arange(width, device=tokens.device).expand(B, width)
     traj = torch.arange(B, dtype=torch.int64, device=tokens.device)[:, None].expand(B, width)
     channels = ScorerChannels(

@@ -108,5 +108,11 @@ def test_malformed_buffers_are_named():
              "generation_support": [buf]}
     with pytest.raises(SupportAlignmentError, match=r"sample 0, response position 1: token \d+ is not a member"):
         check_replay_batch(batch, vocab_size=5000)
+    # Decoded rows skip the row invariants' sort (they hold by construction) but not a model vocabulary below their ids.
+    good = {**batch, "responses": torch.tensor([tokens]),
+            "response_mask": torch.from_numpy((rows >= 0).any(1)).to(torch.int64)[None]}  # unrecorded rows out
+    check_replay_batch(good, vocab_size=5000)
+    with pytest.raises(ValueError, match=r"generation_support.*4999.*response position"):
+        check_replay_batch(good, vocab_size=100)
     with pytest.raises(SupportAlignmentError, match=r"a response's support rows"):
         encode_response_rows(rows, wrong)
