@@ -56,7 +56,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -69,7 +69,8 @@ from nemo_replay.support.ragged import RaggedSupport, is_support
 from nemo_replay.support.validate import describe_row
 
 __all__ = [
-    "MAGIC", "VERSION", "CodecError", "CompactRows", "DecodedRows", "encode_support", "decode_support", "decode_batch",
+    "MAGIC", "VERSION", "CodecError", "CompactRows", "DecodedRows", "encode_support", "encode_kept", "decode_support",
+    "decode_batch",
     "row_lengths", "header_of", "rice_parameter",
 ]
 
@@ -211,6 +212,23 @@ def encode_support(
     return out
 
 
+def encode_kept(support: Union[RaggedSupport, PackedTensor], sampled_ids: Optional[torch.Tensor] = None, *,
+                where: str = "support") -> np.ndarray:
+    """Rows coded where the model's vocabulary is not known (a rollout worker, a driver): ``V`` the
+    largest id or sampled token + 1, the sampled ids kept in their rows.
+
+    Kept, not dropped: such rows travel apart from their tokens, and a row decoded against other
+    tokens must fail the membership check, not be rebuilt around them. Given ``sampled_ids``
+    (rows,), each non-empty row must hold its own (SupportAlignmentError naming ``where`` and the row).
+    """
+    ids = RaggedSupport.of(support).member_ids
+    sampled = None if sampled_ids is None else torch.as_tensor(sampled_ids, dtype=torch.int64)
+    bound = max(int(ids.max()) if ids.numel() else 0, int(sampled.max()) if sampled is not None and sampled.numel() else 0)
+    if sampled is not None:
+        support.validate(sampled_ids=sampled, where=where)
+    return encode_support(support, vocab_size=bound + 1)
+
+
 # ---------------------------------------------------------------------------- decode: the host's part
 def header_of(buf: Union[np.ndarray, bytes, torch.Tensor]) -> Header:
     """The header of a compact buffer, checked against the buffer's size."""
@@ -264,10 +282,13 @@ class _Batch:
     cu: (trajectories + 1,) int64, the batch's trajectory offsets over its rows.
     """
 
-    headers: tuple
     raw: np.ndarray
     table: np.ndarray
     cu: np.ndarray
+
+    @property
+    def buffers(self) -> int:
+        return len(self.table)
 
     @property
     def rows(self) -> int:
@@ -279,11 +300,11 @@ class _Batch:
 
     @property
     def width(self) -> int:
-        return int(self.table[:, _WIDTH].max()) if len(self.headers) else 0
+        return int(self.table[:, _WIDTH].max()) if self.buffers else 0
 
     @property
     def vocab_size(self) -> int:
-        return int(self.table[:, _V].max()) if len(self.headers) else 1
+        return int(self.table[:, _V].max()) if self.buffers else 1
 
     @property
     def dropped(self) -> bool:
@@ -293,7 +314,7 @@ class _Batch:
 def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) -> _Batch:
     """Every check a header allows, per buffer, on the host: nothing data-dependent is left to size
     an array by (the counts of values and bytes each stream holds are all fixed here)."""
-    raws, headers, table, cus, at, rows = [], [], [], [np.zeros(1, np.int64)], 0, 0
+    raws, table, cus, at, rows = [], [], [np.zeros(1, np.int64)], 0, 0
     for i, buf in enumerate(buffers):
         try:
             raw = _as_bytes(buf)
@@ -325,11 +346,10 @@ def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) 
         table.append([h.rows, h.ids, h.length_bits, h.vocab_size, int(h.dropped), h.max_length, *offsets, *h.streams])
         cus.append(cu[1:] + rows)
         raws.append(raw)
-        headers.append(h)
         at += raw.size
         rows += h.rows
     raws.append(np.zeros(8, np.uint8))
-    return _Batch(tuple(headers), np.concatenate(raws), np.asarray(table, np.int64).reshape(-1, 14), np.concatenate(cus))
+    return _Batch(np.concatenate(raws), np.asarray(table, np.int64).reshape(-1, 14), np.concatenate(cus))
 
 
 # ---------------------------------------------------------------------------- decode: array steps, any device
@@ -426,14 +446,15 @@ def _words(raw: torch.Tensor) -> torch.Tensor:
 class _Decoded:
     """One batch's decode, every index in bounds, and its data-dependent checks as device flags.
 
-    lengths (rows,); row_of, col, ids (coded ids,): each coded id's row, column and id;
+    lengths, buf_row (rows,): each row's length and buffer; row_of, col, ids (coded ids,): each coded
+    id's row, column and id;
     put (rows,): the column of a dropped sampled token (-1 where none goes in); sampled
     (rows,) or None; flags: check name -> (buffers,) or (rows,) or (coded ids,) bool.
     """
 
     batch: _Batch
     lengths: torch.Tensor
-    m: torch.Tensor
+    buf_row: torch.Tensor
     universe: torch.Tensor
     row_of: torch.Tensor
     col: torch.Tensor
@@ -449,11 +470,8 @@ class _Decoded:
 
     def failed(self) -> list:
         """The names of the checks that failed, in order: one host read."""
-        names = list(self.flags)
-        ends = torch.tensor([f.numel() for f in self.flags.values()]).cumsum(0).to(self.lengths.device)
-        hits = torch.cat([self.lengths.new_zeros(1), torch.cat([f.reshape(-1) for f in self.flags.values()]).cumsum(0)])
-        counts = _take(hits, ends) - _take(hits, torch.cat([ends.new_zeros(1), ends[:-1]]))
-        return [n for n, c in zip(names, counts.tolist()) if c]
+        bad = torch.stack([f.any() for f in self.flags.values()]).tolist()
+        return [name for name, b in zip(self.flags, bad) if b]
 
     def place(self, starts: torch.Tensor, total: int) -> torch.Tensor:
         """(total,) int32: the members at ``starts[row] + column``, -1 elsewhere; a spare last slot takes
@@ -493,10 +511,11 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_o
     in_buf = torch.arange(R, device=dev) - _take(first_row, buf_row)
     lengths = (high << lb) | _read_fields(words, 8 * per_row(_AT + 1) + in_buf * lb, lb)
     flags["row width"] = (lengths > per_row(_WIDTH)) | (lengths < 0)  # < 0: set bits missing from the stream
+    details["row width"] = lengths
     lengths = lengths.clamp(min=0)
     if lengths_only:
         none = lengths.new_zeros(0)
-        return _Decoded(batch, lengths, lengths, V - drop, none, none, none, torch.full_like(lengths, -1), None, flags,
+        return _Decoded(batch, lengths, buf_row, V - drop, none, none, none, torch.full_like(lengths, -1), None, flags,
                         details)
     m = torch.where(drop > 0, (lengths - 1).clamp(min=0), lengths)
     coded_sum = torch.zeros_like(t[:, _IDS]).index_add_(0, buf_row, m)
@@ -537,13 +556,13 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_o
         coded, col = coded + above, col + above
         below = m - torch.zeros_like(m).index_add_(0, row_of, above.to(torch.int64))
         put = torch.where((drop > 0) & (lengths > 0), below, -1)
-    return _Decoded(batch, lengths, m, universe, row_of, col, coded, put, sampled, flags, details)
+    return _Decoded(batch, lengths, buf_row, universe, row_of, col, coded, put, sampled, flags, details)
 
 
 # ---------------------------------------------------------------------------- decode: named errors
 def _raise_named(d: _Decoded, name: str, buffer_of, labels: Sequence[str]) -> None:
     """Name the first failure of check ``name`` (host reads: the failure path only)."""
-    t, batch = d.batch.table, d.batch
+    t = d.batch.table
     j = int(torch.nonzero(d.flags[name].cpu())[0])
     i = buffer_of(j) if name in _PER_ROW + _PER_ID else j
     first_row = int(t[:i, _ROWS].sum())
@@ -554,7 +573,7 @@ def _raise_named(d: _Decoded, name: str, buffer_of, labels: Sequence[str]) -> No
         msg = (f"the {what} stream holds {pop} values, the header says {count}" if name.endswith("count") else
                f"the {what} stream runs {end - 1 - last} bits past its last value")
     elif name == "row width":
-        msg = (f"row {j - first_row} decodes to {int(d.lengths[j])} ids, past the header's row width "
+        msg = (f"row {j - first_row} decodes to {int(d.details['row width'][j])} ids, past the header's row width "
                f"{int(t[i, _WIDTH])}")
     elif name == "id count":
         msg = f"the lengths give {int(d.details['id count'][i])} ids, the header says {int(t[i, _IDS])}"
@@ -631,7 +650,7 @@ def decode_batch(
     members = d.place(starts[:-1], int(starts[-1]))
     if sampled is not None and bool(kept.any()):
         # Coded with the sampled tokens in: each non-empty row must hold its own (docs/design.md §2).
-        buf_row = torch.from_numpy(np.repeat(np.arange(len(batch.headers)), batch.table[:, _ROWS])).to(device)
+        buf_row = d.buf_row
         hit = torch.zeros_like(d.lengths).index_add_(0, d.row_of, (d.ids == sampled[d.row_of]).to(torch.int64)) > 0
         missing = torch.nonzero((d.lengths > 0) & ~hit & kept[buf_row]).flatten()
         if missing.numel():
@@ -747,11 +766,6 @@ class CompactRows:
         return int(self._batch.table[i, _ROWS])
 
     @property
-    def vocab_size(self) -> int:
-        """The largest ``V`` the buffers were coded for: every id lies below it."""
-        return self._batch.vocab_size
-
-    @property
     def cu_seqlens(self) -> torch.Tensor:
         return torch.from_numpy(self._batch.cu)
 
@@ -759,9 +773,10 @@ class CompactRows:
     def nbytes(self) -> int:
         return int(self._batch.raw.size - 8)
 
-    def decode(self, device) -> DecodedRows:
+    def decode(self, device, *, check: bool = False) -> DecodedRows:
         """The rows on ``device`` as :class:`DecodedRows`: two copies to the device (the bytes and a
-        table of their headers), array steps there, no host read."""
+        table of their headers), array steps there, no host read; with ``check``, the decode's flag
+        read at once (one host read: for a caller that reads the rows before the scorer does)."""
         device = torch.device(device)
         sampled = None if self._sampled is None else self._sampled.to(device)
         d = _decode(self._batch, sampled, device)
@@ -769,8 +784,10 @@ class CompactRows:
         values = d.place(torch.arange(R, device=d.lengths.device) * width, R * width).reshape(R, width)
         out = DecodedRows(values, self._batch.cu, d, self.labels)
         record_checked(out, self._batch.vocab_size)  # what the decode guarantees once its flag reads clear
+        if check:
+            out.check()
         return out
 
     def __repr__(self) -> str:
-        return (f"CompactRows(buffers={len(self._batch.headers)}, rows={self.num_rows}, width={self.width_bound}, "
+        return (f"CompactRows(buffers={self._batch.buffers}, rows={self.num_rows}, width={self.width_bound}, "
                 f"bytes={self.nbytes})")

@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from nemo_replay.support.codec import CompactRows, decode_support, encode_support, header_of, row_lengths
+from nemo_replay.support.codec import CompactRows, decode_support, encode_kept, header_of, row_lengths
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
@@ -98,9 +98,7 @@ class GeneratedRows:
         else:
             values = rows.cpu().to(torch.int32)
             support, width = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]])), int(values.shape[1])
-        ids = support.member_ids
-        bound = int(ids.max()) + 1 if ids.numel() else 1
-        return cls(int(start), width, encode_support(support, vocab_size=max(bound, 1)))
+        return cls(int(start), width, encode_kept(support))
 
     def __getitem__(self, columns: slice) -> "MessageRows":
         if not isinstance(columns, slice) or columns.step not in (None, 1):
@@ -206,14 +204,10 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
     support = RaggedSupport.cat(parts) if parts else RaggedSupport.from_rows([])
     support = support.resegment([0, support.num_rows])
     sampled = torch.cat(sampled) if sampled else torch.zeros(0, dtype=torch.int64)
-    # The codec's V bounds the ids; the model's vocabulary is not known here, the largest id is.
-    ids = support.member_ids
-    bound = max(int(ids.max()) if ids.numel() else 0, int(sampled.max()) if sampled.numel() else 0) + 1
     try:
-        # Sampled ids kept in the rows: decoding checks each row against the token now at its column, so a list
-        # that drifted from input_ids fails by name (a dropped id would be rebuilt around the wrong token).
-        support.validate(sampled_ids=sampled, where=where)  # each row holds its token (SupportAlignmentError)
-        data = encode_support(support, vocab_size=bound)
+        # Sampled ids kept in the rows: the list travels apart from input_ids, and a row that drifted from the token
+        # now at its column fails the membership check by name.
+        data = encode_kept(support, sampled, where=where)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
     cols = torch.cat(columns).numpy() if columns else np.zeros(0, np.int64)
@@ -253,7 +247,7 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
         )
     lengths = input_lengths.cpu().to(torch.int64)
     token_rows = torch.full((N, W), -1, dtype=torch.int64)
-    start = 0
+    start, counts = 0, []
     for i, entry in enumerate(entries):
         if not isinstance(entry, SampleRows):
             raise ValueError(f"data[{key!r}][{i}] is a {type(entry).__name__}, expected SampleRows")
@@ -268,11 +262,11 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
             )
         token_rows[i, cols] = start + torch.arange(cols.numel())
         start += cols.numel()
+        counts.append(cols.numel())
     support = CompactRows([e.data for e in entries], labels=[f"data[{key!r}][{i}] (data row {i})" for i in range(N)])
-    for i, entry in enumerate(entries):
-        rows = int(support.rows_of(i))
-        if rows != entry.columns.size:
-            raise ValueError(f"data[{key!r}][{i}]: {rows} rows for {entry.columns.size} columns; a corrupted entry")
+    for i, count in enumerate(counts):
+        if support.rows_of(i) != count:
+            raise ValueError(f"data[{key!r}][{i}]: {support.rows_of(i)} rows for {count} columns; a corrupted entry")
     return support, token_rows
 
 

@@ -213,8 +213,7 @@ def next_token_logprobs(
     check_width("logits", lengths, W, padded)
     canonical = canonical_of(ids, lengths, mask, sample, token_rows)
     if isinstance(support, CompactRows):  # decoded on the logits' device, its checks read before any use of the rows
-        support = support.decode(local.device)
-        support.check()
+        support = support.decode(local.device, check=True)
     if not full_vocab:  # on whole sequences, before the CP split; every rank alike
         check_canonical(canonical, support, hint=f"{support_key} must be token-aligned like generation_logprobs: the row "
                         f"of token t at column t")

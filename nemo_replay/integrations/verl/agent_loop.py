@@ -168,8 +168,9 @@ class SupportTrack:
                 f"{len(index)} positions"
             )
         captured = RaggedSupport.cat(self.rows) if self.rows else RaggedSupport.from_rows([[]])
-        row = torch.tensor([int(r) for r in index[:num]], dtype=torch.int64) - 1  # -1: no row
-        mask = torch.tensor([int(m) for m in response_mask], dtype=torch.int64)
+        # The track's row numbers are floats (verl aligns them as log-probs): exact integers below 2**53.
+        row = torch.as_tensor(index[:num], dtype=torch.float64).to(torch.int64) - 1  # -1: no row
+        mask = torch.as_tensor(response_mask, dtype=torch.int64)
         stray = torch.nonzero((row >= 0) & (mask == 0)).flatten()
         if stray.numel():
             j = int(stray[0])
@@ -180,7 +181,7 @@ class SupportTrack:
         kept = torch.nonzero(sizes > 0).flatten()
         picked = captured.resegment(torch.arange(captured.num_rows + 1)).gather(row[kept]) if kept.numel() else None
         if picked is not None:
-            ids = torch.tensor([int(response_ids[j]) for j in kept.tolist()], dtype=torch.int64)
+            ids = torch.as_tensor(response_ids, dtype=torch.int64)[kept]
             owner = torch.repeat_interleave(torch.arange(kept.numel()), picked.row_lengths)  # each member's row
             member = torch.zeros(kept.numel(), dtype=torch.int64).index_add_(
                 0, owner, (picked.member_ids.to(torch.int64) == ids[owner]).to(torch.int64)) > 0

@@ -260,8 +260,7 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
         return  # no response token: no row to check
     rows = resp.support(tokens.device)
     if isinstance(rows, CompactRows):  # decoded on the tokens' device; its own checks read first
-        rows = rows.decode(tokens.device)
-        rows.check()
+        rows = rows.decode(tokens.device, check=True)
     record = checked(rows)  # decoded rows hold the §2 invariants below their codec's V: only a larger V is news
     if record is None or not record.covers(vocab_size):
         try:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from nemo_replay.support.codec import CompactRows, decode_support, encode_support, header_of
+from nemo_replay.support.codec import CompactRows, decode_support, encode_kept, encode_support, header_of
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -45,13 +45,8 @@ def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
         support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
     if support.num_rows != sampled.numel():
         raise ValueError(f"replay: {support.num_rows} support rows for a response of {sampled.numel()} tokens")
-    ids = support.member_ids
-    # The codec's V bounds the ids; the model's vocabulary is not known here, the largest id is.
-    bound = max(int(ids.max()) if ids.numel() else 0, int(sampled.max()) if sampled.numel() else 0) + 1
-    support.validate(sampled_ids=sampled, where="replay: a response's support rows")  # each holds its token
-    # Sampled ids kept, not dropped: the buffer travels apart from ``responses``, and a row decoded against another
-    # sample's tokens must fail the membership check, not be rebuilt around them.
-    return encode_support(support.resegment([0, support.num_rows]), vocab_size=bound)
+    # Sampled ids kept: the buffer travels apart from ``responses``.
+    return encode_kept(support.resegment([0, support.num_rows]), sampled, where="replay: a response's support rows")
 
 
 def decode_response_rows(buf: Any, token_ids: Sequence[int], width: int, *, where: str) -> RaggedSupport:

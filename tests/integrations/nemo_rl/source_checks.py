@@ -148,8 +148,7 @@ def main() -> None:
     assert W == 16 and isinstance(entries, list) and len(entries) == 4
     assert logprob_data["generation_support"] is flat["generation_support"]
     support, token_rows = batch_rows(entries, train_data["input_ids"], train_data["input_lengths"], key="generation_support")
-    support = support.decode("cpu")  # compact until the scorer's device decodes them
-    support.check()
+    support = support.decode("cpu", check=True)  # compact until the scorer's device decodes them
     for i, log in enumerate(batch["message_log"]):
         start = sum(int(m["token_ids"].shape[0]) for m in log[:-1])
         cols = torch.nonzero(token_rows[i] >= 0).flatten().tolist()

@@ -139,8 +139,7 @@ def test_flagged_tokens_leave_the_loss_and_each_sample_keeps_its_response_rows_o
         flat = torch.cat([m["token_ids"] for m in log])
         ids[i, : flat.numel()] = flat
     support, token_rows = batch_rows(entries, ids, torch.tensor([10, 4]), key="generation_support")
-    support = support.decode("cpu")  # compact until the scorer's device decodes them
-    support.check()
+    support = support.decode("cpu", check=True)  # compact until the scorer's device decodes them
     row = lambda r: [t for t in support.values[int(r)].tolist() if t >= 0]  # noqa: E731
     assert [row(r) for r in token_rows[0][token_rows[0] >= 0]] == [[1, 2, 3, 4, 21], [5, 23], [7, 8, 41], [42]]
     assert row(token_rows[1, 3]) == [9, 10, 11, 12, 61]

@@ -307,8 +307,7 @@ def worker_environment() -> None:
 def dense_from_compact(rows, row_ids: torch.Tensor) -> torch.Tensor:
     """(B, W, K) int32 rows, -1 padded, of ``response_rows.compact_rows``' output: decoded on the CPU,
     each response position's row placed at it (the engines keep them compact; tests compare)."""
-    decoded = rows.decode("cpu")
-    decoded.check()
+    decoded = rows.decode("cpu", check=True)
     values = decoded.values
     got = values.index_select(0, row_ids.reshape(-1).clamp(min=0)).reshape(*row_ids.shape, values.shape[1])
     return torch.where(row_ids[..., None] >= 0, got, torch.full_like(got, -1))
