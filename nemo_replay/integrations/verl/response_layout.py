@@ -26,7 +26,8 @@ Worked example: two samples, prompts of 2 and 1 tokens, responses of 2 and 3 (R 
     token             p0  p1  a0  a1  q0  b0  b1  b2       L = [4, 4], R_i = [2, 3]
     predicts (q + 1)  1   2   3   -1  5   6   7   -1       (-1: the roll would cross samples)
     response pos j    -   0   1   -   -   0   1   2        j = predicted - cu_i - (L_i - R_i)
-    row id            -1  0   1   -1  -1  3   4   5        i * R + j: generation_support[i, j]
+    row id, dense     -1  0   1   -1  -1  3   4   5        row_ids[i, j] = i * R + j: generation_support[i, j]
+    row id, compact   -1  0   1   -1  -1  2   3   4        row_ids[i, j]: sample i's rows after those before it
 
 verl's own roll (``torch.roll(input_ids_rmpad, -1)``) gives slot 3 the token q0 and slot 7
 the token p0; those slots score nothing here and verl never reads them back.
@@ -62,8 +63,7 @@ class ResponseLayout:
         response_mask: (b, R), bool. verl's ``response_mask`` (its loss mask).
         sample_ids: (b,), int64. How errors name sample i (its index in the batch the
             engine was handed, carried through verl's micro-batching).
-        row_ids: (b, R), int64, the support row of response position j of sample i (-1: none),
-            or None: row ``i * R + j`` (dense ``generation_support``).
+        row_ids: (b, R), int64, the support row of response position j of sample i (-1: none).
     """
 
     cu_seqlens: torch.Tensor
@@ -71,7 +71,7 @@ class ResponseLayout:
     response_width: int
     response_mask: torch.Tensor
     sample_ids: torch.Tensor
-    row_ids: Optional[torch.Tensor] = None
+    row_ids: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +81,7 @@ class ResponseLayout:
         return ResponseLayout(
             self.cu_seqlens.to(device), self.response_lengths.to(device), self.response_width,
             self.response_mask.to(device), self.sample_ids.to(device),
-            None if self.row_ids is None else self.row_ids.to(device),
+            self.row_ids.to(device),
         )
 
 
@@ -99,8 +99,8 @@ def response_layout(
         response_lengths: (b,), int. ``R_i``, as ``no_padding_2_padding`` computes it.
         response_mask: (b, R), bool/int/float.
         sample_ids: (b,), int; default ``arange(b)``.
-        row_ids: (b, R), int64, the row of each response position (compact rows); default
-            ``i * R + j``.
+        row_ids: (b, R), int64, the row of each response position; default ``i * R + j`` (the
+            dense ``generation_support [b, R, K]`` flattened).
 
     Raises:
         ValueError when a response does not fit its sample: verl needs at least one prompt
@@ -125,10 +125,13 @@ def response_layout(
             f"response_length tokens (attention_mask and input_ids come from different batches?)"
         )
     ids = torch.arange(b, dtype=torch.int64, device=cu.device) if sample_ids is None else sample_ids.to(torch.int64)
-    if row_ids is not None and tuple(row_ids.shape) != (b, width):
-        raise ValueError(f"row_ids has shape {tuple(row_ids.shape)}, expected ({b}, {width}) like response_mask")
+    if row_ids is None:
+        row_ids = torch.arange(b * width, dtype=torch.int64, device=cu.device).view(b, width)
+    elif tuple(row_ids.shape) != (b, width):
+        raise ValueError(f"row_ids has shape {tuple(row_ids.shape)}, expected ({b}, {width}) like response_mask: the "
+                         f"row of each response position (read_responses builds it)")
     return ResponseLayout(cu, lengths, width, response_mask.to(cu.device) != 0, ids.to(cu.device),
-                          None if row_ids is None else row_ids.to(device=cu.device, dtype=torch.int64))
+                          row_ids.to(device=cu.device, dtype=torch.int64))
 
 
 def next_token_index(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -188,9 +191,8 @@ def slot_channels(layout: ResponseLayout, predicted: torch.Tensor, sampled_ids: 
     shape, -1 = none), each shaped like ``predicted``.
 
     ``sampled_ids`` are verl's labels (the token each slot's logit predicts). Row ids sit at the
-    slot of the logit that predicts the token (never rolled, §3): ``layout.row_ids[i, j]`` (row
-    ``i * R + j`` of the flattened dense ``generation_support`` without them) for response
-    position j of sample i, -1 where the slot
+    slot of the logit that predicts the token (never rolled, §3): ``layout.row_ids[i, j]`` for
+    response position j of sample i, -1 where the slot
     predicts no response token. The loss mask is the predicted token's ``response_mask``;
     trajectories are ``sample_ids[i]``; token positions the response position j (errors name
     it).
@@ -208,7 +210,7 @@ def slot_channels(layout: ResponseLayout, predicted: torch.Tensor, sampled_ids: 
     none = torch.full_like(p, -1)
     return ScorerChannels(
         sampled_ids=sampled_ids.to(device=p.device, dtype=torch.int64).reshape(p.shape),
-        row_ids=torch.where(is_response, seq * lay.response_width + j if lay.row_ids is None else lay.row_ids[seq, jj], none),
+        row_ids=torch.where(is_response, lay.row_ids[seq, jj], none),
         loss_mask=is_response & mask,
         trajectory_ids=torch.where(has, lay.sample_ids[seq], none),
         token_positions=torch.where(is_response, j, none),
