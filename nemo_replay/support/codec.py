@@ -33,12 +33,20 @@ back), in two parts:
 - on the host, everything a header says, before anything is copied or sized: the magic and
   version, every size against the buffer (a truncated or oversized buffer), the CRC-32 (a bit
   flipped in transit or at rest, which could otherwise decode to another valid row), the
-  trajectory offsets, and the bounds that size every array (values each stream can hold);
+  trajectory offsets, and the bounds that size every array (values each stream can hold).
+  The host then regroups the streams by kind (every buffer's length unary stream back to
+  back, and so on) and lays a table of every per-buffer integer the device needs beside them:
+  one copy to the device, through pinned memory on CUDA (a copy from pageable memory would
+  wait for every kernel queued before it);
 - on the device, the array steps, with no host read: each size comes from the headers, every
   index is clamped into its tensor, and what depends on the bits is a flag per check: the
   unary streams' counts and padding, each length against the header's maximum (a count past
-  the row width), the low-bit stream's size, each id against ``U`` (a gap past the
-  vocabulary), the sampled tokens against ``V``.
+  the row width), the low-bit stream's size, each row's ids against ``U`` (a gap past the
+  vocabulary), the sampled tokens against ``V``. A unary stream's set bits come from
+  ``nonzero_static`` (its size from the header); each row gathers what its buffer says, and
+  each id what its row says, in one gather. Each step between ids is clamped below ``2**31``
+  (no gap reaches ``U``), so ids rise within a row whatever the bits hold once the counts
+  hold: a row's first and last id bound all of it.
 
 :func:`decode_support` and :func:`decode_batch` read the flags at once and raise a
 :class:`CodecError` naming what and where; :class:`CompactRows` hands them to the scorer,
@@ -268,23 +276,46 @@ def _as_bytes(buf) -> np.ndarray:
     raise CodecError(f"compact support: expected a uint8 buffer, got {type(buf).__name__}")
 
 
-# The per-buffer integers the device reads, one row a buffer (:class:`_Batch`'s ``table``).
-_ROWS, _IDS, _LB, _V, _DROP, _WIDTH, _AT, _SIZE = 0, 1, 2, 3, 4, 5, 6, 10
+# The per-buffer integers the device reads, one row a buffer (:class:`_Batch`'s ``table``). First those
+# each row takes from its buffer: length parameter, V, 1 when the sampled ids were dropped, row width, the
+# buffer's first row in the batch, the ids a row is coded among, the length parameter's mask, and where
+# (in bits of ``raw``) the length and the gap low-bit streams start. Then: rows, coded ids, first coded id,
+# the row after the last, the four streams' offsets in ``raw`` and sizes, and for each unary stream
+# kind what :func:`_read_unary` reads.
+_LB, _V, _DROP, _WIDTH, _FIRST_ROW, _UNIVERSE, _MASK, _LEN_LOW, _GAP_LOW = range(9)
+_ROWS, _IDS, _FIRST_ID, _END_ROW, _AT, _SIZE, _LEN_UNARY, _GAP_UNARY, _COLUMNS = 9, 10, 11, 12, 13, 17, 21, 28, 35
+_NEVER = 2**62  # a bound no bit position or id reaches
+
+
+def _unary_columns(first: np.ndarray, count: np.ndarray, total: int, start: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """(buffers, 7) what :func:`_read_unary` reads of one stream kind: the index of the set bit after a
+    buffer's last value and of its last one, where its first value's predecessor goes and the bit
+    before its stream, its stream's end bit, the bound its last set bit must stay under and the one it
+    must reach (never failing for a buffer without values); ``start``: in bytes of the kind's streams."""
+    has = count > 0
+    end = 8 * (start + size)
+    return np.stack([first + count, np.maximum(first + count - 1, 0), np.where(has, first, total), 8 * start - 1, end,
+                     np.where(has, end, _NEVER), np.where(has, end - 8, -1)], 1)
 
 
 @dataclass(frozen=True)
 class _Batch:
     """Buffers whose every header-level fact was checked on the host, ready for one copy to a device.
 
-    raw: the buffers back to back, then 8 zero bytes (a bit field's 5-byte window never
-    leaves it); table: (buffers, 14) int64, per buffer: rows, ids, length parameter, V, 1 when
-    the sampled ids were dropped, row width, the four streams' offsets in ``raw`` and sizes;
-    cu: (trajectories + 1,) int64, the batch's trajectory offsets over its rows.
+    blob: what the device gets, in one copy: ``raw``, then (8-byte aligned) the table and cu. raw: the
+    buffers' streams regrouped by kind (every buffer's length unary stream back to back, then
+    every length low-bit stream, every gap unary stream, every gap low-bit stream), then 8 zero
+    bytes (a bit field's window never leaves them); kinds: (5,) where each kind starts in raw,
+    and where the last ends. table: (buffers, 35) int64 (above); cu: (trajectories + 1,) int64,
+    the batch's trajectory offsets over its rows; nbytes: the buffers' own size.
     """
 
+    blob: np.ndarray
     raw: np.ndarray
+    kinds: tuple
     table: np.ndarray
     cu: np.ndarray
+    nbytes: int
 
     @property
     def buffers(self) -> int:
@@ -314,7 +345,7 @@ class _Batch:
 def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) -> _Batch:
     """Every check a header allows, per buffer, on the host: nothing data-dependent is left to size
     an array by (the counts of values and bytes each stream holds are all fixed here)."""
-    raws, table, cus, at, rows = [], [], [np.zeros(1, np.int64)], 0, 0
+    streams, heads, cus, rows, ids, nbytes = [[], [], [], []], [], [np.zeros(1, np.int64)], 0, 0, 0
     for i, buf in enumerate(buffers):
         try:
             raw = _as_bytes(buf)
@@ -340,16 +371,34 @@ def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) 
                 if count == 0 and size:
                     raise CodecError(f"compact support: the {what} stream holds {size} bytes for no value; a corrupted buffer")
         except CodecError as exc:
-            raise CodecError(f"{labels[i]}: {exc}" if labels else str(exc)) from None
-        start = at + _HEAD.size + 8 * (h.trajectories + 1)
-        offsets = start + np.concatenate([[0], np.cumsum(h.streams)[:-1]])
-        table.append([h.rows, h.ids, h.length_bits, h.vocab_size, int(h.dropped), h.max_length, *offsets, *h.streams])
+            raise CodecError(f"{labels[i] + ': ' if labels else ''}{exc}") from None
+        at = _HEAD.size + 8 * (h.trajectories + 1)
+        for kind, size in enumerate(h.streams):
+            streams[kind].append(raw[at:at + size])
+            at += size
+        heads.append([h.length_bits, h.vocab_size, int(h.dropped), h.max_length, rows, h.rows, h.ids, ids])
         cus.append(cu[1:] + rows)
-        raws.append(raw)
-        at += raw.size
-        rows += h.rows
-    raws.append(np.zeros(8, np.uint8))
-    return _Batch(np.concatenate(raws), np.asarray(table, np.int64).reshape(-1, 14), np.concatenate(cus))
+        rows, ids, nbytes = rows + h.rows, ids + h.ids, nbytes + raw.size
+    if ids >= 2**32:  # each step below 2**31: their sums stay inside int64
+        raise CodecError(f"compact support: {ids} ids in one batch, more than the 2**32 - 1 one decode takes; decode "
+                         f"its buffers in parts")
+    sizes = np.array([[s.size for s in kind] for kind in streams], np.int64).reshape(4, -1).T  # (buffers, 4)
+    kinds = np.concatenate([[0], np.cumsum(sizes.sum(0))])
+    offsets = kinds[:4] + np.cumsum(sizes, 0) - sizes  # each stream's offset in raw
+    lb, V, drop, width, first_row, count, coded, first_id = np.asarray(heads, np.int64).reshape(-1, 8).T
+    table = np.concatenate([
+        np.stack([lb, V, drop, width, first_row, V - drop, (1 << lb) - 1, 8 * offsets[:, 1], 8 * offsets[:, 3],
+                  count, coded, first_id, first_row + count], 1),
+        offsets, sizes,
+        _unary_columns(first_row, count, rows, offsets[:, 0] - kinds[0], sizes[:, 0]),
+        _unary_columns(first_id, coded, ids, offsets[:, 2] - kinds[2], sizes[:, 2])], 1)
+    cu = np.concatenate(cus)
+    n = int(kinds[-1]) + 8
+    at = n + (-n) % 8
+    blob = np.zeros(at + 8 * (table.size + cu.size), np.uint8)
+    np.concatenate([s for kind in streams for s in kind] + [np.zeros(8, np.uint8)], out=blob[:n])
+    blob[at:] = np.concatenate([table.reshape(-1), cu]).view(np.uint8)
+    return _Batch(blob, blob[:n], tuple(int(k) for k in kinds), table, cu, nbytes)
 
 
 # ---------------------------------------------------------------------------- decode: array steps, any device
@@ -370,89 +419,68 @@ def _rice(universe: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.frexp(q.to(torch.float64))[1].to(torch.int64) - 1  # exact: q < 2**53
 
 
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
-# Row b: the positions (most significant bit first) of byte b's set bits, then zeros.
-_SET_BITS = torch.tensor([[i for i in range(8) if (b << i) & 128] + [0] * (8 - bin(b).count("1")) for b in range(256)],
-                         dtype=torch.int64).reshape(-1)
+_BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)  # a byte's bits, most significant first
+_BYTE_SHIFTS = torch.tensor([24, 16, 8, 0], dtype=torch.int64)  # four bytes as a big-endian word
+_CONSTANTS: dict = {}  # device -> both, there
 
 
-_TABLES: dict = {}  # device -> (_POPCOUNT, _SET_BITS) there
-
-
-def _tables(device: torch.device) -> tuple:
-    got = _TABLES.get(device)
+def _constants(device: torch.device) -> tuple:
+    got = _CONSTANTS.get(device)
     if got is None:
-        got = _TABLES[device] = (_POPCOUNT.to(device), _SET_BITS.to(device))
+        got = _CONSTANTS[device] = (_BIT_SHIFTS.to(device), _BYTE_SHIFTS.to(device))
     return got
 
 
-def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t[index]`` for a 1-D ``t`` (``index_select``: a fraction of advanced indexing's cost on the CPU)."""
-    return t.index_select(0, index)
+def _read_unary(section: torch.Tensor, columns: torch.Tensor, total: int):
+    """The ``total`` unary values of one stream kind, the buffers' streams back to back in ``section``;
+    ``columns``: (buffers, 7) the kind's :func:`_unary_columns`.
 
-
-def _read_unary(raw: torch.Tensor, at: torch.Tensor, size: torch.Tensor, count: torch.Tensor, nbytes: int, total: int):
-    """The unary values of one stream kind across the buffers.
-
-    at, size, count: (buffers,) each buffer's stream offset in ``raw``, its bytes and its
-    values (from the headers); ``nbytes``, ``total``: their sums. Returns ``(values (total,),
-    popcount (buffers,), last one's bit (buffers,), bit start (buffers,))``, in bits of the
-    buffers' streams laid back to back. In bounds whatever the bits hold: the first ``total``
-    set bits are taken (missing ones read as the stream's end), and the popcounts say whether
-    each buffer held exactly its own.
+    Returns ``(values (total,), count flag (buffers,), padding flag (buffers,))``. A value is the
+    distance between consecutive set bits, found by ``nonzero_static`` (no host read): in bounds
+    whatever the bits hold, set bits missing from the section reading as its end. The count flag:
+    a buffer's stream does not hold exactly its count of set bits (checked as: the set bits before
+    each stream's end are as many as the counts up to it); the padding flag: its last set bit is
+    not in its last byte.
     """
-    dev = raw.device
-    seg = _segments(size, nbytes)
-    start = _exclusive(size)  # each buffer's bytes in the streams laid back to back, and their total
-    stream = _take(raw, _take(at - start[:-1], seg) + torch.arange(nbytes, device=dev))
-    # The j-th set bit: its byte by a running maximum over marks at each byte's first set bit's rank,
-    # its place in the byte from a table; ranks past a byte's count are clamped into the table.
-    code = stream.to(torch.int64)
-    popcounts, set_bits = _tables(dev)
-    before = _exclusive(_take(popcounts, code))
-    marks = torch.zeros(total + 1, dtype=torch.int64, device=dev)
-    marks.scatter_reduce_(0, before[:-1].clamp(max=total), torch.arange(nbytes, device=dev), "amax")
-    byte = torch.cummax(marks[:total], 0).values if total else marks[:0]
-    rank = torch.clamp(torch.arange(total, device=dev) - _take(before, byte), 0, 7)
-    ones = 8 * byte + _take(set_bits, 8 * _take(code, byte) + rank) if nbytes else byte
-    popcount = _take(before, start[1:]) - _take(before, start[:-1])
-    first = _exclusive(count)[:-1]
-    prev = torch.cat([ones.new_full((1,), -1), ones])  # a spare last slot for empty buffers' writes
-    prev = prev.scatter(0, torch.where(count > 0, first, total), 8 * start[:-1] - 1)[:total]
-    last = _take(ones, (first + count - 1).clamp(0, max(total - 1, 0))) if total else torch.zeros_like(count)
-    return ones - prev - 1, popcount, last, 8 * start[:-1]
+    shifts, _ = _constants(section.device)
+    bits = (section.unsqueeze(1) >> shifts) & 1
+    ones = torch.nonzero_static(bits.reshape(-1), size=total + 1, fill_value=bits.numel()).squeeze(1)
+    after, last = ones.index_select(0, columns[:, 0]), ones.index_select(0, columns[:, 1])
+    prev = torch.cat([ones.new_full((1,), -1), ones[:-1]])  # its last slot spare, for empty streams
+    prev.scatter_(0, columns[:, 2], columns[:, 3])
+    return (ones - prev - 1)[:total], (after < columns[:, 4]) | (last >= columns[:, 5]), last < columns[:, 6]
 
 
-def _read_fields(words: torch.Tensor, bit: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """The fields of ``widths`` bits (<= 31) starting at absolute bits ``bit``; int64.
-
-    ``words``: the bytes as big-endian 32-bit words at every 4-byte boundary (int64). A field
-    of at most 31 bits lies in the 64-bit window of its word and the next; the indices are
-    clamped (a corrupted stream reads its neighbour's bits, never outside the tensor).
-    """
-    q = torch.clamp(bit >> 5, 0, words.numel() - 2)
-    window = (_take(words, q) << 32) | _take(words, q + 1)
-    # An arithmetic shift brings copies of the sign bit in at the top; the mask drops them.
-    return (window >> (64 - (bit & 31) - widths)) & ((1 << widths) - 1)
+def _windows(raw: torch.Tensor) -> torch.Tensor:
+    """At every 4-byte boundary of ``raw`` (which ends in 8 zero bytes), the 8 bytes from there as one
+    big-endian int64: a field of at most 31 bits lies in the window of its first bit's word."""
+    _, shifts = _constants(raw.device)
+    pad = torch.cat([raw, raw.new_zeros(-raw.numel() % 4)]) if raw.numel() % 4 else raw
+    words = (pad.reshape(-1, 4).to(torch.int64) << shifts).sum(1)
+    return (words[:-1] << 32) | words[1:]
 
 
-def _words(raw: torch.Tensor) -> torch.Tensor:
-    """(ceil(len / 4) + 1,) int64: ``raw`` as big-endian 32-bit words, a zero word after them."""
-    pad = torch.cat([raw, raw.new_zeros(8 - raw.numel() % 4)]).to(torch.int64).reshape(-1, 4)
-    return (pad[:, 0] << 24) | (pad[:, 1] << 16) | (pad[:, 2] << 8) | pad[:, 3]
+def _read_fields(windows: torch.Tensor, bit: torch.Tensor, widths: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """The fields of ``widths`` bits (<= 31, ``masks`` their ``2**w - 1``) at absolute bits ``bit``;
+    int64. The window's index is clamped: a corrupted stream reads its neighbour's bits, never
+    outside the tensor. An arithmetic shift brings copies of the sign bit in at the top; the mask
+    drops them."""
+    window = windows.index_select(0, torch.clamp(bit >> 5, 0, windows.numel() - 1))
+    return (window >> (64 - (bit & 31) - widths)) & masks
 
 
 @dataclass
 class _Decoded:
     """One batch's decode, every index in bounds, and its data-dependent checks as device flags.
 
-    lengths, buf_row (rows,): each row's length and buffer; row_of, col, ids (coded ids,): each coded
-    id's row, column and id;
-    put (rows,): the column of a dropped sampled token (-1 where none goes in); sampled
-    (rows,) or None; flags: check name -> (buffers,) or (rows,) or (coded ids,) bool.
+    cu: the batch's trajectory offsets on the device; lengths, buf_row, universe (rows,): each row's length, buffer and the ids it is coded among;
+    row_of, col, ids (coded ids,): each coded id's row, column and id; put (rows,): the column
+    of a dropped sampled token (-1 where none goes in); sampled (rows,) or None; flags: check
+    name -> (buffers,) or (rows,) bool; details: what the error of a failed check names.
     """
 
     batch: _Batch
+    cu: torch.Tensor
     lengths: torch.Tensor
     buf_row: torch.Tensor
     universe: torch.Tensor
@@ -473,134 +501,155 @@ class _Decoded:
         bad = torch.stack([f.any() for f in self.flags.values()]).tolist()
         return [name for name, b in zip(self.flags, bad) if b]
 
-    def place(self, starts: torch.Tensor, total: int) -> torch.Tensor:
-        """(total,) int32: the members at ``starts[row] + column``, -1 elsewhere; a spare last slot takes
-        what a corrupted batch would put out of range."""
+    def place(self, starts: Optional[torch.Tensor], total: int, width: int = 0) -> torch.Tensor:
+        """(total,) int32: the members at ``starts[row] + column`` (``row * width + column`` without
+        ``starts``), -1 elsewhere; a spare last slot takes what a corrupted batch would put out of range."""
         flat = torch.full((total + 1,), -1, dtype=torch.int32, device=self.lengths.device)
-        flat.scatter_(0, torch.clamp(starts[self.row_of] + self.col, 0, total), self.ids.to(torch.int32))
-        has = self.put >= 0
+        first = self.row_of * width if starts is None else starts.index_select(0, self.row_of)
+        flat.scatter_(0, torch.clamp(first + self.col, 0, total), self.ids.to(torch.int32))
         if self.sampled is not None:
-            flat.scatter_(0, torch.where(has, torch.clamp(starts + self.put, 0, total), total), self.sampled.to(torch.int32))
+            first = torch.arange(self.lengths.numel(), device=flat.device) * width if starts is None else starts
+            at = torch.where(self.put >= 0, torch.clamp(first + self.put, 0, total), total)
+            flat.scatter_(0, at, self.sampled.to(torch.int32))
         return flat[:total]
+
+
+def _host_to(t: Union[np.ndarray, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; from the host to a CUDA device through pinned memory, so the copy joins the
+    stream instead of waiting for every kernel queued before it (what a copy from pageable memory does)."""
+    t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_only: bool = False) -> _Decoded:
     """The array steps of the module doc over every buffer of ``batch`` at once, on ``device``
     (``lengths_only``: the rows' lengths and their checks, no id decoded).
 
-    Sizes come from the headers (host), so nothing here waits for the device: the checks that
-    depend on the bits are flags (``_Decoded.flags``), and every index is clamped into its
-    tensor, so a corrupted batch decodes to garbage inside its tensors, flagged.
+    One copy to the device (the streams and the table); sizes come from the headers (host), so
+    nothing here waits for the device: the checks that depend on the bits are flags
+    (``_Decoded.flags``), and every index is clamped into its tensor, so a corrupted batch decodes
+    to garbage inside its tensors, flagged.
     """
-    raw = torch.from_numpy(batch.raw).to(device)
-    t = torch.from_numpy(batch.table).to(device)
-    dev, words = raw.device, _words(raw)
-    R, I, host = batch.rows, batch.ids, batch.table
-    at, size = t[:, _AT:_AT + 4], t[:, _SIZE:_SIZE + 4]
+    blob = _host_to(batch.blob, device)
+    n = batch.raw.size
+    raw, ints = blob[:n], blob[n + (-n) % 8:].view(torch.int64)
+    t, cu = ints[:batch.table.size].reshape(-1, _COLUMNS), ints[batch.table.size:]
+    dev, windows, k = raw.device, _windows(raw), batch.kinds
+    R, I = batch.rows, batch.ids
     buf_row = _segments(t[:, _ROWS], R)
-    per_row = lambda c: _take(t[:, c].contiguous(), buf_row)  # noqa: E731
-    lb, V, drop = per_row(_LB), per_row(_V), per_row(_DROP)
+    per_row = t[:, :_ROWS].index_select(0, buf_row)  # what each row takes from its buffer
+    lb, V, drop, universe = per_row[:, _LB], per_row[:, _V], per_row[:, _DROP], per_row[:, _UNIVERSE]
     flags, details = {}, {}
 
     # Lengths: unary high parts, then lb low bits a row, back to back.
-    high, pop, last, start = _read_unary(raw, at[:, 0], size[:, 0], t[:, _ROWS], int(host[:, _SIZE].sum()), R)
-    flags["length count"] = pop != t[:, _ROWS]
-    flags["length padding"] = (t[:, _ROWS] > 0) & (last < start + 8 * size[:, 0] - 8)
-    details["length"] = (pop, last, start)
-    first_row = _exclusive(t[:, _ROWS])
-    in_buf = torch.arange(R, device=dev) - _take(first_row, buf_row)
-    lengths = (high << lb) | _read_fields(words, 8 * per_row(_AT + 1) + in_buf * lb, lb)
-    flags["row width"] = (lengths > per_row(_WIDTH)) | (lengths < 0)  # < 0: set bits missing from the stream
+    high, flags["length count"], flags["length padding"] = _read_unary(raw[k[0]:k[1]], t[:, _LEN_UNARY:_GAP_UNARY], R)
+    in_buf = torch.arange(R, device=dev) - per_row[:, _FIRST_ROW]
+    # Clamped where no row reaches (lengths <= V < 2**31): a corrupted stream's value cannot overflow.
+    lengths = (high.clamp_(max=_MAX_V) << lb) | _read_fields(windows, per_row[:, _LEN_LOW] + in_buf * lb, lb, per_row[:, _MASK])
+    flags["row width"] = (lengths > per_row[:, _WIDTH]) | (lengths < 0)  # < 0: set bits missing from the stream
     details["row width"] = lengths
     lengths = lengths.clamp(min=0)
     if lengths_only:
         none = lengths.new_zeros(0)
-        return _Decoded(batch, lengths, buf_row, V - drop, none, none, none, torch.full_like(lengths, -1), None, flags,
+        return _Decoded(batch, cu, lengths, buf_row, universe, none, none, none, torch.full_like(lengths, -1), None, flags,
                         details)
-    m = torch.where(drop > 0, (lengths - 1).clamp(min=0), lengths)
-    coded_sum = torch.zeros_like(t[:, _IDS]).index_add_(0, buf_row, m)
+    m = lengths - drop * (lengths > 0)
+    row_start = _exclusive(m)  # each row's first coded id, then their total
+    first_row, end_row = t[:, _FIRST_ROW], t[:, _END_ROW]  # a buffer's first row, the row after its last
+    coded_sum = row_start.index_select(0, end_row) - row_start.index_select(0, first_row)
     flags["id count"] = coded_sum != t[:, _IDS]
     details["id count"] = coded_sum
+    row_start = row_start.clamp(max=I)
 
-    # Ids. Each coded id's row: every row marks the id it starts at (the last of the rows starting
-    # there owns it: the ones before are empty), and a running maximum carries the mark; in bounds
+    # Each coded id's row: every row marks the id it starts at (the last of the rows starting there
+    # owns it: the ones before are empty), and a running maximum carries the mark; in bounds
     # whatever the lengths say.
-    universe = V - drop
-    ends = torch.cumsum(m, 0)
-    row_start = ends - m
     marks = torch.zeros(I + 1, dtype=torch.int64, device=dev)
-    marks.scatter_reduce_(0, row_start.clamp(max=I), torch.arange(R, device=dev), "amax")
+    marks.scatter_reduce_(0, row_start[:-1], torch.arange(R, device=dev), "amax")
     row_of = torch.cummax(marks[:I], 0).values if I else marks[:0]
-    b = _take(_rice(universe, m), row_of)
-    gap_high, gpop, glast, gstart = _read_unary(raw, at[:, 2], size[:, 2], t[:, _IDS], int(host[:, _SIZE + 2].sum()), I)
-    flags["gap count"] = gpop != t[:, _IDS]
-    flags["gap padding"] = (t[:, _IDS] > 0) & (glast < gstart + 8 * size[:, 2] - 8)
-    details["gap"] = (gpop, glast, gstart)
-    bits = _exclusive(b)
-    first_id = _exclusive(t[:, _IDS])
-    buf_id = _segments(t[:, _IDS], I)
-    low_bits = _take(bits, first_id[1:]) - _take(bits, first_id[:-1])
-    flags["gap low size"] = (low_bits + 7) // 8 != size[:, 3]
+
+    # A row's gaps share its Rice parameter b; their low bits run from the row's first one, in a
+    # buffer's stream that starts on a byte.
+    b = _rice(universe, m)
+    low = _exclusive(m * b)
+    low_bits = low.index_select(0, end_row) - low.index_select(0, first_row)
+    flags["gap low size"] = (low_bits + 7) // 8 != t[:, _SIZE + 3]
     details["gap low size"] = low_bits
-    low = _read_fields(words, _take(8 * at[:, 3] - _take(bits, first_id[:-1]), buf_id) + bits[:-1], b)
-    steps = _exclusive((gap_high << b) + low + 1)
-    coded = steps[1:] - _take(_take(steps, row_start.clamp(max=I)), row_of) - 1
-    flags["id range"] = (coded < 0) | (coded >= _take(universe, row_of))
+    low_at = per_row[:, _GAP_LOW] + low[:-1] - low.index_select(0, per_row[:, _FIRST_ROW]) - row_start[:-1] * b
+    far = torch.full_like(m, _NEVER) if sampled is None else torch.where(drop > 0, sampled, _NEVER)
+    # One gather of what each id needs from its row: b, its mask, its low bits' origin, its first id, the dropped token.
+    per_id = torch.stack([b, (1 << b) - 1, low_at, row_start[:-1], far], 1).index_select(0, row_of)
+    b_id, j = per_id[:, 0], torch.arange(I, device=dev)
+    high, flags["gap count"], flags["gap padding"] = _read_unary(raw[k[2]:k[3]], t[:, _GAP_UNARY:_COLUMNS], I)
+    # Each id's step from the one before (its gap + 1), clamped where no gap reaches (U < 2**31), so
+    # that no sum overflows: a corrupted row still rises, its last id past U.
+    steps = (high.clamp_(max=_MAX_V) << b_id) + _read_fields(windows, per_id[:, 2] + j * b_id, b_id, per_id[:, 1]) + 1
+    steps = _exclusive(steps.clamp_(max=_MAX_V + 1))
+    coded = steps[1:] - steps.index_select(0, row_start[:-1]).index_select(0, row_of) - 1
+
+    # Ids rise within a row once the counts hold (every gap >= 0): a row's first and last bound it.
+    ends = torch.stack([row_start[:-1], row_start[1:] - 1], 1).clamp(0, max(I - 1, 0))
+    ends = coded.index_select(0, ends.reshape(-1)).reshape(-1, 2) if I else ends
+    flags["id range"] = (m > 0) & ((ends[:, 0] < 0) | (ends[:, 1] >= universe))
+    details["id range"] = torch.where(ends[:, 0] < 0, ends[:, 0], ends[:, 1])
 
     # The sampled token goes back into a row that dropped it, at its sorted place.
-    col = torch.arange(I, device=dev) - _take(row_start, row_of)
+    col = j - per_id[:, 3]
     put = torch.full_like(lengths, -1)
     if sampled is not None:
         flags["sampled range"] = (sampled < 0) | (sampled >= V)
-        above = (coded >= _take(sampled, row_of)) & (_take(drop, row_of) > 0)
+        above = coded >= per_id[:, 4]
         coded, col = coded + above, col + above
         below = m - torch.zeros_like(m).index_add_(0, row_of, above.to(torch.int64))
         put = torch.where((drop > 0) & (lengths > 0), below, -1)
-    return _Decoded(batch, lengths, buf_row, universe, row_of, col, coded, put, sampled, flags, details)
+    return _Decoded(batch, cu, lengths, buf_row, universe, row_of, col, coded, put, sampled, flags, details)
 
 
 # ---------------------------------------------------------------------------- decode: named errors
-def _raise_named(d: _Decoded, name: str, buffer_of, labels: Sequence[str]) -> None:
+_PER_ROW = ("row width", "id range", "sampled range")  # the other flags are one a buffer
+
+
+def _stream_facts(batch: _Batch, i: int, kind: int) -> tuple:
+    """Buffer ``i``'s unary stream ``kind`` (0: lengths, 2: gaps), read on the host: its set bits and
+    how many bits run past the last one."""
+    at, size = int(batch.table[i, _AT + kind]), int(batch.table[i, _SIZE + kind])
+    ones = np.flatnonzero(np.unpackbits(batch.raw[at:at + size]))
+    return ones.size, 8 * size - 1 - (int(ones[-1]) if ones.size else -1)
+
+
+def _raise_named(d: _Decoded, name: str, labels: Sequence[str]) -> None:
     """Name the first failure of check ``name`` (host reads: the failure path only)."""
     t = d.batch.table
     j = int(torch.nonzero(d.flags[name].cpu())[0])
-    i = buffer_of(j) if name in _PER_ROW + _PER_ID else j
-    first_row = int(t[:i, _ROWS].sum())
+    i = int(np.repeat(np.arange(len(t)), t[:, _ROWS])[j]) if name in _PER_ROW else j  # the row's buffer
+    row = j - int(t[i, _FIRST_ROW])
     if name in ("length count", "length padding", "gap count", "gap padding"):
-        what, count = ("length", int(t[i, _ROWS])) if name.startswith("length") else ("gap", int(t[i, _IDS]))
-        pop, last, start = (x[i].item() for x in d.details[what])
-        end = start + 8 * int(t[i, _SIZE + (0 if what == "length" else 2)])
-        msg = (f"the {what} stream holds {pop} values, the header says {count}" if name.endswith("count") else
-               f"the {what} stream runs {end - 1 - last} bits past its last value")
+        what, kind, count = ("length", 0, t[i, _ROWS]) if name.startswith("length") else ("gap", 2, t[i, _IDS])
+        pop, past = _stream_facts(d.batch, i, kind)
+        msg = (f"the {what} stream holds {pop} values, the header says {int(count)}" if name.endswith("count") else
+               f"the {what} stream runs {past} bits past its last value")
     elif name == "row width":
-        msg = (f"row {j - first_row} decodes to {int(d.details['row width'][j])} ids, past the header's row width "
-               f"{int(t[i, _WIDTH])}")
+        msg = f"row {row} decodes to {int(d.details['row width'][j])} ids, past the header's row width {int(t[i, _WIDTH])}"
     elif name == "id count":
         msg = f"the lengths give {int(d.details['id count'][i])} ids, the header says {int(t[i, _IDS])}"
     elif name == "gap low size":
         need = -(-int(d.details["gap low size"][i]) // 8)
         msg = f"the gap low-bit stream holds {int(t[i, _SIZE + 3])} bytes where its fields need {need}"
     elif name == "id range":
-        r = int(d.row_of[j])
-        msg = (f"row {r - first_row} decodes id {int(d.ids[j])}, past the {int(d.universe[r])} ids it is coded "
-               f"among")
+        msg = f"row {row} decodes id {int(d.details['id range'][j])}, past the {int(d.universe[j])} ids it is coded among"
     else:  # sampled range
         raise CodecError(f"{labels[i] + ': ' if labels else ''}compact support: sampled token {int(d.sampled[j])} of "
-                         f"row {j - first_row} is outside [0, {int(t[i, _V])})")
+                         f"row {row} is outside [0, {int(t[i, _V])})")
     raise CodecError(f"{labels[i] + ': ' if labels else ''}compact support: {msg}; a corrupted buffer")
-
-
-_PER_ROW, _PER_ID = ("row width", "sampled range"), ("id range",)  # the other flags are one a buffer
 
 
 def _check(d: _Decoded, labels: Sequence[str]) -> None:
     """Read every flag of ``d`` at once (one host read) and raise for the first set one, in the decode's order."""
     failed = d.failed()
     if failed:
-        t, name = d.batch.table, failed[0]
-        counts = t[:, _IDS] if name in _PER_ID else t[:, _ROWS]
-        owner = np.repeat(np.arange(len(t)), counts)  # the buffer of each row or id
-        _raise_named(d, name, lambda j: int(owner[j]), labels)
+        _raise_named(d, failed[0], labels)
 
 
 def _sampled_arg(sampled_ids, rows: int, dropped: bool, device) -> Optional[torch.Tensor]:
@@ -710,10 +759,10 @@ class DecodedRows(PackedTensor):
     garbage, but every index the decode formed stayed inside its tensor (docs/design.md §2).
     """
 
-    def __init__(self, values: torch.Tensor, cu_seqlens: np.ndarray, decoded: _Decoded, labels: Sequence[str]):
+    def __init__(self, values: torch.Tensor, decoded: _Decoded, labels: Sequence[str]):
         # The offsets were checked on the host (:func:`_parse`): PackedTensor's own check would read the device.
         self.values = values
-        self.cu_seqlens = torch.from_numpy(cu_seqlens.astype(np.int32)).to(values.device)
+        self.cu_seqlens = decoded.cu.to(torch.int32)
         self._decoded, self._labels = decoded, tuple(labels)
         self.decode_flag: Optional[torch.Tensor] = decoded.any_flag()
 
@@ -771,18 +820,19 @@ class CompactRows:
 
     @property
     def nbytes(self) -> int:
-        return int(self._batch.raw.size - 8)
+        return self._batch.nbytes
 
     def decode(self, device, *, check: bool = False) -> DecodedRows:
-        """The rows on ``device`` as :class:`DecodedRows`: two copies to the device (the bytes and a
-        table of their headers), array steps there, no host read; with ``check``, the decode's flag
-        read at once (one host read: for a caller that reads the rows before the scorer does)."""
+        """The rows on ``device`` as :class:`DecodedRows`: one copy to the device (the streams, a table
+        of their headers and the trajectory offsets; the sampled ids too where they are on the host),
+        array steps there, no host read; with ``check``, the decode's flag read at once (one host
+        read: for a caller that reads the rows before the scorer does)."""
         device = torch.device(device)
-        sampled = None if self._sampled is None else self._sampled.to(device)
+        sampled = None if self._sampled is None else _host_to(self._sampled, device)
         d = _decode(self._batch, sampled, device)
         R, width = self._batch.rows, self.width_bound
-        values = d.place(torch.arange(R, device=d.lengths.device) * width, R * width).reshape(R, width)
-        out = DecodedRows(values, self._batch.cu, d, self.labels)
+        values = d.place(None, R * width, width).reshape(R, width)
+        out = DecodedRows(values, d, self.labels)
         record_checked(out, self._batch.vocab_size)  # what the decode guarantees once its flag reads clear
         if check:
             out.check()

@@ -215,22 +215,31 @@ def _recrc(buf: np.ndarray) -> np.ndarray:
 
 
 def test_several_buffers_decode_at_once_as_each_alone():
-    """decode_batch / CompactRows over buffers of different V, dropped and kept sampled ids, empty
-    buffers and empty rows: the rows of each buffer alone, back to back."""
+    """decode_batch / CompactRows over buffers of different V, dropped and kept sampled ids, buffers
+    without rows anywhere in the batch and empty rows: the rows of each buffer alone, back to back."""
     from nemo_replay.support.codec import CompactRows, decode_batch
 
     parts = [random_rows(s, V, 4, L) for s, V, L in ((11, 97, 9), (12, 128256, 64), (13, 50, 5), (14, 2**31 - 1, 30))]
     buffers = [encode_support(sup, vocab_size=V, sampled_ids=sampled if i % 2 else None)
                for i, ((sup, sampled, _), V) in enumerate(zip(parts, (97, 128256, 50, 2**31 - 1)))]
-    buffers.insert(2, encode_support(RaggedSupport.from_rows([]), vocab_size=7))
-    sampled = torch.cat([p[1] for p in parts])
-    want = RaggedSupport.cat([decode_support(b, sampled_ids=p[1]) for b, p in zip(buffers[:2] + buffers[3:], parts)])
+    # Buffers with no rows (first, between, last) and one whose rows are all empty.
+    nothing, empty_rows = (encode_support(RaggedSupport.from_rows(r), vocab_size=7) for r in ([], [[[], []], [[]]]))
+    buffers = [nothing, *buffers[:2], nothing, empty_rows, *buffers[2:], nothing]
+    sampled = torch.cat([parts[0][1], parts[1][1], torch.zeros(3, dtype=torch.int64), parts[2][1], parts[3][1]])
+    alone = [decode_support(b, sampled_ids=p[1]) for b, p in zip(buffers[1:3] + buffers[5:7], parts)]
+    want = RaggedSupport.cat(alone[:2] + [decode_support(empty_rows)] + alone[2:])
     got = decode_batch(buffers, sampled_ids=sampled)
     assert got == want
     dev = CompactRows(buffers, sampled_ids=sampled).decode("cpu")
     assert not bool(dev.decode_flag)
     assert torch.equal(dev.values, want.to_padded(dev.values.shape[1]).values)
     assert dev.cu_seqlens.tolist() == want.cu_seqlens.tolist()
+    # A failure after buffers without rows names its own buffer and its own row.
+    forged = _forged(RaggedSupport.from_rows([[[4], [1, 5, 9]], [[2, 3]]]), 10, max_length=2)
+    labels = [f"b{i}" for i in range(len(buffers))]
+    with pytest.raises(CodecError, match=r"^b7: compact support: row 1 decodes to 3 ids, past the header's row width 2"):
+        CompactRows(buffers[:7] + [forged], sampled_ids=torch.cat([sampled, torch.tensor([4, 1, 2])]),
+                    labels=labels).decode("cpu", check=True)
 
 
 def test_any_bit_of_a_forged_buffer_is_a_named_error_or_rows_that_hold_the_invariants():
