@@ -279,11 +279,11 @@ def _as_bytes(buf) -> np.ndarray:
 # The per-buffer integers the device reads, one row a buffer (:class:`_Batch`'s ``table``). First those
 # each row takes from its buffer: length parameter, V, 1 when the sampled ids were dropped, row width, the
 # buffer's first row in the batch, the ids a row is coded among, the length parameter's mask, and where
-# (in bits of ``raw``) the length and the gap low-bit streams start. Then: rows, coded ids, first coded id,
-# the row after the last, the four streams' offsets in ``raw`` and sizes, and for each unary stream
+# (in bits of ``raw``) the length and the gap low-bit streams start. Then: rows, coded ids, the row after
+# the last, the four streams' offsets in ``raw`` and sizes, and for each unary stream
 # kind what :func:`_read_unary` reads.
 _LB, _V, _DROP, _WIDTH, _FIRST_ROW, _UNIVERSE, _MASK, _LEN_LOW, _GAP_LOW = range(9)
-_ROWS, _IDS, _FIRST_ID, _END_ROW, _AT, _SIZE, _LEN_UNARY, _GAP_UNARY, _COLUMNS = 9, 10, 11, 12, 13, 17, 21, 28, 35
+_ROWS, _IDS, _END_ROW, _AT, _SIZE, _LEN_UNARY, _GAP_UNARY, _COLUMNS = 9, 10, 11, 12, 16, 20, 27, 34
 _NEVER = 2**62  # a bound no bit position or id reaches
 
 
@@ -306,7 +306,7 @@ class _Batch:
     buffers' streams regrouped by kind (every buffer's length unary stream back to back, then
     every length low-bit stream, every gap unary stream, every gap low-bit stream), then 8 zero
     bytes (a bit field's window never leaves them); kinds: (5,) where each kind starts in raw,
-    and where the last ends. table: (buffers, 35) int64 (above); cu: (trajectories + 1,) int64,
+    and where the last ends. table: (buffers, 34) int64 (above); cu: (trajectories + 1,) int64,
     the batch's trajectory offsets over its rows; nbytes: the buffers' own size.
     """
 
@@ -388,7 +388,7 @@ def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) 
     lb, V, drop, width, first_row, count, coded, first_id = np.asarray(heads, np.int64).reshape(-1, 8).T
     table = np.concatenate([
         np.stack([lb, V, drop, width, first_row, V - drop, (1 << lb) - 1, 8 * offsets[:, 1], 8 * offsets[:, 3],
-                  count, coded, first_id, first_row + count], 1),
+                  count, coded, first_row + count], 1),
         offsets, sizes,
         _unary_columns(first_row, count, rows, offsets[:, 0] - kinds[0], sizes[:, 0]),
         _unary_columns(first_id, coded, ids, offsets[:, 2] - kinds[2], sizes[:, 2])], 1)
