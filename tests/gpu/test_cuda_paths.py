@@ -97,8 +97,8 @@ def test_an_fsdp2_policy_step_over_nccl_on_one_rank():
 
 
 def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_the_cpu():
-    """CompactRows handed to the scorer on CUDA: decoded there (the same rows as the CPU decode), the
-    forward's one host read unchanged, scores equal to the CPU's from the same rows; a forged buffer
+    """CompactRows handed to the scorer on CUDA: decoded there (the same rows as the CPU decode) with
+    no synchronisation of its own, the forward's one host read unchanged, scores equal to the CPU's from the same rows; a forged buffer
     whose rows do not decode is named through that read, with no device-side assert."""
     import struct
 
@@ -114,6 +114,14 @@ def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_th
     compact = CompactRows(buffers, labels=[f"sample {i}" for i in range(len(buffers))])
     on_gpu, on_cpu = compact.decode("cuda"), compact.decode("cpu")
     assert torch.equal(on_gpu.values.cpu(), on_cpu.values) and not bool(on_gpu.decode_flag)
+    # The decode alone: one copy from pinned memory, no synchronisation (a pageable copy would wait
+    # for the stream); host-side sampled ids take the same path.
+    _, syncs = _synchronisations(lambda: compact.decode("cuda"))
+    assert syncs == 0, syncs
+    kept = CompactRows(buffers, sampled_ids=torch.zeros(compact.num_rows, dtype=torch.long))  # on the host
+    kept.decode("cuda")  # warm-up: the pinned block is allocated once
+    _, syncs = _synchronisations(lambda: kept.decode("cuda"))
+    assert syncs == 0, syncs
     channels = [t.to("cuda") for t in (case.sampled_ids, case.row_ids, case.loss_mask)]
     z = case.logits.to("cuda", torch.float32)
     score_aligned_support(z, *channels, compact)  # warm-up
