@@ -302,24 +302,37 @@ def _unary_columns(first: np.ndarray, count: np.ndarray, total: int, start: np.n
 class _Batch:
     """Buffers whose every header-level fact was checked on the host, ready for one copy to a device.
 
-    blob: what the device gets, in one copy: ``raw``, then (8-byte aligned) the table and cu. raw: the
-    buffers' streams regrouped by kind (every buffer's length unary stream back to back, then
-    every length low-bit stream, every gap unary stream, every gap low-bit stream), then 8 zero
-    bytes (a bit field's window never leaves them); kinds: (5,) where each kind starts in raw,
-    and where the last ends. table: (buffers, 34) int64 (above); cu: (trajectories + 1,) int64,
-    the batch's trajectory offsets over its rows; nbytes: the buffers' own size.
+    blob: what the device gets, in one copy: ``raw``, then (8-byte aligned) the table and cu, all
+    read through :meth:`split`. raw: the buffers' streams regrouped by kind (every buffer's length
+    unary stream back to back, then every length low-bit stream, every gap unary stream, every gap
+    low-bit stream), then 8 zero bytes (a bit field's window never leaves them); kinds: (5,) where
+    each kind starts in raw, and where the last ends. table: (buffers, 34) int64 (above); cu:
+    (trajectories + 1,) int64, the batch's trajectory offsets over its rows; nbytes: the buffers'
+    own size.
     """
 
     blob: np.ndarray
-    raw: np.ndarray
     kinds: tuple
-    table: np.ndarray
-    cu: np.ndarray
+    buffers: int
     nbytes: int
 
+    def split(self, blob):
+        """``(raw, table, cu)``: views of ``blob``, this batch's blob or its copy on a device."""
+        n = self.kinds[-1] + 8
+        ints = blob[n + (-n) % 8:].view(torch.int64 if isinstance(blob, torch.Tensor) else np.int64)
+        return blob[:n], ints[:self.buffers * _COLUMNS].reshape(-1, _COLUMNS), ints[self.buffers * _COLUMNS:]
+
     @property
-    def buffers(self) -> int:
-        return len(self.table)
+    def raw(self) -> np.ndarray:
+        return self.split(self.blob)[0]
+
+    @property
+    def table(self) -> np.ndarray:
+        return self.split(self.blob)[1]
+
+    @property
+    def cu(self) -> np.ndarray:
+        return self.split(self.blob)[2]
 
     @property
     def rows(self) -> int:
@@ -392,13 +405,12 @@ def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) 
         offsets, sizes,
         _unary_columns(first_row, count, rows, offsets[:, 0] - kinds[0], sizes[:, 0]),
         _unary_columns(first_id, coded, ids, offsets[:, 2] - kinds[2], sizes[:, 2])], 1)
-    cu = np.concatenate(cus)
+    ints = np.concatenate([table.reshape(-1), *cus])
     n = int(kinds[-1]) + 8
-    at = n + (-n) % 8
-    blob = np.zeros(at + 8 * (table.size + cu.size), np.uint8)
+    blob = np.zeros(n + (-n) % 8 + 8 * ints.size, np.uint8)
     np.concatenate([s for kind in streams for s in kind] + [np.zeros(8, np.uint8)], out=blob[:n])
-    blob[at:] = np.concatenate([table.reshape(-1), cu]).view(np.uint8)
-    return _Batch(blob, blob[:n], tuple(int(k) for k in kinds), table, cu, nbytes)
+    blob[n + (-n) % 8:] = ints.view(np.uint8)
+    return _Batch(blob, tuple(int(k) for k in kinds), len(table), nbytes)
 
 
 # ---------------------------------------------------------------------------- decode: array steps, any device
@@ -532,10 +544,7 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_o
     (``_Decoded.flags``), and every index is clamped into its tensor, so a corrupted batch decodes
     to garbage inside its tensors, flagged.
     """
-    blob = _host_to(batch.blob, device)
-    n = batch.raw.size
-    raw, ints = blob[:n], blob[n + (-n) % 8:].view(torch.int64)
-    t, cu = ints[:batch.table.size].reshape(-1, _COLUMNS), ints[batch.table.size:]
+    raw, t, cu = batch.split(_host_to(batch.blob, device))
     dev, windows, k = raw.device, _windows(raw), batch.kinds
     R, I = batch.rows, batch.ids
     buf_row = _segments(t[:, _ROWS], R)
