@@ -90,15 +90,10 @@ class GeneratedRows:
     data: np.ndarray
 
     @classmethod
-    def of(cls, rows, start: int, width: Optional[int] = None) -> "GeneratedRows":
-        """From the generated tokens' rows: dense ``(n, width)`` (-1 padded), or one segment of CSR rows
-        (a :class:`RaggedSupport`, empty where nothing was recorded) with the ``width`` messages pad to."""
-        if isinstance(rows, RaggedSupport):
-            support, width = rows.resegment([0, rows.num_rows]), int(width if width is not None else rows.width_bound)
-        else:
-            values = rows.cpu().to(torch.int32)
-            support, width = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]])), int(values.shape[1])
-        return cls(int(start), width, encode_kept(support))
+    def of(cls, rows: RaggedSupport, start: int, width: int) -> "GeneratedRows":
+        """From the generated tokens' CSR rows (empty where nothing was recorded) and the ``width``
+        messages pad them to."""
+        return cls(int(start), int(width), encode_kept(rows.resegment([0, rows.num_rows])))
 
     def __getitem__(self, columns: slice) -> "MessageRows":
         if not isinstance(columns, slice) or columns.step not in (None, 1):

@@ -44,6 +44,8 @@ from nemo_replay.integrations.nemo_rl import (
 from nemo_replay.integrations.nemo_rl import patch as patch_mod
 from nemo_replay.integrations.nemo_rl import workers
 from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.integrations.nemo_rl.sample_rows import (
     GeneratedRows,
     MessageRows,
@@ -65,6 +67,11 @@ def _message(role, ids, rows=None, generated=False):
     if rows is not None:
         m["generation_support"] = torch.tensor(rows, dtype=torch.int32)
     return m
+
+
+def _csr(rows: torch.Tensor) -> RaggedSupport:
+    """A message's dense rows (n, width), -1 padded, as the CSR rows the worker reads off vLLM."""
+    return RaggedSupport.from_padded(PackedTensor(rows.to(torch.int32), [0, rows.shape[0]]))
 
 
 def _nemo_rl_masks(message_logs):
@@ -104,7 +111,7 @@ def test_message_windows_of_the_worker_s_compact_rows_read_as_the_dense_rows():
                 rows = m["generation_support"]
                 n = rows.shape[0]
                 # The worker's layout: 4 prompt columns, then the generated tokens' rows, then padding.
-                generated = GeneratedRows.of(rows, 4)
+                generated = GeneratedRows.of(_csr(rows), 4, rows.shape[1])
                 m["generation_support"] = generated[4:4 + n]
                 wide = generated[2:4 + n + 3]  # a wider window: no rows outside the generated tokens
                 assert wide.shape == (n + 5, rows.shape[1]) and wide.recorded()[:2].sum() == 0
@@ -116,7 +123,8 @@ def test_message_windows_of_the_worker_s_compact_rows_read_as_the_dense_rows():
     for a, b in zip(message_log_rows(dense, "generation_support"), message_log_rows(windows, "generation_support")):
         assert np.array_equal(a.runs, b.runs) and a.data.tobytes() == b.data.tobytes()
     short = _multi_turn_logs()
-    short[0][1]["generation_support"] = GeneratedRows.of(short[0][1]["generation_support"], 0)[0:2]
+    dense = short[0][1]["generation_support"]
+    short[0][1]["generation_support"] = GeneratedRows.of(_csr(dense), 0, dense.shape[1])[0:2]
     _nemo_rl_masks(short)
     with pytest.raises(ValueError, match=r"trajectory 0, message 1: generation_support must be .* got MessageRows of 2 rows"):
         backfill_support(short)
