@@ -216,10 +216,11 @@ class SupportCheck:
             flag = flag | (ids.amax() >= vocab_size)
         return cls(support, vocab_size, flag, not rec.covers(vocab_size))  # a tighter bound is recorded once it passed
 
-    def raise_first_bad_row(self) -> None:
-        """Raise naming the first row that breaks the §2 invariants. Rows that pass (a record whose
-        rows changed behind the version counter but are still valid) return: see :meth:`passed`."""
-        self.support.validate(vocab_size=self.vocab_size, where="scorer support")
+    def raise_first_bad_row(self, where: str = "scorer support") -> None:
+        """Raise naming the first row that breaks the §2 invariants (errors prefixed by ``where``).
+        Rows that pass (a record whose rows changed behind the version counter but are still valid)
+        return: see :meth:`passed`."""
+        self.support.validate(vocab_size=self.vocab_size, where=where)
 
     def passed(self, *, again: bool = False) -> None:
         """The call's guards passed: record the rows when they were newly checked, or ``again``

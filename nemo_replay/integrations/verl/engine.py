@@ -33,7 +33,7 @@ from nemo_replay.integrations.verl.response_rows import buffers_of, compact_rows
 from nemo_replay.layout.checks import Where, check_canonical
 from nemo_replay.scoring.entry import ScorerChannels, check_together, score_positions
 from nemo_replay.scoring.shard import VocabShard
-from nemo_replay.support.checked import checked
+from nemo_replay.support.checked import SupportCheck
 from nemo_replay.support.codec import CompactRows
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.packed import PackedTensor
@@ -261,10 +261,11 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
     rows = resp.support(tokens.device)
     if isinstance(rows, CompactRows):  # decoded on the tokens' device; its own checks read first
         rows = rows.decode(tokens.device, check=True)
-    record = checked(rows)  # decoded rows hold the §2 invariants below their codec's V: only a larger V is news
-    if record is None or not record.covers(vocab_size):
+    # The scorer's check: decoded rows carry their record (only a V below their codec's is news), others are sorted.
+    check = SupportCheck.begin(rows, vocab_size, validate=True)
+    if bool(check.flag):
         try:
-            rows.validate(vocab_size=vocab_size, where=f"batch[{SUPPORT_KEY!r}]")
+            check.raise_first_bad_row(where=f"batch[{SUPPORT_KEY!r}]")
         except ValueError as exc:
             raise ValueError(f"{exc} (trajectory = sample index in this batch, row = response position)") from exc
     # Response coordinates: position (i, j) predicts the response token j of sample i over its row.
