@@ -274,3 +274,35 @@ def test_any_bit_of_a_forged_buffer_is_a_named_error_or_rows_that_hold_the_invar
                 clean += 1
                 rows.validate(vocab_size=300, sampled_ids=sampled if dropped else None)
         assert flagged > 0 and clean > 0, (flagged, clean)  # both outcomes happen: the test can fail either way
+
+
+def test_a_unary_stream_s_count_and_padding_are_named_from_its_bytes():
+    """Set bits added, missing or followed by a whole spare byte in one buffer of a batch: its label,
+    the values its stream holds against its header, the bits past its last value."""
+    import struct
+
+    from nemo_replay.support.codec import decode_batch
+
+    good = encode_support(RaggedSupport.from_rows([[[1, 5, 9], [4]], [[2, 3]]]), vocab_size=10)
+    h = header_of(good)
+    start = codec._HEAD.size + 8 * (h.trajectories + 1)  # the length unary stream: 0001 01 001 -> [0x14, 0x80]
+    assert good[start:start + 2].tolist() == [0x14, 0x80]
+    extra = good.copy()
+    extra[start + 1] |= 1  # a fourth set bit
+    with pytest.raises(CodecError, match=r"^b: compact support: the length stream holds 4 values, the header says 3"):
+        decode_batch([good, _recrc(extra)], labels=["a", "b"])
+    gaps = start + h.streams[0] + h.streams[1]
+    missing = good.copy()
+    last = gaps + h.streams[2] - 1
+    assert missing[last] > 0  # a stream's last set bit lies in its last byte
+    missing[last] &= missing[last] - 1  # clear it: the last value's end is gone
+    with pytest.raises(CodecError, match=r"^b: compact support: the gap stream holds 5 values, the header says 6"):
+        decode_batch([good, _recrc(missing)], labels=["a", "b"])
+    # A zero byte after the length stream (its size in the header grown by one): 15 bits past its last value.
+    head = list(codec._HEAD.unpack(good[:codec._HEAD.size].tobytes()))
+    head[10], head[11] = 0, head[11] + 1
+    spare = np.concatenate([np.frombuffer(codec._HEAD.pack(*head), np.uint8), good[codec._HEAD.size:start + 2],
+                            np.zeros(1, np.uint8), good[start + 2:]])
+    spare[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(spare)), np.uint8)
+    with pytest.raises(CodecError, match=r"^b: compact support: the length stream runs 15 bits past its last value"):
+        decode_batch([good, spare], labels=["a", "b"])
