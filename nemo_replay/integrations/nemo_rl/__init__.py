@@ -13,7 +13,9 @@ per-sequence packing; :mod:`.layout`). The pieces:
   (DTensor v2) for the old-policy and reference log-probs, same support (full vocabulary
   selectable, :func:`reference_pass`); :class:`ReplayAutomodelLossPostProcessor` for the
   DTensor policy loss;
-- :func:`vllm_support_request` and :func:`generation_support_from_vllm` for the vLLM worker;
+- :func:`vllm_support_request` and :func:`completion_supports` for the vLLM worker (each
+  completion's CSR rows); :func:`generation_support_from_vllm` lays them out densely, like
+  ``logprobs``, for a data path that carries that form;
 - :func:`check_nemo_rl_recipe` for the recipe options replay depends on;
 - :mod:`.workers`: replay's vLLM generation worker and the policy worker extensions that
   install the post-processors in each worker process;
@@ -41,6 +43,7 @@ from nemo_replay.integrations.nemo_rl.token_aligned import NEMO_RL_COMMIT
 from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
 from nemo_replay.integrations.nemo_rl.rollout import (
     GenerationSupport,
+    completion_supports,
     generation_support_from_vllm,
     vllm_support_request,
 )
@@ -59,6 +62,7 @@ __all__ = [
     "ReplayAutomodelLossPostProcessor",
     "ReplayAutomodelLogprobsPostProcessor",
     "GenerationSupport",
+    "completion_supports",
     "generation_support_from_vllm",
     "vllm_support_request",
     "check_nemo_rl_recipe",
