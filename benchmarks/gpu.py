@@ -211,6 +211,7 @@ def _compact(torch, timer, cfg, dname, rows_out) -> None:
     forward from the fixed rows they decode to, and the same forward from the compact rows."""
     from benchmarks.workloads import channels, logits_input, support_rows
     from nemo_replay.scoring.scorer import score_aligned_support
+    from nemo_replay.support import fused
     from nemo_replay.support.codec import CompactRows, decode_batch, encode_support
     from nemo_replay.support.ragged import RaggedSupport
 
@@ -227,10 +228,13 @@ def _compact(torch, timer, cfg, dname, rows_out) -> None:
         with torch.no_grad():
             check = (score_aligned_support(logits, *args, compact).logprobs
                      - score_aligned_support(logits, *args, fixed).logprobs).abs().max().item()
-            got = timer.rounds({"decode": lambda: compact.decode(dev),
+            # The default decode (the fused kernels on CUDA where Triton imports) gives the reference's rows.
+            assert torch.equal(compact.decode(dev).values, compact.decode(dev, fused=False).values)
+            got = timer.rounds({"decode": lambda: compact.decode(dev), "reference": lambda: compact.decode(dev, fused=False),
                                 "fixed": lambda: score_aligned_support(logits, *args, fixed),
                                 "compact": lambda: score_aligned_support(logits, *args, compact)}, cfg["rounds"])
         rows_out.append({"config": f"T={T} V={V} k={k}", "dtype": dname, "bytes": sum(b.size for b in buffers) / T,
+                         "fused": fused.available(dev),
                          **{n: got[n]["ms"] for n in got}, "check": check})
     del logits
 
@@ -278,15 +282,18 @@ def _render(info: dict, rates: dict, rows: list, compact: list = ()) -> str:
     parts.append(t.markdown())
     if compact:
         c = Table("GPU: compact rows decoded at the scorer's entry point",
-                  ["configuration", "dtype", "compact B/token", "decode ms", "forward, fixed rows ms",
-                   "decode / forward", "forward from compact rows ms", "compact / fixed", "max abs diff"],
-                  "Eight buffers, one a sample, decoded on the device by `CompactRows.decode` (no host read); the "
-                  "logits-mode forward (no grad) from the fixed rows they decode to, and from the compact rows "
-                  "(the decode included).")
+                  ["configuration", "dtype", "compact B/token", "decode", "decode ms", "reference steps ms",
+                   "forward, fixed rows ms", "decode / forward", "forward from compact rows ms", "compact / fixed",
+                   "max abs diff"],
+                  "Eight buffers, one a sample, decoded on the device by `CompactRows.decode` (no host read): by "
+                  "the fused kernels where Triton imports (`decode`: fused), else by the reference's array steps, "
+                  "which the next column times alone; the logits-mode forward (no grad) from the fixed rows they "
+                  "decode to, and from the compact rows (the decode included).")
         for r in compact:
-            c.add(r["config"], r["dtype"], f"{r['bytes']:.1f}", fmt_ms(r["decode"]), fmt_ms(r["fixed"]),
-                  fmt_ratio(r["decode"] / r["fixed"]), fmt_ms(r["compact"]), fmt_ratio(r["compact"] / r["fixed"]),
-                  f"{r['check']:.1e}")
+            c.add(r["config"], r["dtype"], f"{r['bytes']:.1f}", "fused" if r["fused"] else "reference",
+                  fmt_ms(r["decode"]), fmt_ms(r["reference"]), fmt_ms(r["fixed"]), fmt_ratio(r["decode"] / r["fixed"]),
+                  fmt_ms(r["compact"]),
+                  fmt_ratio(r["compact"] / r["fixed"]), f"{r['check']:.1e}")
         parts.append(c.markdown())
     parts.append(END)
     return "\n".join(parts) + "\n"

@@ -78,6 +78,8 @@ install() {
 tests() {
     if [ "$mode" = cuda ]; then
         "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts=""
+        # The fused decode's kernels compiled and run on the device against the reference decode.
+        NEMO_REPLAY_REQUIRE_TRITON=1 "$py" -m pytest -q -p no:cacheprovider -o addopts="" tests/support/test_fused_decode.py
     else  # the files that hold gpu-marked checks: they are collected and skipped
         "$py" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" tests/gpu tests/scoring/test_scorer_devices.py
     fi

@@ -61,6 +61,7 @@ unary ``(1, 1)``, low bits ``0, 1``.
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from dataclasses import dataclass
@@ -768,16 +769,15 @@ class DecodedRows(PackedTensor):
     garbage, but every index the decode formed stayed inside its tensor (docs/design.md §2).
     """
 
-    def __init__(self, values: torch.Tensor, decoded: _Decoded, labels: Sequence[str]):
+    def __init__(self, values: torch.Tensor, cu_seqlens: torch.Tensor, decode_flag: torch.Tensor, name_failure):
         # The offsets were checked on the host (:func:`_parse`): PackedTensor's own check would read the device.
-        self.values = values
-        self.cu_seqlens = decoded.cu.to(torch.int32)
-        self._decoded, self._labels = decoded, tuple(labels)
-        self.decode_flag: Optional[torch.Tensor] = decoded.any_flag()
+        self.values, self.cu_seqlens = values, cu_seqlens
+        self._name_failure = name_failure
+        self.decode_flag: Optional[torch.Tensor] = decode_flag
 
     def raise_decode_error(self) -> None:
         """Raise the named :class:`CodecError` of the first failed check (host reads: the failure path)."""
-        _check(self._decoded, self._labels)
+        self._name_failure()
 
     def check(self) -> None:
         """Read the flag now (one host read) and raise when it is set; the scorer then skips it."""
@@ -831,21 +831,48 @@ class CompactRows:
     def nbytes(self) -> int:
         return self._batch.nbytes
 
-    def decode(self, device, *, check: bool = False) -> DecodedRows:
+    def decode(self, device, *, check: bool = False, fused: Optional[bool] = None) -> DecodedRows:
         """The rows on ``device`` as :class:`DecodedRows`: one copy to the device (the streams, a table
         of their headers and the trajectory offsets; the sampled ids too where they are on the host),
         array steps there, no host read; with ``check``, the decode's flag read at once (one host
-        read: for a caller that reads the rows before the scorer does)."""
+        read: for a caller that reads the rows before the scorer does).
+
+        ``fused``: None decodes with :mod:`~nemo_replay.support.fused`'s two kernels on CUDA where
+        Triton imports (``NEMO_REPLAY_FUSED_DECODE=0`` turns them off) and with the reference's
+        array steps elsewhere; True always with the kernels (on the CPU, under Triton's interpreter,
+        ``TRITON_INTERPRET=1``); False always with the reference. Both give the same rows and flags.
+        """
         device = torch.device(device)
         sampled = None if self._sampled is None else _host_to(self._sampled, device)
-        d = _decode(self._batch, sampled, device)
         R, width = self._batch.rows, self.width_bound
-        values = d.place(None, R * width, width).reshape(R, width)
-        out = DecodedRows(values, d, self.labels)
+        if fused is None or fused:
+            from nemo_replay.support import fused as kernels
+
+            if fused and not kernels.available(device, any_device=True):
+                raise ValueError("CompactRows.decode(fused=True) needs Triton (pip install triton); pass fused=None "
+                                 "to decode with the kernels where they run and the reference elsewhere")
+            fused = fused or kernels.available(device)
+        if fused:
+            values, flags, cu = kernels.decode_fixed(self._batch, sampled, device, width)
+            flag, name = flags.any(), functools.partial(self._name_fused, sampled, device, flags)
+        else:
+            d = _decode(self._batch, sampled, device)
+            values, cu = d.place(None, R * width, width).reshape(R, width), d.cu
+            flag, name = d.any_flag(), functools.partial(_check, d, self.labels)
+        out = DecodedRows(values, cu.to(torch.int32), flag, name)
         record_checked(out, self._batch.vocab_size)  # what the decode guarantees once its flag reads clear
         if check:
             out.check()
         return out
+
+    def _name_fused(self, sampled: Optional[torch.Tensor], device: torch.device, flags: torch.Tensor) -> None:
+        """Name what the fused decode flagged by rerunning the reference, which sets the same flags."""
+        _check(_decode(self._batch, sampled, device), self.labels)
+        from nemo_replay.support.fused import FLAGS
+
+        names = [name for name, bad in zip(FLAGS, flags.tolist()) if bad]
+        raise RuntimeError(f"compact support: the fused decode flagged {names}, the reference decode finds every check "
+                           f"holds; decode with the reference (NEMO_REPLAY_FUSED_DECODE=0) and report this batch")
 
     def __repr__(self) -> str:
         return (f"CompactRows(buffers={self._batch.buffers}, rows={self.num_rows}, width={self.width_bound}, "

@@ -104,7 +104,7 @@ def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_th
 
     import numpy as np
 
-    from nemo_replay.support import codec
+    from nemo_replay.support import codec, fused
     from nemo_replay.support.codec import CodecError, CompactRows, encode_support
     from nemo_replay.support.ragged import RaggedSupport
 
@@ -112,16 +112,19 @@ def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_th
     ragged = RaggedSupport.from_padded(case.support)
     buffers = [encode_support(ragged[[i]], vocab_size=4096) for i in range(ragged.batch_size)]
     compact = CompactRows(buffers, labels=[f"sample {i}" for i in range(len(buffers))])
-    on_gpu, on_cpu = compact.decode("cuda"), compact.decode("cpu")
-    assert torch.equal(on_gpu.values.cpu(), on_cpu.values) and not bool(on_gpu.decode_flag)
-    # The decode alone: one copy from pinned memory, no synchronisation (a pageable copy would wait
-    # for the stream); host-side sampled ids take the same path.
-    _, syncs = _synchronisations(lambda: compact.decode("cuda"))
-    assert syncs == 0, syncs
-    kept = CompactRows(buffers, sampled_ids=torch.zeros(compact.num_rows, dtype=torch.long))  # on the host
-    kept.decode("cuda")  # warm-up: the pinned block is allocated once
-    _, syncs = _synchronisations(lambda: kept.decode("cuda"))
-    assert syncs == 0, syncs
+    on_cpu = compact.decode("cpu")
+    # The reference's array steps and, where Triton imports, the fused kernels (the default on CUDA).
+    for mode in (False, True) if fused.available(torch.device("cuda")) else (False,):
+        on_gpu = compact.decode("cuda", fused=mode)
+        assert torch.equal(on_gpu.values.cpu(), on_cpu.values) and not bool(on_gpu.decode_flag), mode
+        # The decode alone: one copy from pinned memory, no synchronisation (a pageable copy would wait
+        # for the stream); host-side sampled ids take the same path.
+        _, syncs = _synchronisations(lambda: compact.decode("cuda", fused=mode))
+        assert syncs == 0, (mode, syncs)
+        kept = CompactRows(buffers, sampled_ids=torch.zeros(compact.num_rows, dtype=torch.long))  # on the host
+        kept.decode("cuda", fused=mode)  # warm-up: the pinned block is allocated once, the kernels compiled
+        _, syncs = _synchronisations(lambda: kept.decode("cuda", fused=mode))
+        assert syncs == 0, (mode, syncs)
     channels = [t.to("cuda") for t in (case.sampled_ids, case.row_ids, case.loss_mask)]
     z = case.logits.to("cuda", torch.float32)
     score_aligned_support(z, *channels, compact)  # warm-up

@@ -8,6 +8,7 @@ Every truncation, extension and single bit flip of a buffer is a CodecError.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
@@ -306,3 +307,13 @@ def test_a_unary_stream_s_count_and_padding_are_named_from_its_bytes():
     spare[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(spare)), np.uint8)
     with pytest.raises(CodecError, match=r"^b: compact support: the length stream runs 15 bits past its last value"):
         decode_batch([good, spare], labels=["a", "b"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="Triton is installed here")
+def test_the_fused_decode_asked_for_without_triton_is_refused_by_name():
+    from nemo_replay.support.codec import CompactRows
+
+    compact = CompactRows([encode_support(RaggedSupport.from_rows([[[1, 5, 9]]]), vocab_size=10)])
+    with pytest.raises(ValueError, match=r"decode\(fused=True\) needs Triton \(pip install triton\); pass fused=None"):
+        compact.decode("cpu", fused=True)
+    assert compact.decode("cpu").values.tolist() == [[1, 5, 9]]  # the default: the reference's steps

@@ -1,0 +1,110 @@
+"""The compact codec's device decode in two Triton kernels (docs/design.md §2, docs/transport.md).
+
+:func:`~nemo_replay.support.codec._decode` is the reference: 175 eager operations for a batch,
+each a kernel launch on a GPU, whatever the batch's size. Here the same decode is 16 (the
+copies to the device aside): the set bits of both unary streams (shift, mask and
+``nonzero_static`` each, as the reference finds them), four allocations, two kernels, one
+``cumsum`` and the flag's ``any``:
+
+- ``rows_kernel``, one lane a row: the row's buffer (a binary search of the buffers' first
+  rows), its length (unary part, then low bits), the ids it codes ``m``, its Rice parameter
+  ``b``, the row-width and sampled-token checks;
+- one ``cumsum`` of ``(m, m * b)`` over the rows: where each row's ids and gap low bits start;
+- ``ids_kernel``, one program a row: its gaps, their running sum, the range check, the dropped
+  sampled token back at its sorted place, every id written into the fixed-width rows; and one
+  program a buffer for its streams' checks (counts, padding, ids, low-bit size).
+
+Every check of the reference is a slot of one int32 flag vector (``FLAGS``, the reference's
+order). The index arithmetic is the reference's, clamped where it clamps: a corrupted batch
+decodes to garbage inside its tensors, flagged. Where every check before it holds, each check
+reads the values the reference reads, so the two set the same flags; once they are clear the
+rows match bit for bit (tests/support/test_fused_decode.py flips bits of a buffer). A set flag
+is named by rerunning the reference (the failure path only).
+
+:meth:`~nemo_replay.support.codec.CompactRows.decode` uses them on CUDA where Triton imports,
+unless ``NEMO_REPLAY_FUSED_DECODE=0``; the reference runs elsewhere. On the CPU the kernels run
+under Triton's interpreter (``TRITON_INTERPRET=1``): that is how the tests check them without
+a GPU, besides compiling them for sm_80 and sm_90.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from nemo_replay.support import codec as c
+
+__all__ = ["FLAGS", "available", "decode_fixed"]
+
+FLAGS = ("length count", "length padding", "row width", "id count", "gap low size", "gap count", "gap padding",
+         "id range", "sampled range")
+_ROW_BLOCK = 128  # rows a program of ``rows`` takes
+_ID_BLOCK = 32  # ids a row's program takes per step
+
+
+def available(device: torch.device, *, any_device: bool = False) -> bool:
+    """Whether :func:`decode_fixed` serves a decode on ``device`` by default: CUDA, Triton importable,
+    and not switched off (``NEMO_REPLAY_FUSED_DECODE=0``); ``any_device``: whether Triton imports."""
+    if not any_device and (device.type != "cuda" or os.environ.get("NEMO_REPLAY_FUSED_DECODE", "1") == "0"):
+        return False
+    return _imports()
+
+
+@functools.lru_cache(maxsize=None)
+def _imports() -> bool:
+    try:
+        _kernels()
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The kernels' module (Triton is imported only there, on first use)."""
+    from nemo_replay.support import fused_kernels
+
+    return fused_kernels
+
+
+def _set_bits(section: torch.Tensor, total: int) -> torch.Tensor:
+    """(total + 1,) int64: the positions of the set bits of ``section``, the missing ones (and a spare last) at its end."""
+    shifts, _ = c._constants(section.device)
+    bits = ((section.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    return torch.nonzero_static(bits, size=total + 1, fill_value=bits.numel()).squeeze(1)
+
+
+def decode_fixed(batch, sampled: Optional[torch.Tensor], device: torch.device, width: int):
+    """``batch`` (a checked :class:`~nemo_replay.support.codec._Batch`) decoded on ``device`` into
+    fixed-width rows.
+
+    Args:
+        sampled: (rows,) int64 on ``device``, or None.
+        width: the rows' width (at least the widest row).
+
+    Returns:
+        ``(values (rows, width) int32 -1 padded, flags (len(FLAGS),) int32, cu (trajectories + 1,)
+        int64)``, on ``device`` with no host read; a flag is set where the reference sets that
+        check's flag (module doc).
+    """
+    kernels = _kernels()
+    raw, t, cu = batch.split(c._host_to(batch.blob, device))
+    R, I, B, k = batch.rows, batch.ids, batch.buffers, batch.kinds
+    ones_len, ones_gap = _set_bits(raw[k[0]:k[1]], R), _set_bits(raw[k[2]:k[3]], I)
+    scan = torch.zeros(R + 1, 2, dtype=torch.int64, device=device)
+    info = torch.empty(R, 3, dtype=torch.int64, device=device)
+    flags = torch.zeros(len(FLAGS), dtype=torch.int32, device=device)
+    out = torch.full((R * width + 1,), -1, dtype=torch.int32, device=device)  # a spare last slot
+    if R:
+        has = sampled is not None
+        token = sampled if has else scan
+        kernels.rows_kernel[(-(-R // _ROW_BLOCK),)](t, ones_len, raw, raw.numel(), token, scan, info, flags, R, B,
+                                                   B.bit_length(), HAS_SAMPLED=has, BLOCK=_ROW_BLOCK)
+        scan = torch.cumsum(scan, 0)
+        kernels.ids_kernel[(R + B,)](t, ones_len, ones_gap, raw, raw.numel(), token, scan, info, out, flags, R, I,
+                                    width, R * width, HAS_SAMPLED=has, BLOCK=_ID_BLOCK)
+    return out[:R * width].reshape(R, width), flags, cu
+
