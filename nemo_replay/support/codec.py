@@ -71,6 +71,10 @@ import numpy as np
 import torch
 
 from nemo_replay.support.checked import record_checked
+from nemo_replay.support.codec_table import (  # the per-buffer table's columns (codec_table.py)
+    AT as _AT, COLUMNS as _COLUMNS, DROP as _DROP, END_ROW as _END_ROW, FIRST_ROW as _FIRST_ROW, GAP_LOW as _GAP_LOW,
+    GAP_UNARY as _GAP_UNARY, IDS as _IDS, LB as _LB, LEN_LOW as _LEN_LOW, LEN_UNARY as _LEN_UNARY, MASK as _MASK,
+    MAX_V as _MAX_V, NEVER as _NEVER, ROWS as _ROWS, SIZE as _SIZE, UNIVERSE as _UNIVERSE, V as _V, WIDTH as _WIDTH)
 from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
@@ -88,7 +92,6 @@ VERSION = 1
 _HEAD = struct.Struct("<4sBBBBIQQQII4Q")
 _DROPPED = 1
 _CRC_AT = 40  # the CRC's offset in the header
-_MAX_V = 2**31 - 1
 
 
 class CodecError(ValueError):
@@ -277,17 +280,6 @@ def _as_bytes(buf) -> np.ndarray:
     raise CodecError(f"compact support: expected a uint8 buffer, got {type(buf).__name__}")
 
 
-# The per-buffer integers the device reads, one row a buffer (:class:`_Batch`'s ``table``). First those
-# each row takes from its buffer: length parameter, V, 1 when the sampled ids were dropped, row width, the
-# buffer's first row in the batch, the ids a row is coded among, the length parameter's mask, and where
-# (in bits of ``raw``) the length and the gap low-bit streams start. Then: rows, coded ids, the row after
-# the last, the four streams' offsets in ``raw`` and sizes, and for each unary stream
-# kind what :func:`_read_unary` reads.
-_LB, _V, _DROP, _WIDTH, _FIRST_ROW, _UNIVERSE, _MASK, _LEN_LOW, _GAP_LOW = range(9)
-_ROWS, _IDS, _END_ROW, _AT, _SIZE, _LEN_UNARY, _GAP_UNARY, _COLUMNS = 9, 10, 11, 12, 16, 20, 27, 34
-_NEVER = 2**62  # a bound no bit position or id reaches
-
-
 def _unary_columns(first: np.ndarray, count: np.ndarray, total: int, start: np.ndarray, size: np.ndarray) -> np.ndarray:
     """(buffers, 7) what :func:`_read_unary` reads of one stream kind: the index of the set bit after a
     buffer's last value and of its last one, where its first value's predecessor goes and the bit
@@ -444,20 +436,25 @@ def _constants(device: torch.device) -> tuple:
     return got
 
 
-def _read_unary(section: torch.Tensor, columns: torch.Tensor, total: int):
-    """The ``total`` unary values of one stream kind, the buffers' streams back to back in ``section``;
+def _set_bits(section: torch.Tensor, total: int) -> torch.Tensor:
+    """(total + 1,) int64: where the set bits of ``section`` (one stream kind, ``total`` values) lie,
+    found by ``nonzero_static`` (no host read); set bits missing from it, and a spare last slot, read
+    as its end."""
+    shifts, _ = _constants(section.device)
+    bits = ((section.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    return torch.nonzero_static(bits, size=total + 1, fill_value=bits.numel()).squeeze(1)
+
+
+def _read_unary(ones: torch.Tensor, columns: torch.Tensor, total: int):
+    """The ``total`` unary values of one stream kind from its :func:`_set_bits` ``ones``;
     ``columns``: (buffers, 7) the kind's :func:`_unary_columns`.
 
     Returns ``(values (total,), count flag (buffers,), padding flag (buffers,))``. A value is the
-    distance between consecutive set bits, found by ``nonzero_static`` (no host read): in bounds
-    whatever the bits hold, set bits missing from the section reading as its end. The count flag:
-    a buffer's stream does not hold exactly its count of set bits (checked as: the set bits before
+    distance between consecutive set bits, in bounds whatever the bits hold. The count flag: a
+    buffer's stream does not hold exactly its count of set bits (checked as: the set bits before
     each stream's end are as many as the counts up to it); the padding flag: its last set bit is
     not in its last byte.
     """
-    shifts, _ = _constants(section.device)
-    bits = (section.unsqueeze(1) >> shifts) & 1
-    ones = torch.nonzero_static(bits.reshape(-1), size=total + 1, fill_value=bits.numel()).squeeze(1)
     after, last = ones.index_select(0, columns[:, 0]), ones.index_select(0, columns[:, 1])
     prev = torch.cat([ones.new_full((1,), -1), ones[:-1]])  # its last slot spare, for empty streams
     prev.scatter_(0, columns[:, 2], columns[:, 3])
@@ -554,7 +551,8 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_o
     flags, details = {}, {}
 
     # Lengths: unary high parts, then lb low bits a row, back to back.
-    high, flags["length count"], flags["length padding"] = _read_unary(raw[k[0]:k[1]], t[:, _LEN_UNARY:_GAP_UNARY], R)
+    high, flags["length count"], flags["length padding"] = _read_unary(_set_bits(raw[k[0]:k[1]], R),
+                                                                           t[:, _LEN_UNARY:_GAP_UNARY], R)
     in_buf = torch.arange(R, device=dev) - per_row[:, _FIRST_ROW]
     # Clamped where no row reaches (lengths <= V < 2**31): a corrupted stream's value cannot overflow.
     lengths = (high.clamp_(max=_MAX_V) << lb) | _read_fields(windows, per_row[:, _LEN_LOW] + in_buf * lb, lb, per_row[:, _MASK])
@@ -592,7 +590,8 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_o
     # One gather of what each id needs from its row: b, its mask, its low bits' origin, its first id, the dropped token.
     per_id = torch.stack([b, (1 << b) - 1, low_at, row_start[:-1], far], 1).index_select(0, row_of)
     b_id, j = per_id[:, 0], torch.arange(I, device=dev)
-    high, flags["gap count"], flags["gap padding"] = _read_unary(raw[k[2]:k[3]], t[:, _GAP_UNARY:_COLUMNS], I)
+    high, flags["gap count"], flags["gap padding"] = _read_unary(_set_bits(raw[k[2]:k[3]], I),
+                                                                         t[:, _GAP_UNARY:_COLUMNS], I)
     # Each id's step from the one before (its gap + 1), clamped where no gap reaches (U < 2**31), so
     # that no sum overflows: a corrupted row still rises, its last id past U.
     steps = (high.clamp_(max=_MAX_V) << b_id) + _read_fields(windows, per_id[:, 2] + j * b_id, b_id, per_id[:, 1]) + 1
@@ -615,6 +614,18 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_o
         below = m - torch.zeros_like(m).index_add_(0, row_of, above.to(torch.int64))
         put = torch.where((drop > 0) & (lengths > 0), below, -1)
     return _Decoded(batch, cu, lengths, buf_row, universe, row_of, col, coded, put, sampled, flags, details)
+
+
+def _decode_fused(batch: _Batch, sampled: Optional[torch.Tensor], device: torch.device, width: int):
+    """What :func:`_decode` and :meth:`_Decoded.place` give, fixed-width, by the two kernels of
+    :mod:`~nemo_replay.support.fused`: ``(values (rows, width) int32, flags (9,) int32, cu)``, no host read."""
+    from nemo_replay.support import fused
+
+    raw, t, cu = batch.split(_host_to(batch.blob, device))
+    k = batch.kinds
+    ones_len, ones_gap = _set_bits(raw[k[0]:k[1]], batch.rows), _set_bits(raw[k[2]:k[3]], batch.ids)
+    values, flags = fused.decode_fixed(raw, t, ones_len, ones_gap, sampled, width)
+    return values, flags, cu
 
 
 # ---------------------------------------------------------------------------- decode: named errors
@@ -853,7 +864,7 @@ class CompactRows:
                                  "to decode with the kernels where they run and the reference elsewhere")
             fused = fused or kernels.available(device)
         if fused:
-            values, flags, cu = kernels.decode_fixed(self._batch, sampled, device, width)
+            values, flags, cu = _decode_fused(self._batch, sampled, device, width)
             flag, name = flags.any(), functools.partial(self._name_fused, sampled, device, flags)
         else:
             d = _decode(self._batch, sampled, device)

@@ -35,7 +35,6 @@ from typing import Optional
 
 import torch
 
-from nemo_replay.support import codec as c
 
 __all__ = ["FLAGS", "available", "decode_fixed"]
 
@@ -70,30 +69,24 @@ def _kernels():
     return fused_kernels
 
 
-def _set_bits(section: torch.Tensor, total: int) -> torch.Tensor:
-    """(total + 1,) int64: the positions of the set bits of ``section``, the missing ones (and a spare last) at its end."""
-    shifts, _ = c._constants(section.device)
-    bits = ((section.unsqueeze(1) >> shifts) & 1).reshape(-1)
-    return torch.nonzero_static(bits, size=total + 1, fill_value=bits.numel()).squeeze(1)
-
-
-def decode_fixed(batch, sampled: Optional[torch.Tensor], device: torch.device, width: int):
-    """``batch`` (a checked :class:`~nemo_replay.support.codec._Batch`) decoded on ``device`` into
-    fixed-width rows.
+def decode_fixed(raw: torch.Tensor, table: torch.Tensor, ones_len: torch.Tensor, ones_gap: torch.Tensor,
+                 sampled: Optional[torch.Tensor], width: int):
+    """A checked batch's rows (codec ``_Batch``, on the device) decoded into fixed-width rows.
 
     Args:
-        sampled: (rows,) int64 on ``device``, or None.
+        raw: the batch's streams by kind, uint8, 8 zero bytes at the end.
+        table: (buffers, codec_table.COLUMNS) int64, the per-buffer table.
+        ones_len, ones_gap: (rows + 1,) and (ids + 1,) int64, where the set bits of the length and
+            gap unary streams lie (``codec._set_bits``).
+        sampled: (rows,) int64, or None.
         width: the rows' width (at least the widest row).
 
     Returns:
-        ``(values (rows, width) int32 -1 padded, flags (len(FLAGS),) int32, cu (trajectories + 1,)
-        int64)``, on ``device`` with no host read; a flag is set where the reference sets that
-        check's flag (module doc).
+        ``(values (rows, width) int32 -1 padded, flags (len(FLAGS),) int32)`` on the same device,
+        with no host read; a flag is set where the reference sets that check's flag (module doc).
     """
     kernels = _kernels()
-    raw, t, cu = batch.split(c._host_to(batch.blob, device))
-    R, I, B, k = batch.rows, batch.ids, batch.buffers, batch.kinds
-    ones_len, ones_gap = _set_bits(raw[k[0]:k[1]], R), _set_bits(raw[k[2]:k[3]], I)
+    R, I, B, device = ones_len.numel() - 1, ones_gap.numel() - 1, table.shape[0], raw.device
     scan = torch.zeros(R + 1, 2, dtype=torch.int64, device=device)
     info = torch.empty(R, 3, dtype=torch.int64, device=device)
     flags = torch.zeros(len(FLAGS), dtype=torch.int32, device=device)
@@ -101,10 +94,9 @@ def decode_fixed(batch, sampled: Optional[torch.Tensor], device: torch.device, w
     if R:
         has = sampled is not None
         token = sampled if has else scan
-        kernels.rows_kernel[(-(-R // _ROW_BLOCK),)](t, ones_len, raw, raw.numel(), token, scan, info, flags, R, B,
+        kernels.rows_kernel[(-(-R // _ROW_BLOCK),)](table, ones_len, raw, raw.numel(), token, scan, info, flags, R, B,
                                                    B.bit_length(), HAS_SAMPLED=has, BLOCK=_ROW_BLOCK)
         scan = torch.cumsum(scan, 0)
-        kernels.ids_kernel[(R + B,)](t, ones_len, ones_gap, raw, raw.numel(), token, scan, info, out, flags, R, I,
+        kernels.ids_kernel[(R + B,)](table, ones_len, ones_gap, raw, raw.numel(), token, scan, info, out, flags, R, I,
                                     width, R * width, HAS_SAMPLED=has, BLOCK=_ID_BLOCK)
-    return out[:R * width].reshape(R, width), flags, cu
-
+    return out[:R * width].reshape(R, width), flags

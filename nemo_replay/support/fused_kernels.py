@@ -13,16 +13,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nemo_replay.support import codec as _c
+from nemo_replay.support import codec_table as _t
 
-# The codec's table columns (codec._Batch), as compile-time constants.
-COLS = tl.constexpr(_c._COLUMNS)
-LB, V, DROP, WIDTH = tl.constexpr(_c._LB), tl.constexpr(_c._V), tl.constexpr(_c._DROP), tl.constexpr(_c._WIDTH)
-FIRST_ROW, UNIVERSE, MASK = tl.constexpr(_c._FIRST_ROW), tl.constexpr(_c._UNIVERSE), tl.constexpr(_c._MASK)
-LEN_LOW, GAP_LOW, IDS = tl.constexpr(_c._LEN_LOW), tl.constexpr(_c._GAP_LOW), tl.constexpr(_c._IDS)
-END_ROW, GAP_LOW_SIZE = tl.constexpr(_c._END_ROW), tl.constexpr(_c._SIZE + 3)
-LEN_UNARY, GAP_UNARY = tl.constexpr(_c._LEN_UNARY), tl.constexpr(_c._GAP_UNARY)
-MAX_V, NEVER = tl.constexpr(_c._MAX_V), tl.constexpr(_c._NEVER)
+# The table's columns (codec_table.py), as compile-time constants.
+COLS = tl.constexpr(_t.COLUMNS)
+LB, V, DROP, WIDTH = tl.constexpr(_t.LB), tl.constexpr(_t.V), tl.constexpr(_t.DROP), tl.constexpr(_t.WIDTH)
+FIRST_ROW, UNIVERSE, MASK = tl.constexpr(_t.FIRST_ROW), tl.constexpr(_t.UNIVERSE), tl.constexpr(_t.MASK)
+LEN_LOW, GAP_LOW, IDS = tl.constexpr(_t.LEN_LOW), tl.constexpr(_t.GAP_LOW), tl.constexpr(_t.IDS)
+END_ROW, GAP_LOW_SIZE = tl.constexpr(_t.END_ROW), tl.constexpr(_t.SIZE + 3)
+LEN_UNARY, GAP_UNARY = tl.constexpr(_t.LEN_UNARY), tl.constexpr(_t.GAP_UNARY)
+MAX_V, NEVER = tl.constexpr(_t.MAX_V), tl.constexpr(_t.NEVER)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ def _both(buffers, sampled=None, width=None):
     batch = codec._parse(list(buffers), None, ())
     width = max(batch.width, width or 0, 1)
     s = None if sampled is None else torch.as_tensor(sampled).to(DEVICE, torch.int64)
-    values, flags, cu = fused.decode_fixed(batch, s, DEVICE, width)
+    values, flags, cu = codec._decode_fused(batch, s, DEVICE, width)
     assert cu.tolist() == batch.cu.tolist()
     d = codec._decode(batch, s, DEVICE)
     ref = d.place(None, batch.rows * width, width).reshape(batch.rows, width)
