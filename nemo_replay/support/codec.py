@@ -70,6 +70,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from nemo_replay.support import fused as _fused
 from nemo_replay.support.checked import record_checked
 from nemo_replay.support.codec_table import (  # the per-buffer table's columns (codec_table.py)
     AT as _AT, COLUMNS as _COLUMNS, DROP as _DROP, END_ROW as _END_ROW, FIRST_ROW as _FIRST_ROW, GAP_LOW as _GAP_LOW,
@@ -619,12 +620,10 @@ def _decode(batch: _Batch, sampled: Optional[torch.Tensor], device, *, lengths_o
 def _decode_fused(batch: _Batch, sampled: Optional[torch.Tensor], device: torch.device, width: int):
     """What :func:`_decode` and :meth:`_Decoded.place` give, fixed-width, by the two kernels of
     :mod:`~nemo_replay.support.fused`: ``(values (rows, width) int32, flags (9,) int32, cu)``, no host read."""
-    from nemo_replay.support import fused
-
     raw, t, cu = batch.split(_host_to(batch.blob, device))
     k = batch.kinds
     ones_len, ones_gap = _set_bits(raw[k[0]:k[1]], batch.rows), _set_bits(raw[k[2]:k[3]], batch.ids)
-    values, flags = fused.decode_fixed(raw, t, ones_len, ones_gap, sampled, width)
+    values, flags = _fused.decode_fixed(raw, t, ones_len, ones_gap, sampled, width)
     return values, flags, cu
 
 
@@ -778,6 +777,11 @@ class DecodedRows(PackedTensor):
     The scorer reads the flag with its other guards in its one host read and, when it is set,
     :meth:`raise_decode_error` names the buffer and what is wrong. Until then the rows may be
     garbage, but every index the decode formed stayed inside its tensor (docs/design.md §2).
+
+    Args:
+        values: (rows, width) int32; cu_seqlens: (trajectories + 1,) int32, on the same device.
+        decode_flag: 0-d bool, set when a check failed.
+        name_failure: called on the failure path; raises the named error.
     """
 
     def __init__(self, values: torch.Tensor, cu_seqlens: torch.Tensor, decode_flag: torch.Tensor, name_failure):
@@ -856,13 +860,11 @@ class CompactRows:
         device = torch.device(device)
         sampled = None if self._sampled is None else _host_to(self._sampled, device)
         R, width = self._batch.rows, self.width_bound
-        if fused is None or fused:
-            from nemo_replay.support import fused as kernels
-
-            if fused and not kernels.available(device, any_device=True):
-                raise ValueError("CompactRows.decode(fused=True) needs Triton (pip install triton); pass fused=None "
-                                 "to decode with the kernels where they run and the reference elsewhere")
-            fused = fused or kernels.available(device)
+        if fused is None:
+            fused = _fused.available(device)
+        elif fused and not _fused.available(device, any_device=True):
+            raise ValueError("CompactRows.decode(fused=True) needs Triton (pip install triton); pass fused=None to "
+                             "decode with the kernels where they run and the reference elsewhere")
         if fused:
             values, flags, cu = _decode_fused(self._batch, sampled, device, width)
             flag, name = flags.any(), functools.partial(self._name_fused, sampled, device, flags)
@@ -879,9 +881,7 @@ class CompactRows:
     def _name_fused(self, sampled: Optional[torch.Tensor], device: torch.device, flags: torch.Tensor) -> None:
         """Name what the fused decode flagged by rerunning the reference, which sets the same flags."""
         _check(_decode(self._batch, sampled, device), self.labels)
-        from nemo_replay.support.fused import FLAGS
-
-        names = [name for name, bad in zip(FLAGS, flags.tolist()) if bad]
+        names = [name for name, bad in zip(_fused.FLAGS, flags.tolist()) if bad]
         raise RuntimeError(f"compact support: the fused decode flagged {names}, the reference decode finds every check "
                            f"holds; decode with the reference (NEMO_REPLAY_FUSED_DECODE=0) and report this batch")
 
