@@ -627,6 +627,33 @@ def _decode_fused(batch: _Batch, sampled: Optional[torch.Tensor], device: torch.
     return values, flags, cu
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_passes(device: torch.device) -> bool:
+    """Whether the fused kernels decode a known batch on ``device`` to the reference's rows: run once
+    a process and device before they serve by default (one host read). A Triton that cannot compile
+    them, or compiles them wrongly, is named in a warning and the reference serves instead: the
+    same rows, with more launches."""
+    rows = RaggedSupport.from_rows([[[1, 5, 9], [4], []], [[0, 2, 3, 7, 8, 9]]])
+    tokens = torch.tensor([5, 4, 6, 9])
+    batch = _parse([encode_support(rows, vocab_size=10), encode_support(rows, vocab_size=10, sampled_ids=tokens)], None, ())
+    sampled = torch.cat([tokens, tokens]).to(device)
+    try:
+        values, flags, _ = _decode_fused(batch, sampled, device, 6)
+        want = _decode(batch, sampled, device).place(None, 8 * 6, 6).reshape(8, 6)
+        failed = "" if torch.equal(values, want) and not bool(flags.any()) else "rows that differ from the reference's"
+    except Exception as exc:  # a compiler's or a driver's error: named below, never swallowed silently
+        failed = f"{type(exc).__name__}: {exc}"
+    if failed:
+        import warnings
+
+        import triton
+
+        warnings.warn(f"nemo_replay: the fused compact decode failed its check on {device} (Triton {triton.__version__}: "
+                      f"{failed[:300]}); CompactRows decode with the reference's steps there (the same rows, more kernel "
+                      f"launches). NEMO_REPLAY_FUSED_DECODE=0 skips the check.", RuntimeWarning, stacklevel=3)
+    return not failed
+
+
 # ---------------------------------------------------------------------------- decode: named errors
 _PER_ROW = ("row width", "id range", "sampled range")  # the other flags are one a buffer
 
@@ -861,7 +888,7 @@ class CompactRows:
         sampled = None if self._sampled is None else _host_to(self._sampled, device)
         R, width = self._batch.rows, self.width_bound
         if fused is None:
-            fused = _fused.available(device)
+            fused = _fused.available(device) and _fused_passes(device)
         elif fused and not _fused.available(device, any_device=True):
             raise ValueError("CompactRows.decode(fused=True) needs Triton (pip install triton); pass fused=None to "
                              "decode with the kernels where they run and the reference elsewhere")

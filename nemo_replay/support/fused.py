@@ -22,7 +22,9 @@ rows match bit for bit (tests/support/test_fused_decode.py flips bits of a buffe
 is named by rerunning the reference (the failure path only).
 
 :meth:`~nemo_replay.support.codec.CompactRows.decode` uses them on CUDA where Triton imports,
-unless ``NEMO_REPLAY_FUSED_DECODE=0``; the reference runs elsewhere. On the CPU the kernels run
+unless ``NEMO_REPLAY_FUSED_DECODE=0``, once they have decoded a known batch there to the
+reference's rows (``codec._fused_passes``, once a process and device: a Triton that cannot
+compile them is named in a warning and the reference serves); the reference runs elsewhere. On the CPU the kernels run
 under Triton's interpreter (``TRITON_INTERPRET=1``): that is how the tests check them without
 a GPU, besides compiling them for sm_80 and sm_90.
 """

@@ -175,3 +175,25 @@ def test_the_kernels_compile_for_ampere_and_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
     assert len(lines) == 8 and all(int(size) > 10000 for *_, size in lines), done.stdout
+
+
+def test_the_kernels_serve_by_default_only_after_decoding_a_known_batch(monkeypatch):
+    """The once-a-device check before the kernels serve: passes here; a kernel that fails (a Triton
+    that cannot compile them) or decodes wrongly is named in a warning and the reference serves."""
+    codec._fused_passes.cache_clear()
+    assert codec._fused_passes(DEVICE)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX JIT compilation failed")
+
+    def wrong(raw, table, ones_len, ones_gap, sampled, width):
+        values, flags = real(raw, table, ones_len, ones_gap, sampled, width)
+        return values.flip(1), flags
+
+    real = fused.decode_fixed
+    for fake, said in ((broken, "RuntimeError: PTX JIT compilation failed"), (wrong, "rows that differ from the reference")):
+        codec._fused_passes.cache_clear()
+        monkeypatch.setattr(fused, "decode_fixed", fake)
+        with pytest.warns(RuntimeWarning, match=f"fused compact decode failed its check on {DEVICE.type}.*{said}"):
+            assert not codec._fused_passes(DEVICE)
+    codec._fused_passes.cache_clear()
