@@ -211,8 +211,7 @@ def _compact(torch, timer, cfg, dname, rows_out) -> None:
     forward from the fixed rows they decode to, and the same forward from the compact rows."""
     from benchmarks.workloads import channels, logits_input, support_rows
     from nemo_replay.scoring.scorer import score_aligned_support
-    from nemo_replay.support import fused
-    from nemo_replay.support.codec import CompactRows, decode_batch, encode_support
+    from nemo_replay.support.codec import CompactRows, decode_batch, encode_support, fused_decode_serves
     from nemo_replay.support.ragged import RaggedSupport
 
     dev, T, V = timer.device, cfg["T"], cfg["V"]
@@ -234,7 +233,7 @@ def _compact(torch, timer, cfg, dname, rows_out) -> None:
                                 "fixed": lambda: score_aligned_support(logits, *args, fixed),
                                 "compact": lambda: score_aligned_support(logits, *args, compact)}, cfg["rounds"])
         rows_out.append({"config": f"T={T} V={V} k={k}", "dtype": dname, "bytes": sum(b.size for b in buffers) / T,
-                         "fused": fused.available(dev),
+                         "fused": fused_decode_serves(dev),
                          **{n: got[n]["ms"] for n in got}, "check": check})
     del logits
 

@@ -627,6 +627,13 @@ def _decode_fused(batch: _Batch, sampled: Optional[torch.Tensor], device: torch.
     return values, flags, cu
 
 
+def fused_decode_serves(device: torch.device) -> bool:
+    """Whether :meth:`CompactRows.decode` decodes on ``device`` with the fused kernels by default: they
+    are available there (:func:`~nemo_replay.support.fused.available`: switched on, CUDA, Triton) and
+    passed their check on that device (:func:`_fused_passes`)."""
+    return _fused.available(device) and _fused_passes(device)
+
+
 @functools.lru_cache(maxsize=None)
 def _fused_passes(device: torch.device) -> bool:
     """Whether the fused kernels decode a known batch on ``device`` to the reference's rows: run once
@@ -636,10 +643,10 @@ def _fused_passes(device: torch.device) -> bool:
     rows = RaggedSupport.from_rows([[[1, 5, 9], [4], []], [[0, 2, 3, 7, 8, 9]]])
     tokens = torch.tensor([5, 4, 6, 9])
     batch = _parse([encode_support(rows, vocab_size=10), encode_support(rows, vocab_size=10, sampled_ids=tokens)], None, ())
-    sampled = torch.cat([tokens, tokens]).to(device)
+    sampled, width = torch.cat([tokens, tokens]).to(device), batch.width
     try:
-        values, flags, _ = _decode_fused(batch, sampled, device, 6)
-        want = _decode(batch, sampled, device).place(None, 8 * 6, 6).reshape(8, 6)
+        values, flags, _ = _decode_fused(batch, sampled, device, width)
+        want = _decode(batch, sampled, device).place(None, batch.rows * width, width).reshape(batch.rows, width)
         failed = "" if torch.equal(values, want) and not bool(flags.any()) else "rows that differ from the reference's"
     except Exception as exc:  # a compiler's or a driver's error: named below, never swallowed silently
         failed = f"{type(exc).__name__}: {exc}"
@@ -650,7 +657,7 @@ def _fused_passes(device: torch.device) -> bool:
 
         warnings.warn(f"nemo_replay: the fused compact decode failed its check on {device} (Triton {triton.__version__}: "
                       f"{failed[:300]}); CompactRows decode with the reference's steps there (the same rows, more kernel "
-                      f"launches). NEMO_REPLAY_FUSED_DECODE=0 skips the check.", RuntimeWarning, stacklevel=3)
+                      f"launches). {_fused.SWITCH}=0 skips the check.", RuntimeWarning, stacklevel=3)
     return not failed
 
 
@@ -888,8 +895,8 @@ class CompactRows:
         sampled = None if self._sampled is None else _host_to(self._sampled, device)
         R, width = self._batch.rows, self.width_bound
         if fused is None:
-            fused = _fused.available(device) and _fused_passes(device)
-        elif fused and not _fused.available(device, any_device=True):
+            fused = fused_decode_serves(device)
+        elif fused and not _fused.importable():
             raise ValueError("CompactRows.decode(fused=True) needs Triton (pip install triton); pass fused=None to "
                              "decode with the kernels where they run and the reference elsewhere")
         if fused:

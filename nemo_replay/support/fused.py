@@ -1,10 +1,11 @@
 """The compact codec's device decode in two Triton kernels (docs/design.md §2, docs/transport.md).
 
-:func:`~nemo_replay.support.codec._decode` is the reference: 175 eager operations for a batch,
-each a kernel launch on a GPU, whatever the batch's size. Here the same decode is 16 (the
-copies to the device aside): the set bits of both unary streams (shift, mask and
-``nonzero_static`` each, as the reference finds them), four allocations, two kernels, one
-``cumsum`` and the flag's ``any``:
+:func:`~nemo_replay.support.codec._decode` is the reference: about 170 eager operations for a
+batch, each a kernel launch on a GPU, whatever the batch's size. Here the same decode launches
+14 of its own: the set bits of both unary streams (shift, mask and ``nonzero_static`` each, as
+the reference finds them), four allocations, two kernels, one ``cumsum`` and the flag's
+``any`` (17 with the copy's, the offsets' cast and the checked record, which every decode
+shares: docs/transport.md counts both that way):
 
 - ``rows_kernel``, one lane a row: the row's buffer (a binary search of the buffers' first
   rows), its length (unary part, then low bits), the ids it codes ``m``, its Rice parameter
@@ -22,8 +23,8 @@ rows match bit for bit (tests/support/test_fused_decode.py flips bits of a buffe
 is named by rerunning the reference (the failure path only).
 
 :meth:`~nemo_replay.support.codec.CompactRows.decode` uses them on CUDA where Triton imports,
-unless ``NEMO_REPLAY_FUSED_DECODE=0``, once they have decoded a known batch there to the
-reference's rows (``codec._fused_passes``, once a process and device: a Triton that cannot
+unless ``NEMO_REPLAY_FUSED_DECODE=0`` (:func:`switched_on`), once they have decoded a known batch there to the
+reference's rows (``codec.fused_decode_serves``, once a process and device: a Triton that cannot
 compile them is named in a warning and the reference serves); the reference runs elsewhere. On the CPU the kernels run
 under Triton's interpreter (``TRITON_INTERPRET=1``): that is how the tests check them without
 a GPU, besides compiling them for sm_80 and sm_90.
@@ -38,37 +39,39 @@ from typing import Optional
 import torch
 
 
-__all__ = ["FLAGS", "available", "decode_fixed"]
+__all__ = ["FLAGS", "available", "decode_fixed", "importable", "switched_on"]
 
 FLAGS = ("length count", "length padding", "row width", "id count", "gap low size", "gap count", "gap padding",
          "id range", "sampled range")
 _ROW_BLOCK = 128  # rows a program of ``rows`` takes
 _ID_BLOCK = 32  # ids a row's program takes per step
+SWITCH = "NEMO_REPLAY_FUSED_DECODE"
+_OFF, _ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes", "")
 
 
-def available(device: torch.device, *, any_device: bool = False) -> bool:
-    """Whether :func:`decode_fixed` serves a decode on ``device`` by default: CUDA, Triton importable,
-    and not switched off (``NEMO_REPLAY_FUSED_DECODE=0``); ``any_device``: whether Triton imports."""
-    if not any_device and (device.type != "cuda" or os.environ.get("NEMO_REPLAY_FUSED_DECODE", "1") == "0"):
-        return False
-    return _imports()
+def switched_on() -> bool:
+    """``NEMO_REPLAY_FUSED_DECODE``: unset or 1/true/on/yes leaves the kernels on, 0/false/off/no turns them off."""
+    value = os.environ.get(SWITCH, "")
+    if value.strip().lower() not in _OFF + _ON:
+        raise ValueError(f"{SWITCH}={value!r}: expected one of {', '.join(_OFF + _ON[:-1])} (or unset); set {SWITCH}=0 "
+                         f"to decode compact rows with the reference's steps, unset it to use the fused kernels on CUDA")
+    return value.strip().lower() in _ON
+
+
+def available(device: torch.device) -> bool:
+    """Whether :func:`decode_fixed` may serve a decode on ``device`` by default: switched on, CUDA, and
+    Triton importable."""
+    return switched_on() and device.type == "cuda" and importable()
 
 
 @functools.lru_cache(maxsize=None)
-def _imports() -> bool:
+def importable() -> bool:
+    """Whether the kernels' module (and so Triton) imports; asked once a process."""
     try:
-        _kernels()
+        from nemo_replay.support import fused_kernels  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    """The kernels' module (Triton is imported only there, on first use)."""
-    from nemo_replay.support import fused_kernels
-
-    return fused_kernels
 
 
 def decode_fixed(raw: torch.Tensor, table: torch.Tensor, ones_len: torch.Tensor, ones_gap: torch.Tensor,
@@ -87,13 +90,14 @@ def decode_fixed(raw: torch.Tensor, table: torch.Tensor, ones_len: torch.Tensor,
         ``(values (rows, width) int32 -1 padded, flags (len(FLAGS),) int32)`` on the same device,
         with no host read; a flag is set where the reference sets that check's flag (module doc).
     """
-    kernels = _kernels()
+    from nemo_replay.support import fused_kernels as kernels
+
     R, I, B, device = ones_len.numel() - 1, ones_gap.numel() - 1, table.shape[0], raw.device
     scan = torch.zeros(R + 1, 2, dtype=torch.int64, device=device)
     info = torch.empty(R, 3, dtype=torch.int64, device=device)
     flags = torch.zeros(len(FLAGS), dtype=torch.int32, device=device)
     out = torch.full((R * width + 1,), -1, dtype=torch.int32, device=device)  # a spare last slot
-    if R:
+    if R:  # without rows a buffer holds no stream (codec._parse): nothing to decode or check
         has = sampled is not None
         token = sampled if has else scan
         kernels.rows_kernel[(-(-R // _ROW_BLOCK),)](table, ones_len, raw, raw.numel(), token, scan, info, flags, R, B,

@@ -114,7 +114,7 @@ def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_th
     compact = CompactRows(buffers, labels=[f"sample {i}" for i in range(len(buffers))])
     on_cpu = compact.decode("cpu")
     # The reference's array steps and, where Triton imports, the fused kernels (the default on CUDA).
-    for mode in (False, True) if fused.available(torch.device("cuda")) else (False,):
+    for mode in (False, True) if fused.importable() else (False,):
         on_gpu = compact.decode("cuda", fused=mode)
         assert torch.equal(on_gpu.values.cpu(), on_cpu.values) and not bool(on_gpu.decode_flag), mode
         # The decode alone: one copy from pinned memory, no synchronisation (a pageable copy would wait

@@ -317,3 +317,19 @@ def test_the_fused_decode_asked_for_without_triton_is_refused_by_name():
     with pytest.raises(ValueError, match=r"decode\(fused=True\) needs Triton \(pip install triton\); pass fused=None"):
         compact.decode("cpu", fused=True)
     assert compact.decode("cpu").values.tolist() == [[1, 5, 9]]  # the default: the reference's steps
+
+
+def test_the_fused_decode_s_switch_takes_the_usual_words_and_names_any_other(monkeypatch):
+    from nemo_replay.support import fused
+    from nemo_replay.support.codec import CompactRows
+
+    for value, on in (("1", True), ("true", True), ("", True), ("0", False), ("No", False), (" off ", False)):
+        monkeypatch.setenv("NEMO_REPLAY_FUSED_DECODE", value)
+        assert fused.switched_on() is on, value
+    monkeypatch.setenv("NEMO_REPLAY_FUSED_DECODE", "fast")
+    compact = CompactRows([encode_support(RaggedSupport.from_rows([[[1, 5, 9]]]), vocab_size=10)])
+    with pytest.raises(ValueError, match=r"NEMO_REPLAY_FUSED_DECODE='fast': expected one of 0, false, off, no, 1, true, "
+                                         r"on, yes \(or unset\); set NEMO_REPLAY_FUSED_DECODE=0"):
+        compact.decode("cpu")
+    monkeypatch.delenv("NEMO_REPLAY_FUSED_DECODE")
+    assert not fused.available(torch.device("cpu"))
