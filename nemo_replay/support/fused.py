@@ -32,6 +32,7 @@ a GPU, besides compiling them for sm_80 and sm_90.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Optional
@@ -100,9 +101,12 @@ def decode_fixed(raw: torch.Tensor, table: torch.Tensor, ones_len: torch.Tensor,
     if R:  # without rows a buffer holds no stream (codec._parse): nothing to decode or check
         has = sampled is not None
         token = sampled if has else scan
-        kernels.rows_kernel[(-(-R // _ROW_BLOCK),)](table, ones_len, raw, raw.numel(), token, scan, info, flags, R, B,
-                                                   B.bit_length(), HAS_SAMPLED=has, BLOCK=_ROW_BLOCK)
-        scan = torch.cumsum(scan, 0)
-        kernels.ids_kernel[(R + B,)](table, ones_len, ones_gap, raw, raw.numel(), token, scan, info, out, flags, R, I,
-                                    width, R * width, HAS_SAMPLED=has, BLOCK=_ID_BLOCK)
+        # Triton launches on the current device's current stream: make that the tensors' device, for
+        # a loop that places its tensors with .to(f"cuda:{rank}") and never calls set_device.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            kernels.rows_kernel[(-(-R // _ROW_BLOCK),)](table, ones_len, raw, raw.numel(), token, scan, info, flags, R,
+                                                       B, B.bit_length(), HAS_SAMPLED=has, BLOCK=_ROW_BLOCK)
+            scan = torch.cumsum(scan, 0)
+            kernels.ids_kernel[(R + B,)](table, ones_len, ones_gap, raw, raw.numel(), token, scan, info, out, flags, R,
+                                        I, width, R * width, HAS_SAMPLED=has, BLOCK=_ID_BLOCK)
     return out[:R * width].reshape(R, width), flags

@@ -145,10 +145,14 @@ def test_the_kernels_serve_cuda_unless_switched_off(monkeypatch):
 
 
 _COMPILE = """
+import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nemo_replay.support import fused, fused_kernels as k
+
+# Triton 3.0-3.3 take the constexprs' values as `constants`, 3.4 on as `constexprs`.
+values = "constexprs" if "constexprs" in inspect.signature(ASTSource.__init__).parameters else "constants"
 
 pointers = dict(raw="*u8", out="*i32", flags="*i32")  # the other pointers are int64
 scalars = {"n_raw", "R", "B", "I", "search_steps", "width", "total"}
@@ -158,7 +162,7 @@ for arch in (80, 90):
             consts = dict(HAS_SAMPLED=has, BLOCK=block)
             names = fn.arg_names
             sig = {n: "constexpr" if n in consts else "i64" if n in scalars else pointers.get(n, "*i64") for n in names}
-            out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32))
+            out = triton.compile(ASTSource(fn=fn, signature=sig, **{values: consts}), target=GPUTarget("cuda", arch, 32))
             print(arch, fn.__name__, has, len(out.asm["cubin"]))
 """
 
