@@ -637,19 +637,26 @@ def fused_decode_serves(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _fused_passes(device: torch.device) -> bool:
     """Whether the fused kernels decode a known batch on ``device`` to the reference's rows: run once
-    a process and device before they serve by default (one host read). A Triton that cannot compile
-    them, or compiles them wrongly, is named in a warning and the reference serves instead: the
-    same rows, with more launches."""
+    a process and device before they serve by default. Both compiled forms are checked: with sampled
+    ids (a batch that dropped them) and without (NeMo-RL's and verl's batches keep theirs in the
+    rows). A Triton that cannot compile them, or compiles them wrongly, is named in a warning and
+    the reference serves instead: the same rows, with more launches."""
     rows = RaggedSupport.from_rows([[[1, 5, 9], [4], []], [[0, 2, 3, 7, 8, 9]]])
     tokens = torch.tensor([5, 4, 6, 9])
-    batch = _parse([encode_support(rows, vocab_size=10), encode_support(rows, vocab_size=10, sampled_ids=tokens)], None, ())
-    sampled, width = torch.cat([tokens, tokens]).to(device), batch.width
-    try:
-        values, flags, _ = _decode_fused(batch, sampled, device, width)
-        want = _decode(batch, sampled, device).place(None, batch.rows * width, width).reshape(batch.rows, width)
-        failed = "" if torch.equal(values, want) and not bool(flags.any()) else "rows that differ from the reference's"
-    except Exception as exc:  # a compiler's or a driver's error: named below, never swallowed silently
-        failed = f"{type(exc).__name__}: {exc}"
+    kept, dropped = encode_support(rows, vocab_size=10), encode_support(rows, vocab_size=10, sampled_ids=tokens)
+    failed = ""
+    for buffers, sampled in (([kept, dropped], torch.cat([tokens, tokens]).to(device)), ([kept, kept], None)):
+        batch, form = _parse(buffers, None, ()), "with sampled ids" if sampled is not None else "without sampled ids"
+        width = batch.width
+        try:
+            values, flags, _ = _decode_fused(batch, sampled, device, width)
+            want = _decode(batch, sampled, device).place(None, batch.rows * width, width).reshape(batch.rows, width)
+            if not torch.equal(values, want) or bool(flags.any()):
+                failed = f"{form}, rows that differ from the reference's"
+        except Exception as exc:  # a compiler's or a driver's error: named below, never swallowed silently
+            failed = f"{form}, {type(exc).__name__}: {exc}"
+        if failed:
+            break
     if failed:
         import warnings
 

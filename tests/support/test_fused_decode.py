@@ -184,7 +184,8 @@ def test_the_kernels_compile_for_ampere_and_hopper():
 
 def test_the_kernels_serve_by_default_only_after_decoding_a_known_batch(monkeypatch):
     """The once-a-device check before the kernels serve: passes here; a kernel that fails (a Triton
-    that cannot compile them) or decodes wrongly is named in a warning and the reference serves."""
+    that cannot compile them) or decodes wrongly, in either compiled form (with sampled ids, and
+    without as NeMo-RL's and verl's batches decode), is named in a warning and the reference serves."""
     codec._fused_passes.cache_clear()
     assert codec._fused_passes(DEVICE)
 
@@ -195,8 +196,21 @@ def test_the_kernels_serve_by_default_only_after_decoding_a_known_batch(monkeypa
         values, flags = real(raw, table, ones_len, ones_gap, sampled, width)
         return values.flip(1), flags
 
+    def wrong_without_sampled(raw, table, ones_len, ones_gap, sampled, width):
+        # the form NeMo-RL's and verl's batches decode with: compiled apart, checked apart
+        values, flags = real(raw, table, ones_len, ones_gap, sampled, width)
+        return (values if sampled is not None else values.flip(1)), flags
+
+    def broken_without_sampled(raw, table, ones_len, ones_gap, sampled, width):
+        if sampled is None:
+            raise RuntimeError("ptxas fatal")
+        return real(raw, table, ones_len, ones_gap, sampled, width)
+
     real = fused.decode_fixed
-    for fake, said in ((broken, "RuntimeError: PTX JIT compilation failed"), (wrong, "rows that differ from the reference")):
+    for fake, said in ((broken, "with sampled ids, RuntimeError: PTX JIT compilation failed"),
+                       (wrong, "with sampled ids, rows that differ from the reference"),
+                       (wrong_without_sampled, "without sampled ids, rows that differ from the reference"),
+                       (broken_without_sampled, "without sampled ids, RuntimeError: ptxas fatal")):
         codec._fused_passes.cache_clear()
         monkeypatch.setattr(fused, "decode_fixed", fake)
         with pytest.warns(RuntimeWarning, match=f"fused compact decode failed its check on {DEVICE.type}.*{said}"):
