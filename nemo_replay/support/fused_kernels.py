@@ -48,8 +48,11 @@ def _floor_log2(q):
     return out
 
 
-# Sizes vary from batch to batch: not specialised on, so one compiled kernel serves them all.
-@triton.jit(do_not_specialize=["n_raw", "R", "B", "search_steps"])
+# Sizes vary from batch to batch, and so does the alignment of ``table`` (the first multiple of 8
+# bytes past the batch's streams) and of ``sampled`` (the caller's view). Neither is specialised
+# on, so one compiled kernel a ``HAS_SAMPLED`` serves every batch: the one codec._fused_passes
+# checks. The other pointers are fresh allocations, always aligned.
+@triton.jit(do_not_specialize=["table", "sampled", "n_raw", "R", "B", "search_steps"])
 def rows_kernel(table, ones_len, raw, n_raw, sampled, scan, info, flags, R, B, search_steps,
                 HAS_SAMPLED: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -100,7 +103,7 @@ def _unary_checks(ones, columns, flags, slot):
     tl.store(flags + slot + 1, 1, mask=last < tl.load(columns + 6))
 
 
-@triton.jit(do_not_specialize=["n_raw", "R", "I", "width", "total"])
+@triton.jit(do_not_specialize=["table", "sampled", "n_raw", "R", "I", "width", "total"])
 def ids_kernel(table, ones_len, ones_gap, raw, n_raw, sampled, scan, info, out, flags, R, I, width, total,
                HAS_SAMPLED: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
