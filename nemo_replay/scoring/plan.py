@@ -33,6 +33,7 @@ from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.checked import SupportCheck
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.membership import row_membership
+from nemo_replay.support.nonzero import nonzero_static
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -231,7 +232,7 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
 def nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
     """(count,) int64 indices of the True entries of a 1-D mask whose count was read: no host sync
     (``torch.nonzero`` would wait for the device to learn the output size)."""
-    return torch.nonzero_static(mask, size=count).flatten()
+    return nonzero_static(mask, count)
 
 
 def check_guards(got: dict, raisers: dict) -> None:

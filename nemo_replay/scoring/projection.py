@@ -95,6 +95,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from nemo_replay.support.nonzero import nonzero_static
+
 __all__ = [
     "PairChunk", "RunSizes", "project_support", "persistent_grad_buffer", "run_sizes_after_read",
     "run_sizes_before_read", "weight_grad_sizes",
@@ -361,7 +363,7 @@ def _runs(ids, flat, g, sizes: RunSizes) -> _Runs:
     P, device = p.ids.numel(), p.ids.device
     first = torch.ones(P, dtype=torch.bool, device=device)
     first[1:] = p.ids[1:] != p.ids[:-1]
-    starts = torch.nonzero_static(first, size=sizes.num_ids).flatten()
+    starts = nonzero_static(first, sizes.num_ids)
     return _Runs(p, p.ids[starts], starts, sizes.block, sizes.edges, sizes.vocab)
 
 

@@ -78,6 +78,7 @@ from nemo_replay.support.codec_table import (  # the per-buffer table's columns 
     MAX_V as _MAX_V, NEVER as _NEVER, ROWS as _ROWS, SIZE as _SIZE, UNIVERSE as _UNIVERSE, V as _V, WIDTH as _WIDTH)
 from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.errors import SupportAlignmentError
+from nemo_replay.support.nonzero import nonzero_static
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport, is_support
 from nemo_replay.support.validate import describe_row
@@ -443,7 +444,7 @@ def _set_bits(section: torch.Tensor, total: int) -> torch.Tensor:
     as its end."""
     shifts, _ = _constants(section.device)
     bits = ((section.unsqueeze(1) >> shifts) & 1).reshape(-1)
-    return torch.nonzero_static(bits, size=total + 1, fill_value=bits.numel()).squeeze(1)
+    return nonzero_static(bits, total + 1, fill_value=bits.numel())
 
 
 def _read_unary(ones: torch.Tensor, columns: torch.Tensor, total: int):

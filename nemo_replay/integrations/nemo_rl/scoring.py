@@ -23,6 +23,7 @@ from nemo_replay.scoring.entry import score_positions
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.codec import CompactRows
 from nemo_replay.support.dtypes import is_integer
+from nemo_replay.support.fsdp2 import dtensor_names
 from nemo_replay.support.packed import PackedTensor
 
 __all__ = ["ReplayScores", "next_token_logprobs", "vocab_shard_of", "SUPPORT_KEY"]
@@ -59,11 +60,8 @@ def vocab_shard_of(logits, vocab_parallel_rank: Optional[int], vocab_parallel_gr
     (NeMo-RL's ``vocab_start_index``). DTensor (automodel v2): the ``tp`` mesh dimension,
     ``Shard(-1)`` placement (torch.chunk split: ``ceil(V / tp)`` per rank) or ``Replicate``.
     """
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:  # pragma: no cover - torch without DTensor
-        DTensor = None
-    if DTensor is not None and isinstance(logits, DTensor):
+    DTensor, Replicate, Shard = dtensor_names()
+    if isinstance(logits, DTensor):
         return _dtensor_shard(logits, Replicate, Shard)
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() != 3:
         got = f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits).__name__

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import verl.utils.torch_functional as verl_F
 from verl.utils import tensordict_utils as tu
@@ -56,6 +55,9 @@ from nemo_replay.integrations.verl.engine import (
 )
 from nemo_replay.integrations.verl.response_layout import next_token_index, padded_next_token_index
 from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.fsdp2 import dtensor_names
+
+DTensor, Replicate, Shard = dtensor_names()
 
 __all__ = ["ReplayFSDPEngineWithLMHead", "local_vocab_shard"]
 

@@ -45,6 +45,7 @@ from nemo_replay.strategies.base import (
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
 from nemo_replay.strategies.fsdp.head import hidden_mode_problems
 from nemo_replay.strategies.fsdp.rolled_layout import FSDPLayout, build_layout
+from nemo_replay.support.fsdp2 import dtensor_names, fsdp2_names
 
 __all__ = ["FSDPStrategy", "lm_head_weight", "run_trunk"]
 
@@ -86,8 +87,8 @@ def lm_head_weight(model):
     FSDP's reduce-scatter. ``release()`` reshards (forward-only use). A plain module's
     weight comes back as is.
     """
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
+    _, FSDPModule = fsdp2_names()
+    DTensor, _, _ = dtensor_names()
 
     problems = hidden_mode_problems(model)
     if problems:

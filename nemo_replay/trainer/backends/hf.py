@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.layout.canonical import position_ids
+from nemo_replay.support.fsdp2 import fsdp2_names
 from nemo_replay.trainer.runtime import collective_timeout
 
 __all__ = ["HFBackend", "build_hf_model"]
@@ -111,7 +112,7 @@ class HFBackend:
         if not self.distributed:
             return model
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        fully_shard, _ = fsdp2_names()
 
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         for layer in model.get_decoder().layers:
