@@ -229,12 +229,6 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
 # ---------------------------------------------------------------------------- the one host read
 
 
-def nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """(count,) int64 indices of the True entries of a 1-D mask whose count was read: no host sync
-    (``torch.nonzero`` would wait for the device to learn the output size)."""
-    return nonzero_static(mask, count)
-
-
 def check_guards(got: dict, raisers: dict) -> None:
     """Raise for the first guard whose flag was read set, in :data:`GUARDS` order.
 
@@ -392,8 +386,8 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     check.passed(again=bool(got.get("support")))  # got here: the rows passed
     n, e = got["n"], got["e"]
     every = n == N
-    support_pos = torch.arange(N, device=call.device) if every else nonzero(valid, n)
-    full_pos = nonzero(fallback, e) if e else support_pos.new_zeros(0)
+    support_pos = torch.arange(N, device=call.device) if every else nonzero_static(valid, n)
+    full_pos = nonzero_static(fallback, e) if e else support_pos.new_zeros(0)
     pick = lambda t: t if every else t.index_select(0, support_pos)  # noqa: E731
     ids, col = pick(ids_all), pick(col_all)
     local = None
@@ -404,7 +398,7 @@ def plan_support(call: Call, support, *, validate: bool, hidden: bool) -> Plan:
     if hidden:
         P = got["pairs"]
         w = ids.shape[1]
-        plan.flat = torch.arange(n * w, device=call.device) if local is None else nonzero(local.reshape(-1), P)
+        plan.flat = torch.arange(n * w, device=call.device) if local is None else nonzero_static(local.reshape(-1), P)
         bounds = got["bounds"]
         K = len(bounds) // 2
         plan.chunks = _chunks_from([bounds[:K], bounds[K:]], P, call.chunk_size, n)
@@ -427,4 +421,4 @@ def plan_full(call: Call) -> Plan:
     check_guards(got, {"sampled_vocab": lambda: raise_sampled_vocab(bad, call.sampled, vocab, call.where)})
     empty = torch.zeros(0, dtype=torch.int64, device=call.device)
     none = torch.zeros(call.N, dtype=torch.bool, device=call.device)
-    return Plan(call, empty, nonzero(call.lmask, got["e"]), none, call.lmask, vocab_size=vocab)
+    return Plan(call, empty, nonzero_static(call.lmask, got["e"]), none, call.lmask, vocab_size=vocab)

@@ -648,10 +648,10 @@ def _fused_passes(device: torch.device) -> bool:
     failed = ""
     for buffers, sampled in (([kept, dropped], torch.cat([tokens, tokens]).to(device)), ([kept, kept], None)):
         batch, form = _parse(buffers, None, ()), "with sampled ids" if sampled is not None else "without sampled ids"
-        width = batch.width
+        R, width = batch.rows, batch.width
         try:
             values, flags, _ = _decode_fused(batch, sampled, device, width)
-            want = _decode(batch, sampled, device).place(None, batch.rows * width, width).reshape(batch.rows, width)
+            want = _decode(batch, sampled, device).place(None, R * width, width).reshape(R, width)
             if not torch.equal(values, want) or bool(flags.any()):
                 failed = f"{form}, rows that differ from the reference's"
         except Exception as exc:  # a compiler's or a driver's error: named below, never swallowed silently
