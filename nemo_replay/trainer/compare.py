@@ -9,7 +9,7 @@ recompute log-prob against the rollout's, before any update) and separates its t
   (measured in the replay-on run, logits mode: ``normalisation_gap_mean``);
 - the **engine's numeric gap**: what stays with replay on -- the engine's KV cache, kernels
   and dtype (``generation.engine``, ``generation.dtype``) against the trainer's forward. With
-  ``generation.engine: trainer`` it is float noise.
+  ``generation.engine: trainer`` it is float noise; with ``vllm`` in float32, about 1e-6.
 
 Output folder: ``<dir>/replay-on``, ``<dir>/replay-off`` (each a normal run folder),
 ``<dir>/compare.png`` and ``<dir>/summary.json``.
@@ -58,7 +58,7 @@ def effects(cfg: RecipeConfig, replay_on: RunResult, replay_off: RunResult) -> d
     on, off = replay_on.history, replay_off.history
     return {
         "engine": resolve_engine(cfg),
-        "engine_dtype": (cfg.generation.dtype or cfg.model.dtype) if resolve_engine(cfg) == "hf" else cfg.model.dtype,
+        "engine_dtype": (cfg.generation.dtype or cfg.model.dtype) if resolve_engine(cfg) in ("hf", "vllm") else cfg.model.dtype,
         "trainer_dtype": cfg.model.dtype,
         "normalisation_gap_mean": _mean(on, "normalisation_gap_mean"),
         "numeric_gap_mean": _mean(on, "mismatch_mean"),
@@ -75,7 +75,7 @@ def _gap_rows(history: list) -> list:
 
 def effects_line(fx: dict) -> str:
     """One line naming both effects with their sizes."""
-    engine = f"{fx['engine']} engine ({fx['engine_dtype']}{', KV cache' if fx['engine'] == 'hf' else ', no KV cache'})"
+    engine = f"{fx['engine']} engine ({fx['engine_dtype']}{', no KV cache' if fx['engine'] == 'trainer' else ', KV cache'})"
     return (
         f"replay removes the normalisation gap (mean {fx['normalisation_gap_mean']:.3g} nats, -log support mass); "
         f"the {engine} leaves a numeric gap of mean {fx['numeric_gap_mean']:.3g}, max {fx['numeric_gap_max']:.3g} nats "

@@ -206,6 +206,7 @@ def rollout_batch(
     pad_id: int = 0,
     device: Union[str, torch.device] = "cpu",
     routes: Optional[PackedTensor] = None,
+    token_mask: Optional[torch.Tensor] = None,
 ) -> Rollout:
     """The canonical batch of B sampled responses, whatever sampled them.
 
@@ -217,6 +218,8 @@ def rollout_batch(
         row_width: fixed-width rows narrower than this are padded with -1 to it; None: the
             batch carries CSR rows (fixed-width ones lose their -1 padding).
         routes: per-trajectory MoE routes of the real tokens, or None.
+        token_mask: (sum R_i,) bool, response-major, or None (every token): False keeps a
+            token out of the loss (an engine adapter's flagged position, whose row is empty).
 
     Right-aligned ``(B, A)`` response coordinates, ``A = max R_i``: token j of trajectory i
     sits at column ``A - R_i + j``. Example A = 3, R = [3, 1]: row 0 holds tokens [0 1 2],
@@ -228,6 +231,11 @@ def rollout_batch(
     loss_mask = torch.arange(A, device=device)[None, :] >= (A - resp_len)[:, None]
     rollout_lp = torch.zeros(len(responses), A, dtype=torch.float32, device=device)
     rollout_lp[loss_mask] = logprobs.to(device=device, dtype=torch.float32)  # row-major = response-major
+    if token_mask is not None:
+        if token_mask.shape != (sum(lengths),) or token_mask.dtype != torch.bool:
+            raise ValueError(f"rollout_batch: token_mask must be ({sum(lengths)},) bool, one per response token, got "
+                             f"{tuple(token_mask.shape)} {token_mask.dtype}")
+        loss_mask[loss_mask.clone()] = token_mask.to(device)
     # Rows cost what they hold: CSR unless fixed-width rows were asked for (the scorer pads
     # them on the device, to the width they were captured at: docs/design.md §4).
     if not row_width:

@@ -145,6 +145,7 @@ class GRPOTrainer:
             self._build(backend)
         except BaseException:
             # The folder's lock is this process's: a retry here (a notebook, a test) must find it free.
+            self.close_engine()
             self.loggers.close("failed")
             self.run_dir.release()
             raise
@@ -170,8 +171,9 @@ class GRPOTrainer:
             self.settings, compute_support_mass=cfg.replay.enabled and cfg.replay.scorer.source == "logits"
         )
         self.sampling = sampling_settings(cfg)
-        # The hf engine holds its own copy of the weights, synced before every rollout.
-        self.engine = self.backend.build_engine(self.policy, self.sampling) if resolve_engine(cfg) == "hf" else None
+        # The hf and vllm engines hold their own copy of the weights, synced before every rollout.
+        engine = resolve_engine(cfg)
+        self.engine = self.backend.build_engine(self.policy, self.sampling, engine) if engine in ("hf", "vllm") else None
         # Prompts differ per data-parallel rank and agree within a model-parallel group
         # (TP / CP / SP ranks must hold the same rollouts); sampling draws alike.
         seed = cfg.trainer.seed * 1_000_003 + self.backend.dp_rank
@@ -386,8 +388,15 @@ class GRPOTrainer:
             # Also when a step fails (a non-finite update, a lost rank): every logger's run is
             # ended and the folder is free again for this process, whose next run there resumes
             # from the last checkpoint.
+            self.close_engine()
             self.loggers.close(status)
             self.run_dir.release()
+
+    def close_engine(self) -> None:
+        """Stop an engine that runs processes of its own (vLLM's); the run's other state stays."""
+        close = getattr(getattr(self, "engine", None), "close", None)
+        if close is not None:
+            close()
 
     def _loop(self, signals: StopSignals) -> Optional[str]:
         """The steps; returns the stop signal's name when one ended the loop early."""

