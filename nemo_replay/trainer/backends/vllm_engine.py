@@ -107,10 +107,13 @@ class VLLMEngine:
             memory on the CPU) vLLM reserves for weights and KV cache.
         pad_id: the token of the batch's left padding.
         folder: where the engine's weights live; None: a new temporary folder, removed by :meth:`close`.
+        max_logprobs: the engine's cap on a request's log-probs (``--max-logprobs``); None: what
+            the recipe's requests ask. Larger lets other requests on :attr:`llm` ask more.
     """
 
     def __init__(self, policy, settings: SamplingSettings, *, dtype: str, device: torch.device,
-                 memory_share: float = 0.05, pad_id: int = 0, folder: Optional[Path] = None):
+                 memory_share: float = 0.05, pad_id: int = 0, folder: Optional[Path] = None,
+                 max_logprobs: Optional[int] = None):
         from nemo_replay.rollout.engines.vllm import VLLM_TIE_MARGIN, check_vllm_engine
 
         problem = vllm_missing()
@@ -137,7 +140,8 @@ class VLLMEngine:
         self.generate_seconds: list[float] = []
         self.llm = LLM(
             model=str(self.folder), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, seed=0,
-            gpu_memory_utilization=memory_share, logprobs_mode="processed_logprobs", max_logprobs=self.num_logprobs,
+            gpu_memory_utilization=memory_share, logprobs_mode="processed_logprobs",
+            max_logprobs=max(self.num_logprobs, max_logprobs or 0),
             max_model_len=int(config.max_position_embeddings), use_tqdm_on_load=False,
             generation_config="vllm",  # the recipe's settings alone: no model defaults on top
         )
