@@ -99,7 +99,7 @@ def resolve_engine(cfg: RecipeConfig) -> str:
     return rollout_engines(cfg)[0] if engine == "auto" else engine
 
 
-def _engine(cfg: RecipeConfig, out: list[str]) -> None:
+def _engine(cfg: RecipeConfig, world: int, out: list[str]) -> None:
     g = cfg.generation
     if g.engine not in _ENGINES:
         out.append(f"generation.engine={g.engine!r} must be one of {', '.join(_ENGINES)}")
@@ -120,16 +120,15 @@ def _engine(cfg: RecipeConfig, out: list[str]) -> None:
                 f"generation.engine=hf"
             )
     if resolve_engine(cfg) == "vllm":
-        _vllm(cfg, out)
+        _vllm(cfg, world, out)
 
 
-def _vllm(cfg: RecipeConfig, out: list[str]) -> None:
+def _vllm(cfg: RecipeConfig, world: int, out: list[str]) -> None:
     """What the ``vllm`` engine cannot run (docs/engines.md, "A live vLLM")."""
     g = cfg.generation
     if g.top_k is None:
         out.append("generation.engine=vllm reads each support from vLLM's processed log-probs, which show a support "
                    "only when it is bounded: set generation.top_k (> 1)")
-    world = resolve_world_size(cfg)
     if world != 1:
         out.append(f"generation.engine=vllm runs one vLLM beside one trainer process; this recipe has {world} "
                    f"processes (trainer.devices x trainer.num_nodes, or WORLD_SIZE): set trainer.devices=1 "
@@ -396,7 +395,7 @@ def collect_problems(cfg: RecipeConfig, world_size: Optional[int] = None) -> lis
     world = resolve_world_size(cfg, world_size)
     _replay(cfg, out)
     _sampling(cfg, out)
-    _engine(cfg, out)
+    _engine(cfg, world, out)
     _parallel(cfg, world, out)
     _model(cfg, out)
     _loop(cfg, out)

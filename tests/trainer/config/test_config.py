@@ -22,7 +22,7 @@ def test_default_recipe_is_valid_and_matches_the_schema_defaults():
 
 @pytest.mark.parametrize(
     "name, world",
-    [("default.yaml", 1), ("megatron_moe_gpu.yaml", 8), ("fsdp_gpu.yaml", 8)],
+    [("default.yaml", 1), ("megatron_moe_gpu.yaml", 8), ("fsdp_gpu.yaml", 8), ("vllm.yaml", 1)],
 )
 def test_shipped_recipes_validate_and_open_with_their_command(name, world):
     path = REPO / "configs" / name
@@ -125,6 +125,12 @@ RULES = [
      "trainer.loggers: unknown logger 'tensorbord' (did you mean tensorboard?); known loggers: jsonl, csv, tensorboard, wandb, mlflow"),
     (["trainer.loggers=[csv]"], 1, "trainer.loggers=['csv'] leaves out jsonl, which every run writes"),
     (["trainer.loggers=[jsonl,csv,csv]"], 1, "trainer.loggers lists csv 2 times; list each logger once"),
+    # The vllm engine (it needs no vLLM to be checked).
+    (["generation.engine=vllm", "generation.top_k=null"], 1, "set generation.top_k (> 1)"),
+    (["generation.engine=vllm"], 2, "this recipe has 2 processes"),
+    (["generation.engine=vllm", "generation.vllm.memory_share=0"], 1, "generation.vllm.memory_share=0.0 must be in (0, 1]"),
+    (["generation.engine=vllm", "generation.vllm.memory_share=1.5"], 1, "generation.vllm.memory_share=1.5 must be in (0, 1]"),
+    (["generation.engine=vllm", "replay.strategy=megatron"], 1, "generation.engine=vllm needs a Hugging Face model"),
     (["trainer.loggers=csv"], 1, "trainer.loggers='csv': trainer.loggers takes a list; write it in brackets, e.g. trainer.loggers=[csv]"),
 ]
 
