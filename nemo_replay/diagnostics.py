@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "StepStats", "masked_abs_diff", "ratio_deviation", "record_mismatch", "record_gap", "record_policy", "MISMATCH_NAMES", "GAP_NAMES",
+    "StepStats", "masked_abs_diff", "ratio_deviation", "record_mismatch", "record_gap", "record_policy", "MISMATCH_NAMES", "GAP_NAMES", "RATIO_BAND",
+    "outside_share",
 ]
 
 
@@ -59,7 +60,20 @@ def ratio_deviation(logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch
 
 #: Every name :func:`record_mismatch` adds; the integrations log them under ``replay/``.
 MISMATCH_NAMES = ("mismatch_mean", "mismatch_max")
-GAP_NAMES = ("support_mass_mean", "normalisation_gap_mean", "full_vocab_mismatch_mean", "full_vocab_mismatch_max")
+GAP_NAMES = ("support_mass_mean", "normalisation_gap_mean", "full_vocab_mismatch_mean", "full_vocab_mismatch_max",
+             "ratio_outside_share", "full_vocab_ratio_outside_share")
+#: The band of the ``*_ratio_outside_share`` metrics: the share of tokens whose trainer / rollout
+#: probability ratio falls outside ``[1 - RATIO_BAND, 1 + RATIO_BAND]`` (the form TRL reports).
+RATIO_BAND = 0.1
+
+
+def outside_share(stats: "StepStats", name: str, rollout: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """Add to ``name`` the tokens of ``mask`` whose ratio ``exp(logprobs - rollout)`` is outside
+    ``[1 - RATIO_BAND, 1 + RATIO_BAND]``, as a share of the tokens (no host read)."""
+    m = mask.to(logprobs.device).bool()
+    ratio = torch.exp(logprobs.double() - rollout.double().to(logprobs.device))
+    outside = m & ((ratio - 1).abs() > RATIO_BAND)
+    stats.add_mean(name, outside.sum().double(), m.sum())
 
 
 def record_mismatch(
@@ -78,18 +92,23 @@ def record_mismatch(
     ``support_mass_mean`` (the kept probability), ``normalisation_gap_mean`` (mean ``-log mass``
     = ``log p_S(x) - log p_V(x)``, what full-vocabulary scoring adds to each token) and
     ``full_vocab_mismatch_{mean,max}`` (``|rollout - (replayed + log mass)|``: what the
-    trainer would measure without replay).
+    trainer would measure without replay). ``ratio_outside_share`` and
+    ``full_vocab_ratio_outside_share``: the share of tokens whose ratio ``exp(trainer - rollout)``
+    falls outside ``[0.9, 1.1]`` (:data:`RATIO_BAND`), with replay and over the full vocabulary.
     """
     total, peak, n = masked_abs_diff(rollout_logprobs, logprobs, mask)
     stats.add_mean("mismatch_mean", total, n)
     stats.add_max("mismatch_max", peak)
     if log_mass is None:
         return
+    outside_share(stats, "ratio_outside_share", rollout_logprobs, logprobs.detach(), mask)
     m = (mask if mass_mask is None else mass_mask).to(log_mass.device).bool()
     lm = record_gap(stats, log_mass, m)
-    total, peak, n = masked_abs_diff(rollout_logprobs, logprobs.detach().double().to(lm.device) + lm, m)
+    full = logprobs.detach().double().to(lm.device) + lm
+    total, peak, n = masked_abs_diff(rollout_logprobs, full, m)
     stats.add_mean("full_vocab_mismatch_mean", total, n)
     stats.add_max("full_vocab_mismatch_max", peak)
+    outside_share(stats, "full_vocab_ratio_outside_share", rollout_logprobs, full, m)
 
 
 def record_gap(stats: "StepStats", log_mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

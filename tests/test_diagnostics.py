@@ -81,7 +81,7 @@ def test_the_normalisation_gap_apart_matches_a_float64_loop():
 
     g = torch.Generator().manual_seed(7)
     rollout = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 3
-    replayed = (rollout + torch.randn(3, 6, generator=g, dtype=torch.float64) * 1e-3).float()
+    replayed = (rollout + torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.1).float()  # some ratios outside [0.9, 1.1]
     log_mass = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 2
     mask = torch.rand(3, 6, generator=g) > 0.3
     rowful = mask & (torch.arange(6) < 5)  # the last column scored over the vocabulary: no support mass
@@ -94,7 +94,10 @@ def test_the_normalisation_gap_apart_matches_a_float64_loop():
     lm = lambda i, j: float(log_mass.float()[i, j])  # noqa: E731
     mism = [abs(float(rollout[i, j]) - float(replayed[i, j])) for i, j in pos]
     full = [abs(float(rollout[i, j]) - (float(replayed[i, j]) + lm(i, j))) for i, j in kept]
+    out = lambda a, b: abs(math.exp(b - a) - 1) > 0.1  # noqa: E731  -- the ratio outside [0.9, 1.1]
     want = {
+        "ratio_outside_share": sum(out(float(rollout[i, j]), float(replayed[i, j])) for i, j in pos) / len(pos),
+        "full_vocab_ratio_outside_share": sum(out(float(rollout[i, j]), float(replayed[i, j]) + lm(i, j)) for i, j in kept) / len(kept),
         "mismatch_mean": sum(mism) / len(mism), "mismatch_max": max(mism),
         "support_mass_mean": sum(math.exp(lm(i, j)) for i, j in kept) / len(kept),
         "normalisation_gap_mean": sum(-lm(i, j) for i, j in kept) / len(kept),
