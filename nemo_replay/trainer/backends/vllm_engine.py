@@ -38,6 +38,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from nemo_replay.support.packed import lengths_to_cu_seqlens
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
 
 __all__ = ["VLLMEngine", "vllm_missing", "full_weights", "write_weights", "rollout_from_outputs"]
@@ -136,8 +137,11 @@ class VLLMEngine:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._write_config(config)
         write_weights(policy, self.folder, self.dtype)
+        # Per rollout: the weight sync, vLLM's generation, the capture (adapter and batch), tokens sampled.
         self.sync_seconds: list[float] = []
         self.generate_seconds: list[float] = []
+        self.capture_seconds: list[float] = []
+        self.tokens: list[int] = []
         self.llm = LLM(
             model=str(self.folder), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, seed=0,
             gpu_memory_utilization=memory_share, logprobs_mode="processed_logprobs",
@@ -163,6 +167,7 @@ class VLLMEngine:
         return SamplingParams(
             n=1, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, max_tokens=s.max_new_tokens,
             logprobs=self.num_logprobs, seed=seed, ignore_eos=True, detokenize=False,
+            flat_logprobs=True,  # arrays, which the adapter reads without a Python loop per entry
             stop_token_ids=None if s.stop_token_id is None else [s.stop_token_id],
         )
 
@@ -190,11 +195,15 @@ class VLLMEngine:
         params = [self.sampling_params(seed + i) for i in range(len(prompts))]
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        self.generate_seconds.append(time.perf_counter() - start)
-        return rollout_from_outputs(
+        captured = time.perf_counter()
+        self.generate_seconds.append(captured - start)
+        rollout = rollout_from_outputs(
             prompts, [o.outputs[0] for o in outputs], params, vocab_size=self.vocab_size,
             row_width=row_width or self.settings.row_width, pad_id=self.pad_id, device=self.device,
         )
+        self.capture_seconds.append(time.perf_counter() - captured)
+        self.tokens.append(sum(len(o.outputs[0].token_ids) for o in outputs))
+        return rollout
 
     def close(self) -> None:
         """Stop vLLM's engine and remove the weights folder this engine made."""
@@ -210,22 +219,65 @@ class VLLMEngine:
 
 def rollout_from_outputs(prompts, completions, params, *, vocab_size: int, row_width: Optional[int], pad_id: int,
                          device) -> Rollout:
-    """The canonical batch of vLLM ``CompletionOutput``s (one per prompt, in prompt order).
+    """The canonical batch of vLLM ``CompletionOutput``s (one per prompt, in prompt order), each
+    sampled under its request's ``params``.
 
-    Each output goes through the package's adapter with its own request's parameters; flagged
-    positions (a support the list could not show whole) leave the loss."""
-    from nemo_replay.rollout.engines.vllm import support_from_vllm_output
+    The outputs are read by the package's adapter as one batch when their log-probs are arrays
+    (``SamplingParams(flat_logprobs=True)``, as :class:`VLLMEngine` asks): a response at a time
+    costs about as much as vLLM's generation on a tiny model, the batch under 5%. Each distinct
+    sampler setting among ``params`` is checked once. Where the batch breaks a rule, the outputs
+    are read one by one so that the error names the response. Flagged positions (a support the
+    list could not show whole) leave the loss."""
+    from nemo_replay.rollout.engines.vllm import check_vllm_request, support_from_vllm_logprobs, support_from_vllm_output
     from nemo_replay.support.ragged import RaggedSupport
 
-    if len(completions) != len(prompts):
-        raise ValueError(f"vLLM returned {len(completions)} outputs for {len(prompts)} prompts")
-    captured = [support_from_vllm_output(c, width=row_width, vocab_size=vocab_size, sampling_params=p)
-                for c, p in zip(completions, params)]
+    if len(completions) != len(prompts) or len(params) != len(prompts):
+        raise ValueError(f"vLLM returned {len(completions)} outputs for {len(prompts)} prompts and {len(params)} requests")
     responses = [torch.tensor(list(c.token_ids), dtype=torch.int64) for c in completions]
     for i, r in enumerate(responses):
         if r.numel() == 0:
             raise ValueError(f"vLLM returned no token for prompt {i} (finish_reason={completions[i].finish_reason!r})")
-    return rollout_batch(
-        prompts, responses, torch.cat([c.logprobs for c in captured]), RaggedSupport.cat([c.support for c in captured]),
-        row_width=row_width, pad_id=pad_id, device=device, token_mask=torch.cat([c.loss_mask for c in captured]),
-    )
+    for p in {_sampler_key(p): p for p in params}.values():
+        check_vllm_request(p, path="logprobs")
+    joined = _joined_logprobs(completions)
+    lengths = torch.tensor([r.numel() for r in responses])
+    try:
+        if joined is None:
+            raise ValueError("the outputs' log-probs are not arrays")
+        got = support_from_vllm_logprobs(joined, torch.cat(responses), width=row_width, vocab_size=vocab_size)
+        support, logprobs, flagged = got.support.resegment(lengths_to_cu_seqlens(lengths)), got.logprobs, got.flagged
+    except ValueError:
+        captured = []
+        for i, c in enumerate(completions):  # one by one: the error names the response
+            try:
+                captured.append(support_from_vllm_output(c, width=row_width, vocab_size=vocab_size))
+            except ValueError as exc:
+                raise ValueError(f"vLLM response {i} (of prompt {prompts[i].tolist()[:8]}): {exc}") from None
+        support = RaggedSupport.cat([c.support for c in captured])
+        logprobs, flagged = torch.cat([c.logprobs for c in captured]), torch.cat([c.flagged for c in captured])
+    return rollout_batch(prompts, responses, logprobs, support, row_width=row_width, pad_id=pad_id, device=device,
+                         token_mask=~flagged)
+
+
+def _sampler_key(params) -> tuple:
+    """What a request's capture depends on (its seed aside)."""
+    return tuple(v if isinstance(v, (int, float, type(None))) else repr(v) for v in (getattr(params, k, None) for k in (
+        "temperature", "top_k", "top_p", "min_p", "logprobs", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids")))
+
+
+def _joined_logprobs(completions):
+    """The outputs' ``FlatLogprobs`` back to back, as one (None when any output's are not arrays)."""
+    from types import SimpleNamespace
+
+    tokens, values, starts, ends = [], [], [], []
+    for c in completions:
+        lp = c.logprobs
+        if not (hasattr(lp, "start_indices") and hasattr(lp, "token_ids")):
+            return None
+        offset = len(tokens)
+        tokens.extend(lp.token_ids)
+        values.extend(lp.logprobs)
+        starts.extend(s + offset for s in lp.start_indices)
+        ends.extend(e + offset for e in lp.end_indices)
+    return SimpleNamespace(token_ids=tokens, logprobs=values, start_indices=starts, end_indices=ends)

@@ -259,6 +259,22 @@ def test_requests_the_adapter_must_refuse(live):
     assert read.num_flagged == len(out.token_ids)
 
 
+def test_a_batch_that_breaks_a_rule_names_the_response(live):
+    """The engine's batch reading: one response whose log-probs do not list its sampled token first."""
+    from nemo_replay.trainer.backends.vllm_engine import rollout_from_outputs
+
+    engine, model = live
+    engine.sync(model)
+    prompts = _prompts(4, seed=13)
+    params = engine.sampling_params(5)
+    outs = _generate(engine, prompts, params)
+    lp = outs[2].logprobs
+    j = lp.start_indices[1]
+    lp.token_ids[j] = (lp.token_ids[j] + 1) % V  # position 1 of response 2 now lists another token first
+    with pytest.raises(ValueError, match=r"vLLM response 2 .*position 1: the first entry is token"):
+        rollout_from_outputs(prompts, outs, [params] * 4, vocab_size=V, row_width=None, pad_id=0, device="cpu")
+
+
 def test_weight_sync_then_rollout_the_trainer_reproduces(live):
     """The engine's rollout after a weight update: the trainer (new weights) reproduces its
     log-probs with replay on; scored with the weights before the update it does not."""
