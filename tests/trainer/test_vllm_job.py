@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_replay.trainer.backends.vllm_engine import INSTALL, vllm_missing
+from tests.vllm_marks import vllm_marks
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(vllm_missing() is not None, reason=f"needs vLLM: {INSTALL}")]
+pytestmark = vllm_marks()
 
 REPO = Path(__file__).resolve().parents[2]
 

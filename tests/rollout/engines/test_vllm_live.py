@@ -19,10 +19,9 @@ import math
 import pytest
 import torch
 
-from nemo_replay.trainer.backends.vllm_engine import INSTALL, vllm_missing
+from tests.vllm_marks import vllm_marks
 
-_MISSING = vllm_missing()
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_MISSING is not None, reason=f"needs vLLM: {INSTALL}")]
+pytestmark = vllm_marks()
 
 V, TOL = 32, 1e-4
 
