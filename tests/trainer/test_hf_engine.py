@@ -27,11 +27,13 @@ def test_engine_flags_resolve_per_strategy_and_refuse_what_cannot_run():
     assert "generation.engine=hf needs a Hugging Face model, but replay.strategy=megatron" in str(err.value)
     assert "set generation.engine=trainer or auto" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=["generation.engine=trainer", "generation.dtype=bfloat16", "generation.engine=vllm"])
-    assert "generation.engine='vllm' must be one of auto, hf, trainer" in str(err.value)
+        load_config(overrides=["generation.engine=trainer", "generation.dtype=bfloat16", "generation.engine=sglang"])
+    assert "generation.engine='sglang' must be one of auto, hf, trainer, vllm" in str(err.value)
+    assert resolve_engine(load_config(overrides=["generation.engine=vllm", "generation.dtype=bfloat16"])) == "vllm"
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["generation.engine=trainer", "generation.dtype=bfloat16"])
     assert "generation.dtype=bfloat16 applies to the hf engine's own weights" in str(err.value)
+    assert "the trainer engine samples with the trainer's float32 weights" in str(err.value)
     with pytest.raises(ConfigError, match="generation.dtype='fp8' must be one of"):
         load_config(overrides=["generation.dtype=fp8"])
     load_config(overrides=["generation.engine=trainer", "generation.dtype=float32"])  # = model.dtype: allowed

@@ -107,7 +107,7 @@ class GenerationConfig:
     docs/engines.md). ``auto``: ``hf`` where the strategy's model backend runs Hugging Face
     models (fsdp), ``trainer`` otherwise (megatron)."""
     dtype: Optional[str] = None
-    """Parameter dtype of the ``hf`` engine's weights (``float32``, ``bfloat16``,
+    """Parameter dtype of the ``hf`` and ``vllm`` engines' weights (``float32``, ``bfloat16``,
     ``float16``) while the trainer keeps ``model.dtype``; null: ``model.dtype``. Engine ``trainer``
     samples with the trainer's own weights, so it takes null only."""
     temperature: Optional[float] = 1.0

@@ -115,9 +115,9 @@ def _engine(cfg: RecipeConfig, world: int, out: list[str]) -> None:
             out.append(f"generation.dtype={g.dtype!r} must be one of {', '.join(_DTYPES)} or null (model.dtype)")
         elif resolve_engine(cfg) not in _OWN_WEIGHTS and g.dtype != cfg.model.dtype:
             out.append(
-                f"generation.dtype={g.dtype} applies to the hf engine's own weights; the {resolve_engine(cfg)} engine "
-                f"samples with the trainer's {cfg.model.dtype} weights. Set generation.dtype=null, or "
-                f"generation.engine=hf"
+                f"generation.dtype={g.dtype} applies to the hf engine's own weights (and the vllm engine's); the "
+                f"{resolve_engine(cfg)} engine samples with the trainer's {cfg.model.dtype} weights. Set "
+                f"generation.dtype=null, or generation.engine=hf"
             )
     if resolve_engine(cfg) == "vllm":
         _vllm(cfg, world, out)
