@@ -33,7 +33,8 @@ back), in two parts:
 - on the host, everything a header says, before anything is copied or sized: the magic and
   version, every size against the buffer (a truncated or oversized buffer), the CRC-32 (a bit
   flipped in transit or at rest, which could otherwise decode to another valid row), the
-  trajectory offsets, and the bounds that size every array (values each stream can hold).
+  trajectory offsets, and the bounds that size every array (values each stream can hold, and the
+  row width, which sizes a fixed-width decode, no more than the ids the rows hold).
   The host then regroups the streams by kind (every buffer's length unary stream back to
   back, and so on) and lays a table of every per-buffer integer the device needs beside them:
   one copy to the device, through pinned memory on CUDA (a copy from pageable memory would
@@ -369,12 +370,16 @@ def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) 
             if -(-h.rows * h.length_bits // 8) != len_low:
                 raise CodecError(f"compact support: the length low-bit stream holds {len_low} bytes where its fields need "
                                  f"{-(-h.rows * h.length_bits // 8)}; a corrupted buffer")
-            if h.max_length > h.vocab_size:
-                raise CodecError(f"compact support: row width {h.max_length} exceeds V = {h.vocab_size}; a corrupted buffer")
             if h.rows > 8 * len_high or h.ids > 8 * gap_high or h.ids > h.rows * h.max_length:
                 # Each value takes at least one unary bit, each row at most max_length ids: bounds every array.
                 raise CodecError(f"compact support: the header says {h.rows} rows and {h.ids} ids, the streams hold at most "
                                  f"{8 * len_high} and {min(8 * gap_high, h.rows * h.max_length)}; a corrupted buffer")
+            if h.max_length > min(h.vocab_size, h.ids + h.dropped):
+                # A row holds at most every coded id (and its dropped sampled token): the width sizes each
+                # fixed-width decode (rows x width), so it is held to what the gap stream holds.
+                raise CodecError(f"compact support: row width {h.max_length} exceeds V = {h.vocab_size} or the "
+                                 f"{h.ids} ids the rows hold{' plus the sampled token' if h.dropped else ''}; a "
+                                 f"corrupted buffer")
             for count, size, what in ((h.rows, len_high, "length"), (h.ids, gap_high, "gap")):
                 if count == 0 and size:
                     raise CodecError(f"compact support: the {what} stream holds {size} bytes for no value; a corrupted buffer")

@@ -212,6 +212,19 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
     return SampleRows(np.stack([cols[starts], counts], 1).astype(np.int32).reshape(-1, 2), data)
 
 
+def _check_runs(entry: Any, where: str) -> None:
+    """An entry is a :class:`SampleRows` whose runs are ``(n, 2)`` integers with every count >= 1 (a float
+    count would be cut to an integer when its columns are made)."""
+    if not isinstance(entry, SampleRows):
+        raise ValueError(f"{where} is a {type(entry).__name__}, expected SampleRows")
+    runs = np.asarray(entry.runs)
+    if runs.dtype.kind not in "iu":
+        raise ValueError(f"{where}: runs of dtype {runs.dtype}; expected integer (start, count) pairs, as sample_rows "
+                         f"writes them (int32)")
+    if runs.ndim != 2 or runs.shape[1] != 2 or (runs.size and int(runs[:, 1].min()) < 1):
+        raise ValueError(f"{where}: runs of shape {runs.shape}; expected (n, 2) (start, count >= 1)")
+
+
 def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, key: str) -> tuple[CompactRows, torch.Tensor]:
     """A micro-batch's rows, still compact: ``(support, token_rows)``.
 
@@ -230,8 +243,10 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
         token t at column t, -1 where none.
 
     Raises:
-        ValueError naming the data row and the fix: not a list of N entries, a column at or past
-        the row's length, columns not increasing, a buffer that is not one the encoder wrote.
+        ValueError naming the data row and the fix: not a list of N entries, runs that are not
+        integer ``(n, 2)`` pairs, run counts that add up to another count than the rows its buffer
+        holds (checked before a column is made: the buffer's rows are held to its bytes), a column
+        at or past the row's length, columns not increasing, a buffer that is not one the encoder wrote.
     """
     N, W = input_ids.shape
     if not isinstance(entries, list) or len(entries) != N:
@@ -240,15 +255,18 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
             f"data[{key!r}] must be a list of {N} SampleRows, one per data row (NeMo-RL slices lists with its "
             f"samples), got {got}"
         )
+    for i, entry in enumerate(entries):
+        _check_runs(entry, f"data[{key!r}][{i}]")
+    # Headers and CRCs first: each buffer's row count, held to what its bytes hold, bounds its columns.
+    support = CompactRows([e.data for e in entries], labels=[f"data[{key!r}][{i}] (data row {i})" for i in range(N)])
     lengths = input_lengths.cpu().to(torch.int64)
     token_rows = torch.full((N, W), -1, dtype=torch.int64)
-    start, counts = 0, []
+    start = 0
     for i, entry in enumerate(entries):
-        if not isinstance(entry, SampleRows):
-            raise ValueError(f"data[{key!r}][{i}] is a {type(entry).__name__}, expected SampleRows")
-        runs = np.asarray(entry.runs)
-        if runs.ndim != 2 or runs.shape[1] != 2 or (runs.size and int(runs[:, 1].min()) < 1):
-            raise ValueError(f"data[{key!r}][{i}]: runs of shape {runs.shape}; expected (n, 2) (start, count >= 1)")
+        count = int(np.asarray(entry.runs)[:, 1].sum(dtype=np.int64))  # before any column is made
+        if count != support.rows_of(i):
+            raise ValueError(f"data[{key!r}][{i}]: {support.rows_of(i)} rows for {count} columns; a corrupted entry (runs "
+                             f"and rows of one SampleRows come from one sample_rows call)")
         cols = torch.from_numpy(entry.columns)  # a new array: Ray hands read-only ones
         if cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= int(lengths[i]) or bool((cols.diff() <= 0).any())):
             raise ValueError(
@@ -257,11 +275,6 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
             )
         token_rows[i, cols] = start + torch.arange(cols.numel())
         start += cols.numel()
-        counts.append(cols.numel())
-    support = CompactRows([e.data for e in entries], labels=[f"data[{key!r}][{i}] (data row {i})" for i in range(N)])
-    for i, count in enumerate(counts):
-        if support.rows_of(i) != count:
-            raise ValueError(f"data[{key!r}][{i}]: {support.rows_of(i)} rows for {count} columns; a corrupted entry")
     return support, token_rows
 
 

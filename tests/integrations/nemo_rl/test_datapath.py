@@ -49,6 +49,7 @@ from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.integrations.nemo_rl.sample_rows import (
     GeneratedRows,
     MessageRows,
+    SampleRows,
     batch_rows,
     message_log_rows,
     sample_rows,
@@ -179,6 +180,31 @@ def test_backfill_refuses_a_generated_message_without_rows_or_with_misshaped_row
     with pytest.raises(ValueError, match=r"trajectory 0, message 3: generation_support must be integer rows "
                                          r"\(num_tokens=2, k\), one per token_ids entry, got torch.int32 \(1, 3\)"):
         backfill_support(logs)
+
+
+def test_batch_rows_checks_run_counts_and_their_dtype_before_it_makes_a_column():
+    """Run counts sized the columns before anything checked them: a run of 2**31 - 1 columns over a buffer
+    of one row asked for 16 GiB, and float runs were cut to integers. A count now must match the rows its
+    buffer holds (held to the buffer's bytes) before a column is made, and runs must be integers."""
+    import tracemalloc
+
+    entry = sample_rows([{"token_ids": torch.tensor([3, 4]), "generation_support": torch.tensor([[3, 9], [4, -1]])}],
+                        "generation_support", where="t")
+    ids, lengths = torch.tensor([[3, 4]]), torch.tensor([2])
+    batch_rows([entry], ids, lengths, key="k")  # the entry as written
+    for count in (10**7, 2**31 - 1):
+        runs = np.array([[0, count]], np.int64)
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match=rf"data\['k'\]\[0\]: 2 rows for {count} columns; a corrupted entry"):
+                batch_rows([SampleRows(runs, entry.data)], ids, lengths, key="k")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, peak  # no column made: 10**7 of them took 80 MB
+    for runs in (entry.runs.astype(np.float64), np.array([[0.0, 2.5]]), entry.runs.astype(np.float32) + 0.25):
+        with pytest.raises(ValueError, match=rf"data\['k'\]\[0\]: runs of dtype {runs.dtype}; expected integer"):
+            batch_rows([SampleRows(runs, entry.data)], ids, lengths, key="k")
 
 
 def test_pads_and_carrying_into_the_policy_batches():
