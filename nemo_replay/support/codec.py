@@ -150,10 +150,10 @@ def _fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- encode
-def _rows(support: Union[RaggedSupport, PackedTensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _rows(support: Union[RaggedSupport, PackedTensor], where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if not is_support(support):
-        raise ValueError(f"encode_support: expected a RaggedSupport or a PackedTensor, got {type(support).__name__}")
-    support = RaggedSupport.of(support)
+        raise ValueError(f"{where}: expected a RaggedSupport or a PackedTensor, got {type(support).__name__}")
+    support = RaggedSupport.checked_of(support, where=where)
     return (support.member_ids.cpu().numpy().astype(np.int64), support.row_offsets.cpu().numpy(),
             support.cu_seqlens.cpu().numpy().astype(np.int64))
 
@@ -178,7 +178,7 @@ def encode_support(
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= _MAX_V:
         raise ValueError(f"encode_support: vocab_size={vocab_size!r}, expected an int in [1, 2**31 - 1]")
-    ids, offsets, cu = _rows(support)
+    ids, offsets, cu = _rows(support, "encode_support")
     n = offsets.size - 1
     lengths = np.diff(offsets)
     row_of = np.repeat(np.arange(n, dtype=np.int64), lengths)
@@ -195,7 +195,7 @@ def encode_support(
     universe = vocab_size
     coded = ids
     if sampled_ids is not None:
-        sampled = torch.as_tensor(sampled_ids).cpu().numpy().astype(np.int64)
+        sampled = _sampled_ids(sampled_ids, "encode_support").cpu().numpy().astype(np.int64)
         if sampled.shape != (n,):
             raise ValueError(f"encode_support: sampled_ids has shape {sampled.shape}, expected ({n},): one per row")
         is_sampled = ids == sampled[row_of]
@@ -236,12 +236,24 @@ def encode_kept(support: Union[RaggedSupport, PackedTensor], sampled_ids: Option
     tokens must fail the membership check, not be rebuilt around them. Given ``sampled_ids``
     (rows,), each non-empty row must hold its own (SupportAlignmentError naming ``where`` and the row).
     """
-    ids = RaggedSupport.of(support).member_ids
-    sampled = None if sampled_ids is None else torch.as_tensor(sampled_ids, dtype=torch.int64)
+    if not is_support(support):
+        raise ValueError(f"{where}: expected a RaggedSupport or a PackedTensor, got {type(support).__name__}")
+    support = RaggedSupport.checked_of(support, where=where)
+    ids = support.member_ids
+    sampled = None if sampled_ids is None else _sampled_ids(sampled_ids, where).to(torch.int64)
     bound = max(int(ids.max()) if ids.numel() else 0, int(sampled.max()) if sampled is not None and sampled.numel() else 0)
     if sampled is not None:
         support.validate(sampled_ids=sampled, where=where)
     return encode_support(support, vocab_size=bound + 1)
+
+
+def _sampled_ids(sampled_ids, where: str) -> torch.Tensor:
+    """``sampled_ids`` as a tensor of an integer dtype: a float id would be cut to another token (3.7 -> 3)."""
+    sampled = torch.as_tensor(sampled_ids)
+    if not is_integer(sampled):
+        raise ValueError(f"{where}: sampled_ids of dtype {sampled.dtype}; expected integer token ids (the tokens sampled "
+                         f"from the rows, as the engine returned them)")
+    return sampled
 
 
 # ---------------------------------------------------------------------------- decode: the host's part

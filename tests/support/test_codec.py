@@ -144,6 +144,43 @@ def test_bad_rows_are_refused_at_encode_naming_the_row():
         encode_support(RaggedSupport.from_rows([[[1, 2]]]), vocab_size=10, sampled_ids=torch.tensor([4]))
 
 
+def test_fixed_width_rows_and_float_ids_are_held_to_the_row_rule_at_encode():
+    """Fixed-width rows are read as their members: every entry >= 0 was one wherever it sat ([5, -1, 1]
+    coded {1, 5}; [5, -25536, -1] coded {5}), and float rows and sampled ids were cut to integers (3.7
+    coded 3). Both encoders now hold them to docs/design.md §2 first (-1 only as a trailing pad, integer
+    ids), naming the trajectory and row; rows that keep the rule code as before."""
+    from nemo_replay.support.codec import encode_kept
+
+    def packed(rows, dtype=torch.int32):
+        return PackedTensor(torch.tensor(rows, dtype=dtype), [0, 1, len(rows)])
+
+    good = [[4, 9, -1], [5, 1, 3]]
+    bad = [
+        (packed([good[0], [5, -1, 1]]), r"trajectory 1, row 0 has a member after -1 padding .*\[5, -1, 1\]"),
+        (packed([good[0], [5, -25536, -1]], torch.int16), r"trajectory 1, row 0 holds an id below -1 .*\[5, -25536, -1\]"),
+        (packed([good[0], [-1, -1, 5]]), r"trajectory 1, row 0 has a member after -1 padding"),
+        (packed([good[0], [5, 2**32 + 1, -1]], torch.int64), r"trajectory 1, row 0 holds an id >= vocab_size="),
+        (packed([[4.0, 9.0, -1.0], [5.0, 1.0, 3.7]], torch.float32), r"support rows must be an integer tensor .*got torch.float32"),
+    ]
+    for support, match in bad:
+        with pytest.raises(ValueError, match=rf"encode_support: {match}"):
+            encode_support(support, vocab_size=10)
+        with pytest.raises(ValueError, match=rf"where: {match}"):
+            encode_kept(support, where="where")
+    for sampled in (torch.tensor([4.0, 5.0]), torch.tensor([4, 5]).double(), np.array([4.0, 5.0]), [4.0, 5.7]):
+        with pytest.raises(ValueError, match=r"encode_support: sampled_ids of dtype torch.float\d+; expected integer"):
+            encode_support(packed(good), vocab_size=10, sampled_ids=sampled)
+        with pytest.raises(ValueError, match=r"where: sampled_ids of dtype torch.float\d+; expected integer"):
+            encode_kept(packed(good), sampled, where="where")
+    want = [[4, 9], [1, 3, 5]]
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        rows = decode_support(encode_support(packed(good, dtype), vocab_size=10, sampled_ids=torch.tensor([4, 5])),
+                              sampled_ids=torch.tensor([4, 5]))
+        assert [rows.row(i).tolist() for i in range(2)] == want
+        kept = decode_support(encode_kept(packed(good, dtype), torch.tensor([9, 3], dtype=torch.int16), where="w"))
+        assert [kept.row(i).tolist() for i in range(2)] == want
+
+
 def test_every_truncation_extension_and_bit_flip_is_a_named_error():
     support, sampled, _ = random_rows(7, 300, 3, 12)
     buf = encode_support(support, vocab_size=300, sampled_ids=sampled)

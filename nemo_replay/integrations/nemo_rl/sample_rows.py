@@ -34,7 +34,6 @@ import torch
 
 from nemo_replay.support.codec import CompactRows, decode_support, encode_kept, header_of, row_lengths
 from nemo_replay.support.dtypes import is_integer
-from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["GeneratedRows", "MessageRows", "SampleRows", "sample_rows", "batch_rows", "message_log_rows"]
@@ -169,7 +168,7 @@ def _message_rows(r: Any, n: int, key: str, where: str) -> RaggedSupport:
     if not (is_integer(r) and r.dim() == 2 and r.shape[0] == n):
         got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
         raise ValueError(f"{where}: {key} must be integer rows ({n}, k), one per token, got {got}")
-    return RaggedSupport.from_padded(PackedTensor(r.cpu().to(torch.int32), [0, n]))
+    return RaggedSupport.checked_of(r.cpu(), where=f"{where}: {key}")  # -1 only as a trailing pad
 
 
 def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows:
@@ -194,7 +193,7 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
             recorded = torch.nonzero(rows.row_lengths > 0).flatten()
             columns.append(recorded + offset)
             parts.append(rows.resegment(torch.arange(n + 1)).gather(recorded))  # one segment a recorded row
-            sampled.append(tokens.cpu().to(torch.int64)[recorded])
+            sampled.append(tokens.cpu()[recorded])  # their dtype as given: encode_kept refuses a float
         offset += n
     support = RaggedSupport.cat(parts) if parts else RaggedSupport.from_rows([])
     support = support.resegment([0, support.num_rows])
