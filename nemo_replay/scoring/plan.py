@@ -325,7 +325,9 @@ def _weight_grad_sizes(call: Call, ids_all, present, reads: _Reads) -> int:
     """Add the weight gradient's run sizes (hidden mode) to ``reads``; returns the ids per block."""
     block, step = weight_grad_sizes(call.weight, call.chunk_size, call.cd)
     V = call.weight.shape[0]
-    keys = torch.where(present, ids_all.to(torch.int64) - call.shard.start, V)
+    # Clamped into the histogram's V + 1 bins: an id >= V (rows coded for a larger vocabulary, a corrupted
+    # decode) counts as no pair here, and the id_range / decode guard read with these sizes raises by name.
+    keys = torch.where(present, ids_all.to(torch.int64) - call.shard.start, V).clamp_(0, V)
     for name, t in run_sizes_before_read(keys, V, block, step).items():
         reads.add(name, t)
     return block

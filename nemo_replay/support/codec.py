@@ -33,7 +33,8 @@ back), in two parts:
 - on the host, everything a header says, before anything is copied or sized: the magic and
   version, every size against the buffer (a truncated or oversized buffer), the CRC-32 (a bit
   flipped in transit or at rest, which could otherwise decode to another valid row), the
-  trajectory offsets, and the bounds that size every array (values each stream can hold).
+  trajectory offsets, and the bounds that size every array (values each stream can hold, and the
+  row width, which sizes a fixed-width decode, no more than the ids the rows hold).
   The host then regroups the streams by kind (every buffer's length unary stream back to
   back, and so on) and lays a table of every per-buffer integer the device needs beside them:
   one copy to the device, through pinned memory on CUDA (a copy from pageable memory would
@@ -149,10 +150,10 @@ def _fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- encode
-def _rows(support: Union[RaggedSupport, PackedTensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _rows(support: Union[RaggedSupport, PackedTensor], where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if not is_support(support):
-        raise ValueError(f"encode_support: expected a RaggedSupport or a PackedTensor, got {type(support).__name__}")
-    support = RaggedSupport.of(support)
+        raise ValueError(f"{where}: expected a RaggedSupport or a PackedTensor, got {type(support).__name__}")
+    support = RaggedSupport.checked_of(support, where=where)
     return (support.member_ids.cpu().numpy().astype(np.int64), support.row_offsets.cpu().numpy(),
             support.cu_seqlens.cpu().numpy().astype(np.int64))
 
@@ -177,7 +178,7 @@ def encode_support(
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= _MAX_V:
         raise ValueError(f"encode_support: vocab_size={vocab_size!r}, expected an int in [1, 2**31 - 1]")
-    ids, offsets, cu = _rows(support)
+    ids, offsets, cu = _rows(support, "encode_support")
     n = offsets.size - 1
     lengths = np.diff(offsets)
     row_of = np.repeat(np.arange(n, dtype=np.int64), lengths)
@@ -194,7 +195,7 @@ def encode_support(
     universe = vocab_size
     coded = ids
     if sampled_ids is not None:
-        sampled = torch.as_tensor(sampled_ids).cpu().numpy().astype(np.int64)
+        sampled = _sampled_ids(sampled_ids, "encode_support").cpu().numpy().astype(np.int64)
         if sampled.shape != (n,):
             raise ValueError(f"encode_support: sampled_ids has shape {sampled.shape}, expected ({n},): one per row")
         is_sampled = ids == sampled[row_of]
@@ -235,12 +236,24 @@ def encode_kept(support: Union[RaggedSupport, PackedTensor], sampled_ids: Option
     tokens must fail the membership check, not be rebuilt around them. Given ``sampled_ids``
     (rows,), each non-empty row must hold its own (SupportAlignmentError naming ``where`` and the row).
     """
-    ids = RaggedSupport.of(support).member_ids
-    sampled = None if sampled_ids is None else torch.as_tensor(sampled_ids, dtype=torch.int64)
+    if not is_support(support):
+        raise ValueError(f"{where}: expected a RaggedSupport or a PackedTensor, got {type(support).__name__}")
+    support = RaggedSupport.checked_of(support, where=where)
+    ids = support.member_ids
+    sampled = None if sampled_ids is None else _sampled_ids(sampled_ids, where).to(torch.int64)
     bound = max(int(ids.max()) if ids.numel() else 0, int(sampled.max()) if sampled is not None and sampled.numel() else 0)
     if sampled is not None:
         support.validate(sampled_ids=sampled, where=where)
     return encode_support(support, vocab_size=bound + 1)
+
+
+def _sampled_ids(sampled_ids, where: str) -> torch.Tensor:
+    """``sampled_ids`` as a tensor of an integer dtype: a float id would be cut to another token (3.7 -> 3)."""
+    sampled = torch.as_tensor(sampled_ids)
+    if not is_integer(sampled):
+        raise ValueError(f"{where}: sampled_ids of dtype {sampled.dtype}; expected integer token ids (the tokens sampled "
+                         f"from the rows, as the engine returned them)")
+    return sampled
 
 
 # ---------------------------------------------------------------------------- decode: the host's part
@@ -369,12 +382,16 @@ def _parse(buffers: Sequence, vocab_size: Optional[int], labels: Sequence[str]) 
             if -(-h.rows * h.length_bits // 8) != len_low:
                 raise CodecError(f"compact support: the length low-bit stream holds {len_low} bytes where its fields need "
                                  f"{-(-h.rows * h.length_bits // 8)}; a corrupted buffer")
-            if h.max_length > h.vocab_size:
-                raise CodecError(f"compact support: row width {h.max_length} exceeds V = {h.vocab_size}; a corrupted buffer")
             if h.rows > 8 * len_high or h.ids > 8 * gap_high or h.ids > h.rows * h.max_length:
                 # Each value takes at least one unary bit, each row at most max_length ids: bounds every array.
                 raise CodecError(f"compact support: the header says {h.rows} rows and {h.ids} ids, the streams hold at most "
                                  f"{8 * len_high} and {min(8 * gap_high, h.rows * h.max_length)}; a corrupted buffer")
+            if h.max_length > min(h.vocab_size, h.ids + h.dropped):
+                # A row holds at most every coded id (and its dropped sampled token): the width sizes each
+                # fixed-width decode (rows x width), so it is held to what the gap stream holds.
+                raise CodecError(f"compact support: row width {h.max_length} exceeds V = {h.vocab_size} or the "
+                                 f"{h.ids} ids the rows hold{' plus the sampled token' if h.dropped else ''}; a "
+                                 f"corrupted buffer")
             for count, size, what in ((h.rows, len_high, "length"), (h.ids, gap_high, "gap")):
                 if count == 0 and size:
                     raise CodecError(f"compact support: the {what} stream holds {size} bytes for no value; a corrupted buffer")

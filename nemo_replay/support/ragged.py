@@ -30,9 +30,11 @@ from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.membership import csr_membership
 from nemo_replay.support.packed import PackedTensor, Segmented, check_cu_seqlens, lengths_to_cu_seqlens, segment_row_index
-from nemo_replay.support.validate import describe_row
+from nemo_replay.support.validate import describe_row, validate_support_rows
 
 __all__ = ["RaggedSupport", "as_support", "is_support"]
+
+_MAX_ID = 2**31 - 1  # ids from outside stay below it: int32 storage, and the codec's largest vocabulary
 
 
 class RaggedSupport(Segmented):
@@ -173,6 +175,29 @@ class RaggedSupport(Segmented):
     def of(cls, support: "RaggedSupport | PackedTensor") -> "RaggedSupport":
         """The CSR form of either support form (fixed-width rows lose their -1 padding)."""
         return support if support.csr else cls.from_padded(support)
+
+    @classmethod
+    def checked_of(cls, rows: "RaggedSupport | PackedTensor | torch.Tensor", *, where: str) -> "RaggedSupport":
+        """The CSR form of rows handed over from outside (an engine's, another framework's): CSR rows as they
+        are, fixed-width rows (a :class:`PackedTensor`, or bare ``(rows, k)`` as one segment) held to
+        docs/design.md §2 first unless a passed check says so. :meth:`of` keeps every id >= 0 wherever it
+        sits: ``[5, -1, 1]`` would read as {1, 5}, ``[5, -25536, -1]`` (token 40000 wrapped by int16) as {5},
+        a float 3.7 as 3.
+
+        Raises:
+            ValueError naming ``where`` and the row: not an integer ``(rows, k)`` tensor, an id below -1 or
+            at or past ``2**31 - 1`` (int32 storage, the codec's largest vocabulary), a member after -1
+            padding, an id twice in a row.
+        """
+        if getattr(rows, "csr", False):
+            return rows
+        packed = rows if isinstance(rows, PackedTensor) else None
+        values = rows.values if packed is not None else rows
+        record = checked(rows) if packed is not None or isinstance(rows, torch.Tensor) else None
+        if record is None or not record.covers(_MAX_ID):
+            cu = packed.cu_seqlens if packed is not None and packed.batch_size > 1 else None  # else "row r" names it
+            validate_support_rows(values, vocab_size=_MAX_ID, cu_seqlens=cu, where=where)
+        return cls.from_padded(packed if packed is not None else PackedTensor(values, [0, values.shape[0]]))
 
     def row(self, r: int) -> torch.Tensor:
         return self.member_ids[int(self.row_offsets[r]) : int(self.row_offsets[r + 1])]

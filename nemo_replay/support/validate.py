@@ -67,7 +67,7 @@ def describe_row(cu_seqlens: torch.Tensor | None, row: int) -> str:
     """'trajectory i, row j' for a global row index, or 'row r' without offsets."""
     if cu_seqlens is None or cu_seqlens.numel() < 2:
         return f"row {row}"
-    seg = int(torch.searchsorted(cu_seqlens.to(torch.int64), torch.tensor([row]), right=True)[0]) - 1
+    seg = int(torch.searchsorted(cu_seqlens.to(torch.int64), torch.tensor([row], device=cu_seqlens.device), right=True)[0]) - 1
     return f"trajectory {seg}, row {row - int(cu_seqlens[seg])}"
 
 

@@ -142,3 +142,28 @@ def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_th
         score_aligned_support(z, *channels, CompactRows([buffers[0], bad, *buffers[2:]],
                                                          labels=[f"sample {i}" for i in range(len(buffers))]))
     torch.cuda.synchronize()  # the stream is still usable: nothing read out of bounds
+
+
+def test_ids_past_the_vocabulary_in_hidden_mode_are_logits_mode_s_named_error_and_no_device_assert():
+    """An id >= V in a scored row, hidden mode with a trainable LM head: the weight gradient's run histogram
+    (counted before the guards' read) indexed past its V + 1 bins, a device-side assert that left the
+    process's CUDA context unusable. Now the error logits mode gives, naming the row on the device the
+    rows sit on, and the context serves on."""
+    from nemo_replay import PackedTensor, RaggedSupport
+    from nemo_replay.support.codec import CompactRows, encode_support
+
+    device, V = "cuda", 10
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(1, 3, 4, generator=g).to(device), torch.randn(V, 4, generator=g).to(device)
+    channels = [torch.tensor([[1, 2, 3]], device=device), torch.tensor([[0, 1, 2]], device=device),
+                torch.ones(1, 3, dtype=torch.bool, device=device)]
+    for x, validate, compact in ((12, True, False), (12, False, False), (1000, False, False), (12, True, True)):
+        rows = PackedTensor(torch.tensor([[1, x, -1], [2, 4, -1], [3, -1, -1]], dtype=torch.int32), [0, 3])
+        support = CompactRows([encode_support(RaggedSupport.from_padded(rows), vocab_size=x + 1)]) if compact else rows.to(device)
+        with pytest.raises(ValueError) as logits:
+            score_aligned_support(h @ w.T, *channels, support, validate=validate)
+        with pytest.raises(ValueError) as hidden:
+            score_aligned_support(h.requires_grad_(), *channels, support, lm_head_weight=w.requires_grad_(), validate=validate)
+        assert (type(hidden.value), str(hidden.value)) == (type(logits.value), str(logits.value))
+        assert str(x) in str(logits.value) and "row 0" in str(logits.value), str(logits.value)
+    assert torch.ones(3, device=device).sum().item() == 3

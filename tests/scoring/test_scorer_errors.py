@@ -366,3 +366,81 @@ def test_whole_sequence_synthetic_eos_check_costs_one_host_read(case):
     rows[1, _valid_positions(case, 1)[-1]] = -1
     with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active positions without a support row"):
         check(rows)
+
+
+# ------------------------------------------------------------------ ids past the vocabulary in hidden mode
+
+
+def _with_id(case, traj: int, new_id: int) -> tuple[PackedTensor, int]:
+    """The support with ``new_id`` written into a free slot of trajectory ``traj``'s first scored row
+    (its first padding, or its first member other than the sampled token), and that row."""
+    t = _valid_positions(case, traj)[0]
+    row = int(case.row_ids[traj, t])
+    vals = case.support.values.clone()
+    free = [j for j, v in enumerate(vals[row].tolist()) if v < 0 or v != int(case.sampled_ids[traj, t])]
+    vals[row, free[0]] = new_id
+    return PackedTensor(vals, case.support.cu_seqlens), row
+
+
+def _forged_vocab(rows: RaggedSupport, coded: int, claimed: int):
+    """Rows coded for ``coded`` ids, their header saying ``claimed`` with the CRC recomputed (a writer's
+    bug, not a transit error): a decode whose flag is set, its ids past ``claimed`` as they come."""
+    import struct
+
+    import numpy as np
+
+    from nemo_replay.support import codec
+
+    buf = codec.encode_support(rows, vocab_size=coded).copy()
+    buf[8:12] = np.frombuffer(struct.pack("<I", claimed), np.uint8)  # V u32, after the magic and four u8 fields
+    buf[codec._CRC_AT:codec._CRC_AT + 4] = 0
+    buf[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(buf)), np.uint8)
+    return codec.CompactRows([buf])
+
+
+def _error(fn):
+    with pytest.raises(ValueError) as info:
+        fn()
+    return type(info.value), str(info.value)
+
+
+def _bad_supports(case):
+    """(name, support, validate, the case's channels) with an id at or past V = 61 in a scored row."""
+    from nemo_replay.support.codec import CompactRows, encode_support
+
+    fixed, _ = _with_id(case, 1, 70)
+    at_v, _ = _with_id(case, 2, 61)
+    larger_v = CompactRows([encode_support(RaggedSupport.from_padded(fixed), vocab_size=80)])
+    yield "fixed rows, validate=True", fixed, True
+    yield "fixed rows, validate=False", fixed, False
+    yield "fixed rows holding V, validate=False", at_v, False
+    yield "ragged rows", RaggedSupport.from_padded(fixed), True
+    yield "compact rows coded for V = 80", larger_v, True
+
+
+def test_ids_past_the_vocabulary_in_hidden_mode_with_gradients_are_logits_mode_s_named_error(case):
+    """Hidden mode with a trainable LM head counts the weight gradient's runs before the guards' read:
+    an id >= V there once indexed past its histogram (a raw RuntimeError on CPU, a device write past
+    the tensor on CUDA). Every such input now ends in the very error logits mode names."""
+    for name, support, validate in _bad_supports(case):
+        want = _error(lambda: _score(case, support=support, validate=validate))
+        h, w = case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
+        got = _error(lambda: _score(case, source=h, lm_head_weight=w, support=support, validate=validate))
+        assert got == want, name
+        assert "61" in want[1] and ("trajectory" in want[1] or "row" in want[1]), (name, want)
+
+
+def test_a_flagged_decode_past_the_vocabulary_in_hidden_mode_is_the_decode_s_named_error():
+    """Rows {0, 17} coded for V = 18 under a header saying V = 15 (CRC recomputed): the decode flags id 17
+    and hands it on; the weight gradient's sizes are counted before that flag is read."""
+    from nemo_replay.support.codec import CodecError
+
+    rows = RaggedSupport.from_rows([[[0, 17], [3]]])
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(1, 2, 4, generator=g), torch.randn(15, 4, generator=g)
+    args = (torch.tensor([[0, 3]]), torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.bool))
+    want = _error(lambda: score_aligned_support(hidden @ weight.T, *args, _forged_vocab(rows, 18, 15)))
+    assert want[0] is CodecError and "row 0 decodes id 17, past the 15 ids" in want[1], want
+    got = _error(lambda: score_aligned_support(hidden.requires_grad_(), *args, _forged_vocab(rows, 18, 15),
+                                               lm_head_weight=weight.requires_grad_()))
+    assert got == want

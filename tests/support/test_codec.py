@@ -144,6 +144,43 @@ def test_bad_rows_are_refused_at_encode_naming_the_row():
         encode_support(RaggedSupport.from_rows([[[1, 2]]]), vocab_size=10, sampled_ids=torch.tensor([4]))
 
 
+def test_fixed_width_rows_and_float_ids_are_held_to_the_row_rule_at_encode():
+    """Fixed-width rows are read as their members: every entry >= 0 was one wherever it sat ([5, -1, 1]
+    coded {1, 5}; [5, -25536, -1] coded {5}), and float rows and sampled ids were cut to integers (3.7
+    coded 3). Both encoders now hold them to docs/design.md §2 first (-1 only as a trailing pad, integer
+    ids), naming the trajectory and row; rows that keep the rule code as before."""
+    from nemo_replay.support.codec import encode_kept
+
+    def packed(rows, dtype=torch.int32):
+        return PackedTensor(torch.tensor(rows, dtype=dtype), [0, 1, len(rows)])
+
+    good = [[4, 9, -1], [5, 1, 3]]
+    bad = [
+        (packed([good[0], [5, -1, 1]]), r"trajectory 1, row 0 has a member after -1 padding .*\[5, -1, 1\]"),
+        (packed([good[0], [5, -25536, -1]], torch.int16), r"trajectory 1, row 0 holds an id below -1 .*\[5, -25536, -1\]"),
+        (packed([good[0], [-1, -1, 5]]), r"trajectory 1, row 0 has a member after -1 padding"),
+        (packed([good[0], [5, 2**32 + 1, -1]], torch.int64), r"trajectory 1, row 0 holds an id >= vocab_size="),
+        (packed([[4.0, 9.0, -1.0], [5.0, 1.0, 3.7]], torch.float32), r"support rows must be an integer tensor .*got torch.float32"),
+    ]
+    for support, match in bad:
+        with pytest.raises(ValueError, match=rf"encode_support: {match}"):
+            encode_support(support, vocab_size=10)
+        with pytest.raises(ValueError, match=rf"where: {match}"):
+            encode_kept(support, where="where")
+    for sampled in (torch.tensor([4.0, 5.0]), torch.tensor([4, 5]).double(), np.array([4.0, 5.0]), [4.0, 5.7]):
+        with pytest.raises(ValueError, match=r"encode_support: sampled_ids of dtype torch.float\d+; expected integer"):
+            encode_support(packed(good), vocab_size=10, sampled_ids=sampled)
+        with pytest.raises(ValueError, match=r"where: sampled_ids of dtype torch.float\d+; expected integer"):
+            encode_kept(packed(good), sampled, where="where")
+    want = [[4, 9], [1, 3, 5]]
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        rows = decode_support(encode_support(packed(good, dtype), vocab_size=10, sampled_ids=torch.tensor([4, 5])),
+                              sampled_ids=torch.tensor([4, 5]))
+        assert [rows.row(i).tolist() for i in range(2)] == want
+        kept = decode_support(encode_kept(packed(good, dtype), torch.tensor([9, 3], dtype=torch.int16), where="w"))
+        assert [kept.row(i).tolist() for i in range(2)] == want
+
+
 def test_every_truncation_extension_and_bit_flip_is_a_named_error():
     support, sampled, _ = random_rows(7, 300, 3, 12)
     buf = encode_support(support, vocab_size=300, sampled_ids=sampled)
@@ -166,11 +203,11 @@ def test_every_truncation_extension_and_bit_flip_is_a_named_error():
         decode_support(buf, sampled_ids=torch.full_like(sampled, 300))
 
 
-def _forged(support, vocab, **fields):
+def _forged(support, vocab, sampled_ids=None, **fields):
     """A buffer whose header says ``fields`` (CRC recomputed: a writer's bug, not a transit error)."""
     import struct
 
-    buf = encode_support(support, vocab_size=vocab)
+    buf = encode_support(support, vocab_size=vocab, sampled_ids=sampled_ids)
     names = ["magic", "version", "flags", "lb", "pad", "V", "rows", "ids", "trajectories", "max_length", "crc",
              "s0", "s1", "s2", "s3"]
     values = dict(zip(names, codec._HEAD.unpack(buf[:codec._HEAD.size].tobytes())))
@@ -192,6 +229,36 @@ def test_consistent_but_wrong_headers_never_read_outside_the_buffer():
         decode_support(_forged(RaggedSupport.from_rows([[[0, 15]]]), 16, V=15))
     with pytest.raises(CodecError, match="version 2"):
         decode_support(_forged(support, 10, version=2))
+
+
+def test_a_row_width_past_what_the_rows_hold_is_refused_before_anything_is_sized():
+    """The header's row width sizes every fixed-width decode (rows x width): 93 bytes holding one empty
+    row and a width of 2**31 - 1 (CRC valid) asked CompactRows.decode for 8 GiB. A row holds at most
+    every coded id, plus its sampled token when the encoder dropped it: a wider width is refused on the
+    host, by every reader, before a byte is copied; a width inside that bound still decodes the rows."""
+    from nemo_replay.support.codec import CompactRows, decode_batch
+
+    V = 2**31 - 1
+    empty = RaggedSupport.from_rows([[[]]])
+    forged = [_forged(empty, V, max_length=width) for width in (2**31 - 1, 2 * 10**8, 1)]
+    assert len(forged[0]) == 93
+    for buf in forged:
+        width = header_of(buf).max_length
+        for read in (lambda: CompactRows([buf]), lambda: decode_support(buf), lambda: decode_batch([buf]),
+                     lambda: CompactRows([encode_support(empty, vocab_size=V), buf], labels=["a", "b"])):
+            with pytest.raises(CodecError, match=rf"row width {width} exceeds V = {V} or the 0 ids the rows hold; a corrupted"):
+                read()
+    for seed, dropped in ((31, False), (32, True)):
+        support, sampled, rows = random_rows(seed, 500, 3, 40)
+        sampled = sampled if dropped else None
+        ids = header_of(encode_support(support, vocab_size=500, sampled_ids=sampled)).ids
+        bound = ids + dropped
+        plus = " plus the sampled token" if dropped else ""
+        with pytest.raises(CodecError, match=rf"row width {bound + 1} exceeds V = 500 or the {ids} ids the rows hold{plus};"):
+            CompactRows([_forged(support, 500, sampled, max_length=bound + 1)], sampled_ids=sampled)
+        at_bound = CompactRows([_forged(support, 500, sampled, max_length=bound)], sampled_ids=sampled).decode("cpu")
+        assert not bool(at_bound.decode_flag) and at_bound.values.shape == (support.num_rows, bound)
+        assert [sorted(r) for r in rows] == [[v for v in r if v >= 0] for r in at_bound.values.tolist()]
 
 
 def test_the_codec_is_within_the_information_limit_s_margins():

@@ -43,6 +43,7 @@ import torch
 from nemo_replay.integrations.nemo_rl.sample_rows import MessageRows, SampleRows, message_log_rows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
 from nemo_replay.support.dtypes import is_integer
+from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["SUPPORT_PAD", "with_support_pad", "backfill_support", "carry_support", "install_data_path", "DataPath",
            "replay_run"]
@@ -91,7 +92,7 @@ def _recorded(message: dict, key: str, where: str) -> torch.Tensor:
             f"{where}: {key} must be integer rows (num_tokens={num_tokens}, k), one per token_ids entry, got {got}; "
             f"slice the vLLM worker's rows as generation_logprobs is sliced ([i, input_length:total_length])"
         )
-    return (rows >= 0).any(-1)
+    return RaggedSupport.checked_of(rows, where=f"{where}: {key}").row_lengths > 0  # -1 only as a trailing pad
 
 
 def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY, cause: Optional[str] = None) -> int:

@@ -34,7 +34,6 @@ import torch
 
 from nemo_replay.support.codec import CompactRows, decode_support, encode_kept, header_of, row_lengths
 from nemo_replay.support.dtypes import is_integer
-from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["GeneratedRows", "MessageRows", "SampleRows", "sample_rows", "batch_rows", "message_log_rows"]
@@ -169,7 +168,7 @@ def _message_rows(r: Any, n: int, key: str, where: str) -> RaggedSupport:
     if not (is_integer(r) and r.dim() == 2 and r.shape[0] == n):
         got = f"{r.dtype} {tuple(r.shape)}" if isinstance(r, torch.Tensor) else type(r).__name__
         raise ValueError(f"{where}: {key} must be integer rows ({n}, k), one per token, got {got}")
-    return RaggedSupport.from_padded(PackedTensor(r.cpu().to(torch.int32), [0, n]))
+    return RaggedSupport.checked_of(r.cpu(), where=f"{where}: {key}")  # -1 only as a trailing pad
 
 
 def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows:
@@ -194,7 +193,7 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
             recorded = torch.nonzero(rows.row_lengths > 0).flatten()
             columns.append(recorded + offset)
             parts.append(rows.resegment(torch.arange(n + 1)).gather(recorded))  # one segment a recorded row
-            sampled.append(tokens.cpu().to(torch.int64)[recorded])
+            sampled.append(tokens.cpu()[recorded])  # their dtype as given: encode_kept refuses a float
         offset += n
     support = RaggedSupport.cat(parts) if parts else RaggedSupport.from_rows([])
     support = support.resegment([0, support.num_rows])
@@ -210,6 +209,19 @@ def sample_rows(messages: Sequence[dict], key: str, *, where: str) -> SampleRows
     starts = np.concatenate([[0], breaks]).astype(np.int64) if cols.size else np.zeros(0, np.int64)
     counts = np.diff(np.concatenate([starts, [cols.size]]))
     return SampleRows(np.stack([cols[starts], counts], 1).astype(np.int32).reshape(-1, 2), data)
+
+
+def _check_runs(entry: Any, where: str) -> None:
+    """An entry is a :class:`SampleRows` whose runs are ``(n, 2)`` integers with every count >= 1 (a float
+    count would be cut to an integer when its columns are made)."""
+    if not isinstance(entry, SampleRows):
+        raise ValueError(f"{where} is a {type(entry).__name__}, expected SampleRows")
+    runs = np.asarray(entry.runs)
+    if runs.dtype.kind not in "iu":
+        raise ValueError(f"{where}: runs of dtype {runs.dtype}; expected integer (start, count) pairs, as sample_rows "
+                         f"writes them (int32)")
+    if runs.ndim != 2 or runs.shape[1] != 2 or (runs.size and int(runs[:, 1].min()) < 1):
+        raise ValueError(f"{where}: runs of shape {runs.shape}; expected (n, 2) (start, count >= 1)")
 
 
 def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, key: str) -> tuple[CompactRows, torch.Tensor]:
@@ -230,8 +242,10 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
         token t at column t, -1 where none.
 
     Raises:
-        ValueError naming the data row and the fix: not a list of N entries, a column at or past
-        the row's length, columns not increasing, a buffer that is not one the encoder wrote.
+        ValueError naming the data row and the fix: not a list of N entries, runs that are not
+        integer ``(n, 2)`` pairs, run counts that add up to another count than the rows its buffer
+        holds (checked before a column is made: the buffer's rows are held to its bytes), a column
+        at or past the row's length, columns not increasing, a buffer that is not one the encoder wrote.
     """
     N, W = input_ids.shape
     if not isinstance(entries, list) or len(entries) != N:
@@ -240,15 +254,18 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
             f"data[{key!r}] must be a list of {N} SampleRows, one per data row (NeMo-RL slices lists with its "
             f"samples), got {got}"
         )
+    for i, entry in enumerate(entries):
+        _check_runs(entry, f"data[{key!r}][{i}]")
+    # Headers and CRCs first: each buffer's row count, held to what its bytes hold, bounds its columns.
+    support = CompactRows([e.data for e in entries], labels=[f"data[{key!r}][{i}] (data row {i})" for i in range(N)])
     lengths = input_lengths.cpu().to(torch.int64)
     token_rows = torch.full((N, W), -1, dtype=torch.int64)
-    start, counts = 0, []
+    start = 0
     for i, entry in enumerate(entries):
-        if not isinstance(entry, SampleRows):
-            raise ValueError(f"data[{key!r}][{i}] is a {type(entry).__name__}, expected SampleRows")
-        runs = np.asarray(entry.runs)
-        if runs.ndim != 2 or runs.shape[1] != 2 or (runs.size and int(runs[:, 1].min()) < 1):
-            raise ValueError(f"data[{key!r}][{i}]: runs of shape {runs.shape}; expected (n, 2) (start, count >= 1)")
+        count = int(np.asarray(entry.runs)[:, 1].sum(dtype=np.int64))  # before any column is made
+        if count != support.rows_of(i):
+            raise ValueError(f"data[{key!r}][{i}]: {support.rows_of(i)} rows for {count} columns; a corrupted entry (runs "
+                             f"and rows of one SampleRows come from one sample_rows call)")
         cols = torch.from_numpy(entry.columns)  # a new array: Ray hands read-only ones
         if cols.numel() and (int(cols.min()) < 0 or int(cols.max()) >= int(lengths[i]) or bool((cols.diff() <= 0).any())):
             raise ValueError(
@@ -257,11 +274,6 @@ def batch_rows(entries: Any, input_ids: torch.Tensor, input_lengths: torch.Tenso
             )
         token_rows[i, cols] = start + torch.arange(cols.numel())
         start += cols.numel()
-        counts.append(cols.numel())
-    support = CompactRows([e.data for e in entries], labels=[f"data[{key!r}][{i}] (data row {i})" for i in range(N)])
-    for i, count in enumerate(counts):
-        if support.rows_of(i) != count:
-            raise ValueError(f"data[{key!r}][{i}]: {support.rows_of(i)} rows for {count} columns; a corrupted entry")
     return support, token_rows
 
 

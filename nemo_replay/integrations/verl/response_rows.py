@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from nemo_replay.support.codec import CompactRows, decode_support, encode_kept, encode_support, header_of
-from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["encode_response_rows", "decode_response_rows", "object_column", "buffers_of", "compact_rows"]
@@ -35,18 +34,18 @@ def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
     Raises:
         ValueError naming the row when a recorded row does not hold its response token.
     """
-    sampled = torch.as_tensor(list(response_ids), dtype=torch.int64)
-    if isinstance(rows, RaggedSupport):
-        support = rows
-    else:
-        values = torch.as_tensor(np.asarray(rows), dtype=torch.int32)
-        if values.dim() != 2:
-            raise ValueError(f"replay: support rows of shape {tuple(values.shape)}; expected (R, K)")
-        support = RaggedSupport.from_padded(PackedTensor(values, [0, values.shape[0]]))
+    where = "replay: a response's support rows"
+    ids = list(response_ids)
+    sampled = torch.as_tensor(ids) if ids else torch.zeros(0, dtype=torch.int64)  # dtype checked by encode_kept
+    if not isinstance(rows, RaggedSupport):
+        rows = torch.as_tensor(np.asarray(rows))  # the caller's dtype: a cast here would cut floats and wrap ids
+        if rows.dim() != 2:
+            raise ValueError(f"replay: support rows of shape {tuple(rows.shape)}; expected (R, K)")
+    support = RaggedSupport.checked_of(rows, where=where)  # -1 only as a trailing pad
     if support.num_rows != sampled.numel():
         raise ValueError(f"replay: {support.num_rows} support rows for a response of {sampled.numel()} tokens")
     # Sampled ids kept: the buffer travels apart from ``responses``.
-    return encode_kept(support.resegment([0, support.num_rows]), sampled, where="replay: a response's support rows")
+    return encode_kept(support.resegment([0, support.num_rows]), sampled, where=where)
 
 
 def decode_response_rows(buf: Any, token_ids: Sequence[int], width: int, *, where: str) -> RaggedSupport:

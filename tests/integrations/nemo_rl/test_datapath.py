@@ -49,6 +49,7 @@ from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.integrations.nemo_rl.sample_rows import (
     GeneratedRows,
     MessageRows,
+    SampleRows,
     batch_rows,
     message_log_rows,
     sample_rows,
@@ -179,6 +180,58 @@ def test_backfill_refuses_a_generated_message_without_rows_or_with_misshaped_row
     with pytest.raises(ValueError, match=r"trajectory 0, message 3: generation_support must be integer rows "
                                          r"\(num_tokens=2, k\), one per token_ids entry, got torch.int32 \(1, 3\)"):
         backfill_support(logs)
+
+
+def test_dense_rows_and_tokens_that_would_shrink_or_be_cut_are_refused_by_name():
+    """A dense generated message's rows once read every entry >= 0 as a member wherever it sat:
+    ``[5, -25536, -1]`` (token 40000 wrapped by int16) became {5} (and a row of only such entries a
+    flagged token, silently out of the loss), ``[5, -1, 1]`` became {1, 5}; ids past int32 wrapped and
+    float tokens were cut. Both readers of the rows (backfill_support, then sample_rows where the log is
+    flattened) now hold them to docs/design.md §2: -1 only as a trailing pad, integer ids."""
+    where = r"trajectory 0, message 1: generation_support: row 1"
+    bad = [
+        (torch.tensor([[21, 1, -1], [5, -25536, -1]], dtype=torch.int16), rf"{where} holds an id below -1 .*\[5, -25536, -1\]"),
+        (torch.tensor([[21, 1, -1], [-25536, -1, -1]], dtype=torch.int16), rf"{where} holds an id below -1"),
+        (torch.tensor([[21, 1, -1], [5, -1, 1]]), rf"{where} has a member after -1 padding .*\[5, -1, 1\]"),
+        (torch.tensor([[21, 1, -1], [5, 2**32 + 3, -1]]), rf"{where} holds an id >= vocab_size=2147483647"),
+    ]
+    for rows, match in bad:
+        log = [_message("user", [11, 12]), _message("assistant", [21, 5], generated=True)]
+        log[1]["generation_support"] = rows
+        _nemo_rl_masks([log])
+        with pytest.raises(ValueError, match=match):
+            backfill_support([log])
+        with pytest.raises(ValueError, match=match):
+            message_log_rows([log], "generation_support")
+    floats = [_message("user", [11]), _message("assistant", [21, 5], [[21, 1], [5, -1]], generated=True)]
+    floats[1]["token_ids"] = torch.tensor([21.0, 5.0])
+    with pytest.raises(ValueError, match=r"trajectory 0: sampled_ids of dtype torch.float32; expected integer token ids"):
+        message_log_rows([floats], "generation_support")
+
+
+def test_batch_rows_checks_run_counts_and_their_dtype_before_it_makes_a_column():
+    """Run counts sized the columns before anything checked them: a run of 2**31 - 1 columns over a buffer
+    of one row asked for 16 GiB, and float runs were cut to integers. A count now must match the rows its
+    buffer holds (held to the buffer's bytes) before a column is made, and runs must be integers."""
+    import tracemalloc
+
+    entry = sample_rows([{"token_ids": torch.tensor([3, 4]), "generation_support": torch.tensor([[3, 9], [4, -1]])}],
+                        "generation_support", where="t")
+    ids, lengths = torch.tensor([[3, 4]]), torch.tensor([2])
+    batch_rows([entry], ids, lengths, key="k")  # the entry as written
+    for count in (10**7, 2**31 - 1):
+        runs = np.array([[0, count]], np.int64)
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match=rf"data\['k'\]\[0\]: 2 rows for {count} columns; a corrupted entry"):
+                batch_rows([SampleRows(runs, entry.data)], ids, lengths, key="k")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, peak  # no column made: 10**7 of them took 80 MB
+    for runs in (entry.runs.astype(np.float64), np.array([[0.0, 2.5]]), entry.runs.astype(np.float32) + 0.25):
+        with pytest.raises(ValueError, match=rf"data\['k'\]\[0\]: runs of dtype {runs.dtype}; expected integer"):
+            batch_rows([SampleRows(runs, entry.data)], ids, lengths, key="k")
 
 
 def test_pads_and_carrying_into_the_policy_batches():

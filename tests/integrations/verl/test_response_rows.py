@@ -116,3 +116,32 @@ def test_malformed_buffers_are_named():
         check_replay_batch(good, vocab_size=100)
     with pytest.raises(SupportAlignmentError, match=r"a response's support rows"):
         encode_response_rows(rows, wrong)
+
+
+def test_rows_and_tokens_that_would_shrink_or_be_cut_are_refused_by_name():
+    """Negative entries anywhere in a dense row once read as padding: ``[5, -25536, -1]`` (token 40000
+    wrapped by int16) recorded {5}, ``[5, -1, 1]`` recorded {1, 5}; float rows and tokens were cut to
+    integers and int64 ids past int32 wrapped onto others. docs/design.md §2's rule instead: -1 only as
+    a trailing pad, integer ids, each a named error; every row a good one stays is still encoded."""
+    where = r"replay: a response's support rows: row 1"
+    good = [[7, 2, -1], [3, 5, 9]]
+    bad_rows = [
+        (np.array([good[0], [5, -25536, -1]], np.int16), [7, 5], rf"{where} holds an id below -1 .*\[5, -25536, -1\]"),
+        ([good[0], [5, -25536, -1]], [7, 5], rf"{where} holds an id below -1"),
+        ([good[0], [5, -1, 1]], [7, 5], rf"{where} has a member after -1 padding .*\[5, -1, 1\]"),
+        ([good[0], [-1, 5, -1]], [7, 5], rf"{where} has a member after -1 padding"),
+        ([good[0], [5, -7, 3]], [7, 5], rf"{where} holds an id below -1"),
+        ([good[0], [5, 2**32 + 3, -1]], [7, 5], rf"{where} holds an id >= vocab_size=2147483647"),
+        (np.array([good[0], [5.0, 3.7, -1]]), [7, 5], r"support rows must be an integer tensor .* got torch.float64"),
+        (np.array(good, np.float32), [7, 3], r"support rows must be an integer tensor .* got torch.float32"),
+    ]
+    for rows, tokens, match in bad_rows:
+        with pytest.raises(ValueError, match=match):
+            encode_response_rows(rows, tokens)
+    for tokens in ([7.0, 3.0], [7, 3.7], np.array([7.0, 3.0])):
+        with pytest.raises(ValueError, match=r"a response's support rows: sampled_ids of dtype torch.float\d+; expected "
+                                             r"integer token ids"):
+            encode_response_rows(good, tokens)
+    got = decode_response_rows(encode_response_rows(np.array(good, np.int16), [7, 3]), [7, 3], 3, where="t")
+    members = lambda rows: [sorted(v for v in r if v >= 0) for r in rows]  # noqa: E731
+    assert members(got.to_padded(3).values.tolist()) == members(good)
