@@ -58,7 +58,7 @@ def effects(cfg: RecipeConfig, replay_on: RunResult, replay_off: RunResult) -> d
     on, off = replay_on.history, replay_off.history
     return {
         "engine": resolve_engine(cfg),
-        "engine_dtype": (cfg.generation.dtype or cfg.model.dtype) if resolve_engine(cfg) in ("hf", "vllm") else cfg.model.dtype,
+        "engine_dtype": (cfg.generation.dtype or cfg.model.dtype) if resolve_engine(cfg) != "trainer" else cfg.model.dtype,
         "trainer_dtype": cfg.model.dtype,
         "normalisation_gap_mean": _mean(on, "normalisation_gap_mean"),
         "numeric_gap_mean": _mean(on, "mismatch_mean"),

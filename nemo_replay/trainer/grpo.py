@@ -173,7 +173,7 @@ class GRPOTrainer:
         self.sampling = sampling_settings(cfg)
         # The hf and vllm engines hold their own copy of the weights, synced before every rollout.
         engine = resolve_engine(cfg)
-        self.engine = self.backend.build_engine(self.policy, self.sampling, engine) if engine in ("hf", "vllm") else None
+        self.engine = self.backend.build_engine(self.policy, self.sampling, engine) if engine != "trainer" else None
         # Prompts differ per data-parallel rank and agree within a model-parallel group
         # (TP / CP / SP ranks must hold the same rollouts); sampling draws alike.
         seed = cfg.trainer.seed * 1_000_003 + self.backend.dp_rank

@@ -45,3 +45,18 @@ def test_compare_on_a_live_vllm_every_step(tmp_path):
     assert summary["replay_on"]["reward_first"] == summary["replay_off"]["reward_first"]  # same first rollouts
     assert (tmp_path / "compare.png").stat().st_size > 10_000
     assert "the vllm engine (float32, KV cache)" in run.stdout
+
+
+def test_train_on_a_vllm_server_every_step(tmp_path):
+    """generation.engine=vllm-server: the job starts a vLLM server on 127.0.0.1, samples over HTTP,
+    reloads the weights through the server before every rollout, and stops it at the end."""
+    steps = 3
+    cmd = [sys.executable, "-m", "nemo_replay", "train", "configs/vllm.yaml", "generation.engine=vllm-server",
+           f"trainer.steps={steps}", f"trainer.output_dir={tmp_path}", "trainer.progress_bar=false",
+           "trainer.prompts_per_step=8", "trainer.group_size=4"]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["mismatch_max"] <= 1e-3 for r in rows), [r["mismatch_max"] for r in rows]
+    assert all(r["full_vocab_mismatch_max"] > 0.1 for r in rows)

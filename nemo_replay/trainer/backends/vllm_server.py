@@ -97,7 +97,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from nemo_replay.trainer.backends.vllm_engine import VLLMEngine, _check_head_size, vllm_missing, write_weights
+from nemo_replay.trainer.backends.vllm_engine import check_head_size, vllm_missing, write_config, write_weights
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
 
 __all__ = ["VLLMServerEngine", "VLLMServer", "VLLMServerError", "server_command", "rollout_from_choices"]
@@ -336,7 +336,7 @@ class VLLMServerEngine:
         self.tokens: list[int] = []
         self.start_seconds: Optional[float] = None
         self.server: Optional[VLLMServer] = None
-        VLLMEngine._write_config(self, config)  # the offline engine's config.json (no end-of-sequence id)
+        write_config(config, self.folder, self.dtype)  # no end-of-sequence id, as for the offline engine
         write_weights(policy, self.folder, self.dtype)
         if url is None:
             asked = max(min(settings.top_k + VLLM_TIE_MARGIN + 1, self.vocab_size), max_logprobs or 0)
@@ -353,10 +353,10 @@ class VLLMServerEngine:
 
     def _start(self, config, *, dtype: str, memory_share: float, max_logprobs: int, timeout: float, extra) -> None:
         """Start the server on the folder and wait until it answers."""
-        problem = vllm_missing()
+        problem = vllm_missing("vllm-server (without generation.vllm.url)")
         if problem:
-            raise ValueError(problem.replace("generation.engine=vllm", "generation.engine=vllm-server (no url)"))
-        _check_head_size(config, self.device)
+            raise ValueError(problem)
+        check_head_size(config, self.device)
         port = free_port()
         command = server_command(self.folder, port, dtype=dtype, memory_share=memory_share, max_logprobs=max_logprobs,
                                  max_model_len=int(config.max_position_embeddings), extra=extra)

@@ -89,6 +89,12 @@ class VLLMEngineConfig:
     memory_share: float = 0.05
     """vLLM's ``gpu_memory_utilization``: the share of the device's memory it reserves for
     weights and KV cache (host memory with vLLM's CPU build), in (0, 1]."""
+    url: Optional[str] = None
+    """``vllm-server`` only: a vLLM server already running (``http://host:port``, started with
+    ``VLLM_SERVER_DEV_MODE=1`` and the flags docs/engines.md lists), which must see the engine's
+    weights folder; null: the job starts its own on 127.0.0.1 and stops it at the end."""
+    start_timeout: float = 300.0
+    """``vllm-server`` only: seconds the job waits for the server it starts to answer ``/health``."""
 
 
 @dataclass
@@ -104,8 +110,10 @@ class GenerationConfig:
     log-probs match the trainer's to float noise. ``vllm``: a running vLLM (``vllm.LLM``,
     its engine in child processes) whose weights are reloaded from the policy before every
     rollout, supports read from its processed log-probs (needs vLLM installed:
-    docs/engines.md). ``auto``: ``hf`` where the strategy's model backend runs Hugging Face
-    models (fsdp), ``trainer`` otherwise (megatron)."""
+    docs/engines.md). ``vllm-server``: the same over HTTP, a vLLM server
+    (``/v1/completions``) the job starts, or ``generation.vllm.url``'s, its weights reloaded
+    through the server's ``/collective_rpc``. ``auto``: ``hf`` where the strategy's model
+    backend runs Hugging Face models (fsdp), ``trainer`` otherwise (megatron)."""
     dtype: Optional[str] = None
     """Parameter dtype of the ``hf`` and ``vllm`` engines' weights (``float32``, ``bfloat16``,
     ``float16``) while the trainer keeps ``model.dtype``; null: ``model.dtype``. Engine ``trainer``

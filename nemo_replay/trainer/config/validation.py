@@ -47,8 +47,8 @@ _OLD_LOGPROBS = ("recompute", "rollout")
 OBJECTIVES = ("token_ratio", "sequence_ratio", "tis")
 _ACCELERATORS = ("cpu", "gpu", "auto")
 _DTYPES = ("float32", "bfloat16", "float16")
-_ENGINES = ("auto", "hf", "trainer", "vllm")
-_OWN_WEIGHTS = ("hf", "vllm")  # engines holding their own copy of the weights, in generation.dtype
+_ENGINES = ("auto", "hf", "trainer", "vllm", "vllm-server")
+_OWN_WEIGHTS = ("hf", "vllm", "vllm-server")  # engines holding their own copy of the weights, in generation.dtype
 _RESUME = ("auto", "never", "must")
 LR_MAX = 1e30
 SEED_MAX = 2**32 - 1  # numpy's seed range, which Fabric's seed_everything enforces
@@ -119,27 +119,33 @@ def _engine(cfg: RecipeConfig, world: int, out: list[str]) -> None:
                 f"{resolve_engine(cfg)} engine samples with the trainer's {cfg.model.dtype} weights. Set "
                 f"generation.dtype=null, or generation.engine=hf"
             )
-    if resolve_engine(cfg) == "vllm":
+    if resolve_engine(cfg) in ("vllm", "vllm-server"):
         _vllm(cfg, world, out)
 
 
 def _vllm(cfg: RecipeConfig, world: int, out: list[str]) -> None:
     """What the ``vllm`` engine cannot run (docs/engines.md, "A live vLLM")."""
-    g = cfg.generation
+    g, engine = cfg.generation, resolve_engine(cfg)
     if g.top_k is None:
-        out.append("generation.engine=vllm reads each support from vLLM's processed log-probs, which show a support "
+        out.append(f"generation.engine={engine} reads each support from vLLM's processed log-probs, which show a support "
                    "only when it is bounded: set generation.top_k (> 1)")
     if world != 1:
-        out.append(f"generation.engine=vllm runs one vLLM beside one trainer process; this recipe has {world} "
+        out.append(f"generation.engine={engine} runs one vLLM beside one trainer process; this recipe has {world} "
                    f"processes (trainer.devices x trainer.num_nodes, or WORLD_SIZE): set trainer.devices=1 "
                    f"trainer.num_nodes=1, or generation.engine=hf for a multi-process run")
     if cfg.replay.route_replay:
         out.append("replay.route_replay=true needs the engine's MoE routes, which vLLM does not return here; set "
-                   "replay.route_replay=false with generation.engine=vllm")
+                   f"replay.route_replay=false with generation.engine={engine}")
     share = g.vllm.memory_share
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share <= 1.0:
         out.append(f"generation.vllm.memory_share={share!r} must be in (0, 1] (vLLM's gpu_memory_utilization), "
                    f"e.g. 0.05")
+    url, timeout = g.vllm.url, g.vllm.start_timeout
+    if url is not None and (engine != "vllm-server" or not str(url).startswith(("http://", "https://"))):
+        out.append(f"generation.vllm.url={url!r}: a running vLLM server's http://host:port, with "
+                   f"generation.engine=vllm-server (generation.engine={engine}); or null")
+    if not timeout > 0:
+        out.append(f"generation.vllm.start_timeout={timeout} must be > 0 (seconds; e.g. 300)")
 
 
 def _sampling(cfg: RecipeConfig, out: list[str]) -> None:

