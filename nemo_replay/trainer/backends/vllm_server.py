@@ -97,7 +97,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from nemo_replay.trainer.backends.vllm_engine import check_head_size, vllm_missing, write_config, write_weights
+from nemo_replay.trainer.backends.vllm_engine import check_head_size, config_field, vllm_missing, write_config, write_weights
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
 
 __all__ = ["VLLMServerEngine", "VLLMServer", "VLLMServerError", "server_command", "rollout_from_choices"]
@@ -311,20 +311,23 @@ class VLLMServerEngine:
         start_timeout: seconds the started server has to answer ``GET /health``.
         request_timeout: seconds one HTTP request may take.
         server_args: more flags for the started server (e.g. ``--tensor-parallel-size 2``).
+        config, export: the model's Hugging Face config and ``policy -> (name, tensor)`` pairs, as
+            for :class:`~nemo_replay.trainer.backends.vllm_engine.VLLMEngine`.
     """
 
     def __init__(self, policy, settings: SamplingSettings, *, dtype: str, device: torch.device,
                  memory_share: float = 0.05, pad_id: int = 0, folder: Optional[Path] = None, url: Optional[str] = None,
                  max_logprobs: Optional[int] = None, start_timeout: float = 300.0, request_timeout: float = 600.0,
-                 server_args: Sequence[str] = ()):
+                 server_args: Sequence[str] = (), config=None, export=None):
         from nemo_replay.rollout.engines.vllm import VLLM_TIE_MARGIN
 
         if settings.top_k is None:
             raise ValueError("generation.engine=vllm-server: generation.top_k=null; vLLM's processed log-probs show a "
                              "support only when it is bounded: set generation.top_k (> 1)")
-        config = policy.config
+        config = policy.config if config is None else config
+        self.export = export
         self.settings, self.pad_id, self.device = settings, pad_id, torch.device(device)
-        self.vocab_size, self.request_timeout = int(config.vocab_size), request_timeout
+        self.vocab_size, self.request_timeout = int(config_field(config, "vocab_size")), request_timeout
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         self._owns_folder = folder is None
         self.folder = Path(tempfile.mkdtemp(prefix="nemo-replay-vllm-server-")) if folder is None else Path(folder)
@@ -337,7 +340,7 @@ class VLLMServerEngine:
         self.start_seconds: Optional[float] = None
         self.server: Optional[VLLMServer] = None
         write_config(config, self.folder, self.dtype)  # no end-of-sequence id, as for the offline engine
-        write_weights(policy, self.folder, self.dtype)
+        write_weights(policy, self.folder, self.dtype, self.export)
         if url is None:
             asked = max(min(settings.top_k + VLLM_TIE_MARGIN + 1, self.vocab_size), max_logprobs or 0)
             self._start(config, dtype=dtype, memory_share=memory_share, max_logprobs=asked, timeout=start_timeout,
@@ -359,7 +362,7 @@ class VLLMServerEngine:
         check_head_size(config, self.device)
         port = free_port()
         command = server_command(self.folder, port, dtype=dtype, memory_share=memory_share, max_logprobs=max_logprobs,
-                                 max_model_len=int(config.max_position_embeddings), extra=extra)
+                                 max_model_len=int(config_field(config, "max_position_embeddings")), extra=extra)
         self.server = VLLMServer(command, port=port, log_path=self.folder / _LOG)
         self.url = self.server.url
         self.start_seconds = self.server.wait_ready(timeout)
@@ -410,7 +413,7 @@ class VLLMServerEngine:
     def sync(self, policy) -> None:
         """The policy's weights into the server, reloaded in place between a pause and a resume (module doc)."""
         start = time.perf_counter()
-        write_weights(policy, self.folder, self.dtype)
+        write_weights(policy, self.folder, self.dtype, self.export)
         _http(self.url + "/pause?mode=wait", {}, self.request_timeout, "weight sync: POST /pause")
         try:
             _http(self.url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}},
