@@ -22,10 +22,16 @@ from pathlib import Path
 
 __all__ = ["main", "SETTINGS"]
 
-#: (name, overrides): the recipe's sampler, and top-p 0.8 alone (top_k bounds nothing at V - 1 = 31).
+#: (name, overrides): the recipe's sampler; top-p 0.8 alone (top_k bounds nothing at V - 1 = 31);
+#: the server path; and a larger model (hidden 512, 4 layers: about 15 M parameters, 50x the
+#: recipe's 0.3 M), where generation costs more per token and the capture does not.
 SETTINGS = [
     ("top_k 8, top_p 0.95", []),
     ("top_p 0.8", ["generation.top_k=31", "generation.top_p=0.8"]),
+    ("top_k 8, top_p 0.95, vllm-server", ["generation.engine=vllm-server"]),
+    ("top_k 8, top_p 0.95, 15 M parameters", ["model.hidden_size=512", "model.intermediate_size=2048",
+                                              "model.num_attention_heads=8", "model.num_key_value_heads=2",
+                                              "model.num_layers=4"]),
 ]
 BEGIN, END = "<!-- vllm live: python -m benchmarks.vllm_live -->", "<!-- end of vllm live -->"
 
@@ -97,7 +103,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for (name, r), color in zip(results.items(), ("tab:blue", "tab:orange")):
+    for (name, r), color in zip(results.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         steps = [x["step"] for x in r["history"]]
         axes[0].semilogy(steps, [x["full_vocab_mismatch_max"] for x in r["history"]], "--", color=color, label=f"{name}: full vocab")
         axes[0].semilogy(steps, [max(x["mismatch_max"], 1e-9) for x in r["history"]], "-", color=color, label=f"{name}: replay")
