@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,30 @@ RULES = [
     (["generation.engine=vllm", "generation.vllm.memory_share=1.5"], 1, "generation.vllm.memory_share=1.5 must be in (0, 1]"),
     (["generation.engine=vllm", "replay.strategy=megatron"], 1, "generation.engine=vllm needs a Hugging Face model"),
     (["trainer.loggers=csv"], 1, "trainer.loggers='csv': trainer.loggers takes a list; write it in brackets, e.g. trainer.loggers=[csv]"),
+    # What check passed and train could not run: an OverflowError, a SIGSEGV, libgomp's abort at 16384.
+    (["replay.scorer.chunk_size=100000000000000000000"], 1,
+     "replay.scorer.chunk_size=100000000000000000000 must be in [1, 2147483647] (pairs projected per chunk; the default is 8192)"),
+    (["replay.scorer.chunk_size=2147483648"], 1, "replay.scorer.chunk_size=2147483648 must be in [1, 2147483647]"),
+    (["replay.scorer.chunk_size=0"], 1, "replay.scorer.chunk_size=0 must be in [1, 2147483647]"),
+    (["trainer.num_threads=1000000"], 1,
+     f"trainer.num_threads=1000000 must be in [1, {os.cpu_count()}] (this machine's cores, os.cpu_count()) or null"),
+    (["trainer.num_threads=16384"], 1, "trainer.num_threads=16384 must be in [1, "),
+    ([f"trainer.num_threads={os.cpu_count() + 1}"], 1, f"trainer.num_threads={os.cpu_count() + 1} must be in [1, "),
+    (["trainer.num_threads=0"], 1, "trainer.num_threads=0 must be in [1, "),
 ]
+
+
+def test_the_largest_chunk_and_every_core_are_accepted():
+    cfg = load_config(overrides=["replay.scorer.chunk_size=2147483647", f"trainer.num_threads={os.cpu_count()}"])
+    assert cfg.replay.scorer.chunk_size == 2**31 - 1 and cfg.trainer.num_threads == os.cpu_count()
+
+
+def test_check_refuses_what_train_cannot_run(capsys):
+    from nemo_replay.cli import main
+
+    assert main(["check", "replay.scorer.chunk_size=100000000000000000000", "trainer.num_threads=1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problem(s)" in err and "replay.scorer.chunk_size=" in err and "trainer.num_threads=1000000" in err
 
 
 @pytest.mark.parametrize("overrides, world, expected", RULES, ids=[r[2][:40] for r in RULES])
