@@ -66,6 +66,33 @@ def test_defaults_cycle_and_missing_file_are_reported(tmp_path):
         load_config("pkg://no_such_recipe")
 
 
+@pytest.mark.parametrize("text, name", [
+    ("vm\n", "hostname"),  # /etc/hostname: once read back as the flag 'vm'
+    ("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n", "passwd"),
+    ("- trainer.steps=3\n", "list.txt"),
+    ("trainer: {steps: 3}\n", "recipe.txt"),  # flags, but not named as a recipe
+])
+def test_a_defaults_entry_that_is_not_a_recipe_is_named_not_echoed(tmp_path, text, name):
+    (tmp_path / name).write_text(text)
+    (tmp_path / "r.yaml").write_text(f"defaults: [{tmp_path / name}]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "r.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith(f"the defaults entry '{tmp_path / name}' of {tmp_path / 'r.yaml'} is not a recipe: "), problem
+    assert "not a YAML file named *.yaml or *.yml" in problem and "pkg://default" in problem, problem
+    assert text.split(":")[0].strip() not in problem.replace(str(tmp_path), "")  # the content is not echoed
+    with pytest.raises(ConfigError, match=rf"'{tmp_path / name}' is not a recipe: "):
+        load_config(tmp_path / name)  # as the CONFIG itself
+
+
+@pytest.mark.parametrize("text, kind", [("vm\n", "str"), ("- a\n- b\n", "list"), ("3\n", "int")])
+def test_a_yaml_file_that_holds_no_mapping_is_not_a_recipe(tmp_path, text, kind):
+    (tmp_path / "s.yaml").write_text(text)
+    (tmp_path / "r.yaml").write_text("defaults: [s.yaml]\n")
+    with pytest.raises(ConfigError, match=rf"is not a recipe: {tmp_path / 's.yaml'} holds a YAML {kind}, not a mapping"):
+        load_config(tmp_path / "r.yaml")
+
+
 def test_unknown_flags_and_bad_types_are_collected_with_hints():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["trainer.stpes=3", "trainer.lr=fast", "model", "replay.scorer=3"])
