@@ -122,6 +122,14 @@ def test_a_manifest_of_another_shape_is_named_not_raised(root, text):
     assert ck.latest_checkpoint(root).step == 0
 
 
+def test_a_folder_named_like_a_checkpoint_but_not_step_n_is_never_read_as_one(root):
+    import shutil
+
+    shutil.copytree(root / "step-0000001", root / "step-1x")  # the glob step-* the space check reads matches it
+    assert ck._read_manifest(root / "step-1x") is None
+    assert ck.latest_checkpoint(root).path.name == "step-0000001"
+
+
 def test_a_previous_format_manifest_without_a_version_still_loads_under_the_same_checks(root):
     _edit(root / "step-0000001", version=...)
     info = ck.latest_checkpoint(root)

@@ -179,7 +179,10 @@ def _manifest_problem(folder: Path, data) -> Optional[str]:
     version = data.get("version", 1)  # version 1: the same fields, written before the manifest had a version
     if not (_exact_int(version) and 1 <= version <= _MANIFEST_VERSION):
         return f"its version is {json.dumps(version)[:20]}, this nemo_replay reads versions 1 to {_MANIFEST_VERSION}"
-    named = int(_COMPLETE.match(folder.name).group(1))
+    m = _COMPLETE.match(folder.name)
+    if m is None:
+        return f"its folder's name {folder.name!r} is not step-<n> (7 digits or more)"
+    named = int(m.group(1))
     if not (_exact_int(data.get("step")) and data["step"] == named):
         return f"its step is {json.dumps(data.get('step'))[:20]} where the folder's number {named} is expected"
     if not (_exact_int(data.get("world_size")) and data["world_size"] >= 1):
