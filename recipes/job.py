@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from recipes import arguments
 
@@ -209,8 +209,23 @@ def add_signal_lead_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _late_flags(parser: argparse.ArgumentParser, workload: Sequence[str]) -> list[str]:
+    """The launcher's own flags among the workload's words. Everything after the workload's first
+    word is the workload's (``argparse.REMAINDER``): a ``--dry-run`` written there went to
+    ``nemo-replay train`` inside the job, and with ``--no-validate`` the job was submitted."""
+    known = parser._option_string_actions  # every flag of this launcher, shared ones and its own
+    return [word for word in workload if word.split("=", 1)[0] in known]
+
+
 def check_job_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """Rules between the shared arguments (``parser.error``: one line, exit 2)."""
+    late = _late_flags(parser, ns.workload)
+    if late:
+        parser.error(
+            f"argument {late[0].split('=', 1)[0]}: written after the workload ({' '.join(ns.workload[:2])} ...), where it "
+            f"would reach nemo-replay train inside the job instead of this launcher; write the launcher's flags "
+            f"({', '.join(late)}) before CONFIG and the key=value overrides"
+        )
     lead = getattr(ns, "signal_lead", None)
     if lead is not None:
         limit = arguments.parse_slurm_time(ns.time)

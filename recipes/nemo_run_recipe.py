@@ -146,7 +146,8 @@ def _rewritten_paths(p: dict) -> list[str]:
     every ``/nemo_run`` in the batch script and the task script with the job's folder (0.11.1)."""
     if p["executor"] != "slurm" or p["executor_args"]["container_image"]:
         return []
-    words = [p["base_dir"], *shlex.split(p["task"]["inline"], comments=True)]
+    # The SSH tunnel's job folder holds the scripts NeMo-Run writes: rewritten like --base-dir.
+    words = [p["base_dir"], p["executor_args"]["tunnel"]["job_dir"], *shlex.split(p["task"]["inline"], comments=True)]
     return [w for w in words if "/nemo_run" in w]
 
 

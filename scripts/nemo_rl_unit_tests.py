@@ -11,8 +11,9 @@ tree at 7ea279a (default: $NEMO_RL_SRC, else ../shared/nemo-rl-7ea279a); it is n
 2. ``run_pytest``, twice, in the copy: unplugged, then with ``install_data_path()`` active for
    the whole test process (tests/integrations/nemo_rl/pytest_plugins/nemo_replay_plug.py, as the
    launcher installs it in NeMo-RL's driver). Both load nemo_rl_cpu_shims.py (Python 3.11, CPU
-   torch). NeMo-RL's conftest starts a local Ray cluster; each run gets its own (RAY_TMPDIR in the
-   temp folder, RAY_ADDRESS dropped), and the ambient PYTHONPATH is dropped (NeMo-RL's tests are a
+   torch). NeMo-RL's conftest starts a local Ray cluster; each run gets its own (RAY_TMPDIR in a
+   short folder under /tmp, :func:`ray_root`, so its sockets fit AF_UNIX's 107 bytes whatever
+   $TMPDIR is; RAY_ADDRESS dropped), and the ambient PYTHONPATH is dropped (NeMo-RL's tests are a
    ``tests`` package, as this repository's are).
 3. ``verdict``: exit 1 unless both runs pass the same test ids, the unplugged run fails none, the
    plug wrapped its four functions, the tests went through them, and ``DataPath.remove()`` put
@@ -84,6 +85,13 @@ DOWNLOADS = {
 
 #: What the plug wraps (datapath.install_data_path).
 PLUG_WRAPS = 4
+#: The longest AF_UNIX socket path on Linux (``sun_path`` holds 108 bytes with its NUL); Ray
+#: refuses a session whose sockets would pass it (``validate_socket_filename failed``).
+SOCKET_PATH_MAX = 107
+#: Bytes Ray appends to RAY_TMPDIR for its session folder and socket names: about 69 (the old
+#: layout, $TMPDIR/nrl-unit-XXXXXXXX/ray-unplugged, fitted with a 6-character TMPDIR and not with
+#: a longer one), plus room for a longer process id.
+RAY_TAIL = 72
 
 
 def check_selection(tree: Path) -> list[str]:
@@ -148,8 +156,27 @@ def read_junit(path: Path) -> dict[str, str]:
     return outcomes
 
 
-def run_pytest(tree: Path, work: Path, *, plugged: bool, timeout: float) -> Run:
-    """NeMo-RL's selected unit tests in ``tree`` with this Python's pytest; ``plugged``: with the plug."""
+def ray_root(parent: str = "/tmp") -> Path:
+    """A short folder of its own under ``parent`` for the runs' Ray sessions (their RAY_TMPDIR).
+
+    Ray's socket paths start with RAY_TMPDIR: under the work folder in $TMPDIR (a cluster job's
+    scratch folder, ``/tmp/ci``) they passed AF_UNIX's 107 bytes and every test errored. Checked
+    here to fit, with :data:`RAY_TAIL` bytes for Ray's own names, before anything starts.
+    """
+    root = Path(tempfile.mkdtemp(prefix="nrl-", dir=parent))
+    longest = max(len(str(root / name).encode()) for name in ("unplugged", "plugged")) + RAY_TAIL
+    if longest > SOCKET_PATH_MAX:
+        shutil.rmtree(root, ignore_errors=True)
+        raise SystemExit(f"error: Ray's socket paths under {root} would reach {longest} bytes, past AF_UNIX's "
+                         f"{SOCKET_PATH_MAX}; give ray_root() a shorter parent folder than {parent}")
+    return root
+
+
+def run_pytest(tree: Path, work: Path, ray: Path, *, plugged: bool, timeout: float) -> Run:
+    """NeMo-RL's selected unit tests in ``tree`` with this Python's pytest; ``plugged``: with the plug.
+
+    ``work`` holds the logs and reports; ``ray`` (:func:`ray_root`) the Ray session of each run.
+    """
     run = Run("plugged" if plugged else "unplugged", log=work / f"{'plugged' if plugged else 'unplugged'}.log")
     junit, report = work / f"{run.name}.xml", work / f"{run.name}.plug.json"
     plugins = ["-p", "nemo_rl_cpu_shims"] + (["-p", "nemo_replay_plug"] if plugged else [])
@@ -158,9 +185,9 @@ def run_pytest(tree: Path, work: Path, *, plugged: bool, timeout: float) -> Run:
                "-q", "-rfEs", f"--junitxml={junit}", f"--basetemp={work / f'tmp-{run.name}'}",
                *(f"--deselect={prefix}" for prefix in DOWNLOADS)]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
-    (work / f"ray-{run.name}").mkdir()
+    (ray / run.name).mkdir()
     env.update(PYTHONPATH=os.pathsep.join([str(tree), str(PLUGINS)]), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", RAY_TMPDIR=str(work / f"ray-{run.name}"), RAY_USAGE_STATS_ENABLED="0",
+               TRANSFORMERS_OFFLINE="1", RAY_TMPDIR=str(ray / run.name), RAY_USAGE_STATS_ENABLED="0",
                NEMO_REPLAY_PLUG_REPORT=str(report))
     start = time.monotonic()
     with open(run.log, "w", encoding="utf-8") as log:
@@ -225,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("error: the selection does not fit the tree:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="nrl-unit-"))
+    work, ray = Path(tempfile.mkdtemp(prefix="nrl-unit-")), ray_root()
     tree = work / "nemo-rl"
     start = time.monotonic()
     copy_and_patch(src, tree)
@@ -233,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
           f"deselected (they load from the Hugging Face Hub)", flush=True)
     runs = []
     for plugged in (False, True):
-        runs.append(run_pytest(tree, work, plugged=plugged, timeout=args.timeout))
+        runs.append(run_pytest(tree, work, ray, plugged=plugged, timeout=args.timeout))
         print(f"  {runs[-1].name:>9}: {runs[-1].counts()} ({runs[-1].seconds:.0f} s)", flush=True)
     unplugged, plugged = runs
     if plugged.plug:
@@ -242,13 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     problems = verdict(unplugged, plugged)
     print(f"  wall time {time.monotonic() - start:.0f} s")
     if problems:
-        print("FAIL: " + "\n".join(problems) + f"\n(kept {work})", file=sys.stderr)
+        print("FAIL: " + "\n".join(problems) + f"\n(kept {work} and Ray's sessions in {ray})", file=sys.stderr)
         return 1
     print(f"ok: the same {len(plugged.ids('passed'))} tests pass plugged and unplugged")
     if args.keep:
-        print(f"kept {work}")
+        print(f"kept {work} and Ray's sessions in {ray}")
     else:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(ray, ignore_errors=True)
     return 0
 
 

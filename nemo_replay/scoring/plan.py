@@ -40,6 +40,9 @@ from nemo_replay.support.ragged import RaggedSupport
 __all__ = ["Call", "Plan", "prepare", "plan_support", "plan_full", "nonzero", "check_guards"]
 
 DEFAULT_CHUNK_SIZE = 8192
+#: The most (position, id) pairs one chunk may hold: past an int32 count (2**31 - 1) no device
+#: holds the chunk, and a Python int past int64 overflows the first index built from it.
+MAX_CHUNK_SIZE = 2**31 - 1
 
 
 @dataclass
@@ -195,8 +198,8 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
         chunk_size = -1 if isinstance(given, bool) else operator.index(given)
     except TypeError:
         chunk_size = -1
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1 (pairs per chunk), got {given!r}")
+    if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be an int in [1, {MAX_CHUNK_SIZE}] (pairs per chunk), got {given!r}")
     v_local = lm_head_weight.shape[0] if lm_head_weight is not None else source.shape[-1]
     shard = _shard(shard, v_local)
     device = source.device

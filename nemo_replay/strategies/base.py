@@ -32,6 +32,7 @@ import torch
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.canonical import to_caller_columns
 from nemo_replay.objectives import PolicyLoss, TokenRatioObjective
+from nemo_replay.scoring.plan import MAX_CHUNK_SIZE
 
 __all__ = [
     "Role",
@@ -91,8 +92,8 @@ class RoleSettings:
             problems.append(f"temperature must be > 0, got {self.temperature}")
         if self.source not in ("logits", "hidden"):
             problems.append(f"source must be 'logits' or 'hidden', got {self.source!r}")
-        if not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
-            problems.append(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if not (isinstance(self.chunk_size, int) and 0 < self.chunk_size <= MAX_CHUNK_SIZE):
+            problems.append(f"chunk_size must be an int in [1, {MAX_CHUNK_SIZE}], got {self.chunk_size!r}")
         if problems:
             raise ValueError("invalid RoleSettings: " + "; ".join(problems))
 

@@ -307,6 +307,18 @@ class RaggedSupport(Segmented):
 
     __hash__ = None
 
+    def __reduce__(self):
+        """Pickled (Ray, multiprocessing, ``torch.save``) as its three tensors and its width bound,
+        rebuilt through the constructor. The check record stays behind (it holds a weak reference
+        to ``row_offsets``, which pickle refuses): the rows come back unchecked and are checked
+        again where they are used. ``detach()`` gives the ids without the record, same storage."""
+        return RaggedSupport, (self.member_ids.detach(), self.row_offsets, self.cu_seqlens), self._cached_width()
+
+    def __setstate__(self, width: int | None) -> None:
+        """The width bound of the pickled rows (None: computed again on first use)."""
+        if width is not None:
+            self.bounded(width)
+
     def __repr__(self) -> str:
         return f"RaggedSupport(batch_size={self.batch_size}, rows={self.num_rows}, members={self.member_ids.numel()})"
 

@@ -214,6 +214,48 @@ def test_every_bad_argument_is_one_line_exit_2_and_nothing_is_written(launcher, 
     assert os.listdir(tmp_path) == []
 
 
+LATE = [  # (argv, the flag named): launcher flags after the workload, which REMAINDER swallowed
+    (["configs/fsdp_gpu.yaml", "trainer.steps=3", "--dry-run"], "--dry-run"),
+    (["--no-validate", "configs/fsdp_gpu.yaml", "--dry-run"], "--dry-run"),  # was submitted
+    (["--no-validate", "trainer.steps=3", "--time=00:10:00"], "--time"),
+    (["--no-validate", "--", "trainer.steps=3", "--nodes", "2"], "--nodes"),
+    (["--no-validate", "configs/fsdp_gpu.yaml", "-h"], "-h"),
+]
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "nemo_run"])
+def test_launcher_flags_after_the_workload_are_refused_and_nothing_is_submitted(launcher, tmp_path, capsys, monkeypatch):
+    bin_dir, submitted = tmp_path / "bin", tmp_path / "submitted"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {submitted}\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    module = slurm if launcher == "slurm" else nemo_run_recipe
+    lead = ["--gpus-per-node", "1"] if launcher == "slurm" else ["--executor", "slurm"]
+    for argv, flag in LATE:
+        assert module.main([*lead, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert f"argument {flag}: written after the workload (" in err and "before CONFIG and the key=value overrides" in err, err
+    assert not submitted.exists() and os.listdir(work) == []
+    # Before the workload the same flags are the launcher's.
+    assert module.main([*lead, "--dry-run", "--no-validate", "trainer.steps=3"]) == 0
+    assert "trainer.steps=3" in capsys.readouterr().out
+
+
+def test_an_ssh_job_dir_holding_nemo_run_is_refused_like_the_base_dir(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--executor", "slurm", "--ssh-host", "login1", "--gpus-per-node", "0", "--no-container", "--dry-run"]
+    assert nemo_run_recipe.main([*argv, "--job-dir", "/home/me/nemo_run/jobs"]) == 2
+    err = capsys.readouterr().err
+    assert "'/home/me/nemo_run/jobs' holds '/nemo_run', which NeMo-Run's Slurm executor without a container rewrites" in err
+    assert nemo_run_recipe.main([*argv, "--job-dir", "/home/me/jobs"]) == 0
+    assert os.listdir(tmp_path) == []
+
+
 def test_submitting_without_the_tools_says_what_to_do(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here

@@ -174,3 +174,55 @@ def test_round_trips_and_gathers(sets, data):
         assert _rows(got) == [sets[i] for i in idx]
         # The padded form gathers the same segments.
         assert got.to_padded(width=width) == padded.gather(idx)
+
+
+def _checked_bounded() -> RaggedSupport:
+    """Checked against a vocabulary and bounded at width 4, as capture hands rows over."""
+    from nemo_replay.rollout.boundary import validate_support
+
+    rs = RaggedSupport.from_padded(PackedTensor(torch.tensor([[4, 9, -1, -1], [2, 3, 7, -1]], dtype=torch.int32), [0, 1, 2]))
+    validate_support(rs, vocab_size=16, where="test")
+    return rs
+
+
+def _same_rows_unchecked(back: RaggedSupport, rs: RaggedSupport) -> None:
+    from nemo_replay.support.checked import checked
+
+    assert isinstance(back, RaggedSupport) and back == rs and _rows(back) == _rows(rs)
+    assert back.width_bound == 4  # the capture width travels: padded copies score bit for bit alike
+    assert checked(back) is None and checked(rs) is not None  # checked again where used; the original keeps its record
+    assert back.gather([1, 0]).row(0).tolist() == [2, 3, 7]
+
+
+def test_a_checked_support_pickles_and_comes_back_unchecked():
+    """A checked RaggedSupport could not be pickled ("cannot pickle 'weakref.ReferenceType'"): Ray,
+    multiprocessing and a saved rollout file all failed on it."""
+    import pickle
+
+    rs = _checked_bounded()
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        _same_rows_unchecked(pickle.loads(pickle.dumps(rs, protocol=protocol)), rs)
+    unbounded = RaggedSupport.from_rows([[[4, 9], []]])
+    assert pickle.loads(pickle.dumps(unbounded)).width_bound == 2  # computed again on first use
+
+
+def test_a_checked_support_round_trips_through_torch_save(tmp_path):
+    rs = _checked_bounded()
+    torch.save({"support": rs}, tmp_path / "rollout.pt")
+    _same_rows_unchecked(torch.load(tmp_path / "rollout.pt", weights_only=False)["support"], rs)
+    with torch.serialization.safe_globals([RaggedSupport]):  # torch's default weights_only load, the class allowed
+        _same_rows_unchecked(torch.load(tmp_path / "rollout.pt")["support"], rs)
+
+
+def _echo(rs: RaggedSupport) -> tuple:
+    return rs, _rows(rs)
+
+
+def test_a_checked_support_crosses_a_process_both_ways():
+    import multiprocessing
+
+    rs = _checked_bounded()
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # a worker stays alive while its answer is read
+        back, seen = pool.apply(_echo, (rs,))
+    assert seen == _rows(rs)
+    _same_rows_unchecked(back, rs)

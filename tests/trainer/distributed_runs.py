@@ -37,8 +37,8 @@ def damage(folder: Path, how: str) -> str:
     """Rank 0 damages the checkpoint ``folder`` (the others wait); returns the file it touched.
 
     ``flip``: one bit of the largest shard of rank 1 (``__1_*``), sizes and complete.json intact;
-    ``unrecorded``: complete.json without its digests (as written before they were recorded)
-    and the largest shard cut in half, so that the loader itself fails.
+    ``short``: the largest shard cut in half and complete.json's digests recomputed over
+    what is left (as if the shard had been written short), so that the loader itself fails.
     """
     import json
 
@@ -53,10 +53,14 @@ def damage(folder: Path, how: str) -> str:
             data[len(data) // 2] ^= 0x10
         else:
             data = data[: len(data) // 2]
-            manifest = json.loads((folder / "complete.json").read_text())
-            del manifest["files"]
-            (folder / "complete.json").write_text(json.dumps(manifest))
         target.write_bytes(bytes(data))
+        if how != "flip":
+            from nemo_replay.trainer.rundir import digests
+
+            manifest = json.loads((folder / "complete.json").read_text())
+            listing = digests.list_files(folder, skip="complete.json")
+            manifest["files"] = digests.combine(listing, digests.block_digests(folder, digests.blocks(listing)))
+            (folder / "complete.json").write_text(json.dumps(manifest))
     dist.barrier()
     return target.name
 
@@ -116,7 +120,7 @@ def _phases(out_dir: str, world: int):
     yield "fsdp_resume", lambda: stop_and_resume(f"{out_dir}/fsdp", world, [], "flip")
     _megatron_shims()
     tp2 = ["replay.strategy=megatron", "parallel.tensor=2"]
-    yield "megatron_resume", lambda: stop_and_resume(f"{out_dir}/megatron", world, tp2, "unrecorded")
+    yield "megatron_resume", lambda: stop_and_resume(f"{out_dir}/megatron", world, tp2, "short")
     yield "megatron_tp2", lambda: megatron_runs(f"{out_dir}/tp2", world, [["parallel.tensor=2"]])[0]
 
 

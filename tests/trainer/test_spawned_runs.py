@@ -93,7 +93,7 @@ def test_a_damaged_sharded_checkpoint_is_set_aside_on_every_rank_and_the_one_bef
     """The newest checkpoint of each sharded format damaged after the run (``damage`` in
     tests/trainer/distributed_runs.py): FSDP2 (torch DCP through Fabric) with one bit of rank 1's
     shard flipped, caught by its recorded digest; megatron-core TP 2 with a shard cut in half
-    under a complete.json without digests, so that megatron's own loader fails. Either way the
+    under digests recomputed over what is left, so that megatron's own loader fails. Either way the
     same command sets it aside and resumes from step 1, every rank alike, to the same rows."""
     for name, why in (("fsdp", "does not hold the bytes written (SHA-256"), ("megatron", "does not load: ")):
         r0, r1 = (phase(rank, f"{name}_resume") for rank in spawned_runs["two"])

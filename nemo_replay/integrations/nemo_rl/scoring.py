@@ -133,6 +133,7 @@ def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
             f"data dict shapes disagree: input_ids {tuple(ids.shape)}, input_lengths {tuple(lengths.shape)}, token_mask "
             f"{tuple(mask.shape)}, sample_mask {tuple(sample.shape)}; expected ({N}, {W}), ({N},), ({N}, {W}), ({N},)"
         )
+    check_width(f"data[{'input_lengths'!r}]", lengths, W)  # before batch_rows places rows by these lengths
     support = token_rows = None
     if replay:
         if support_key not in data:
@@ -141,7 +142,6 @@ def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
             support, token_rows = batch_rows(data[support_key], ids, lengths, key=support_key)
         else:
             support = _token_aligned_rows(data, support_key, N, W)
-    check_width(f"data[{'input_lengths'!r}]", lengths, W)
     return ids, lengths, mask, sample, support, token_rows
 
 

@@ -205,6 +205,11 @@ def _check_header(shape: Any, dtype: Any, where: str) -> tuple[tuple[int, ...], 
         # A dimension this long needs more bytes than any body may hold (an empty array's other
         # dimensions included: no array of this wire is that wide).
         raise WireError(f"{where}: shape {shape!r} has a dimension over {_MAX_DIM} (2**31 - 1); corrupted header")
+    if math.prod(max(s, 1) for s in shape) > _MAX_DIM:
+        # An empty array's strides are the product of its other dimensions: [0] + five of
+        # 2**31 - 1 needs strides past int64 (torch: "Stride calculation overflowed").
+        raise WireError(f"{where}: shape {shape!r} spans more than {_MAX_DIM} (2**31 - 1) elements with its zero "
+                        f"dimensions taken as 1; corrupted header")
     return tuple(shape), WIRE_DTYPES[dtype]
 
 

@@ -10,6 +10,9 @@ then the file itself on top (later wins)::
       - ../shared/cluster.yaml # a path relative to this file
     trainer: {steps: 500}
 
+Each recipe, the CONFIG and every defaults entry, is a ``*.yaml`` / ``*.yml`` file holding a
+mapping of flags; anything else is refused naming the file, never read back as flags.
+
 Overrides. ``key=value`` strings in OmegaConf dotlist syntax, applied after every file
 (``generation.top_k=null``, ``trainer.lr=3e-4``).
 
@@ -26,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -63,12 +67,31 @@ def _resolve(entry: str, base_dir: Optional[Path]) -> Path:
     return path.resolve()
 
 
+def _not_a_recipe(file: Path, named: str) -> Optional[str]:
+    """Why ``file`` is not a recipe (a ``*.yaml`` / ``*.yml`` file holding a mapping of flags), naming
+    it and never echoing its content (``defaults: [/etc/hostname]`` once read back as a flag); None
+    when it is one, or when only OmegaConf's reading can say what is wrong with it."""
+    fix = "name a recipe file (e.g. configs/fsdp_gpu.yaml) or a shipped one (pkg://default)"
+    if file.suffix not in (".yaml", ".yml"):
+        return f"{named} is not a recipe: {file} is not a YAML file named *.yaml or *.yml; {fix}"
+    try:
+        top = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return None
+    if top is not None and not isinstance(top, dict):
+        return f"{named} is not a recipe: {file} holds a YAML {type(top).__name__}, not a mapping of flags; {fix}"
+    return None
+
+
 def read_recipe(path: str | os.PathLike, _stack: tuple[Path, ...] = ()) -> DictConfig:
     """The merged, untyped YAML of ``path`` after following its ``defaults:`` list.
 
     ``path`` is a file path or ``pkg://<name>``.
     """
     file = _resolve(str(path), None)
+    problem = _not_a_recipe(file, f"the defaults entry {str(path)!r} of {_stack[-1]}" if _stack else f"{str(path)!r}")
+    if problem:
+        raise ConfigError([problem])
     if file in _stack:
         chain = " -> ".join(str(p) for p in (*_stack, file))
         raise ConfigError([f"recipe defaults form a cycle: {chain}; remove one of the includes"])

@@ -56,7 +56,7 @@ class ScorerConfig:
     """``logits``: score the model's (vocab-parallel) logits. ``hidden``: score hidden states
     against the LM-head weight without materialising (tokens, V) logits."""
     chunk_size: int = 8192
-    """(position, id) pairs projected per chunk in hidden mode; bounds the scorer's memory."""
+    """(position, id) pairs projected per chunk in hidden mode, in [1, 2**31 - 1]; bounds the scorer's memory."""
     compute_entropy: bool = False
     """Also compute the entropy over the support (logged as ``entropy``)."""
 
@@ -246,7 +246,8 @@ class TrainerConfig:
     num_nodes: int = 1
     """Nodes (under torchrun: its --nnodes)."""
     num_threads: Optional[int] = None
-    """CPU threads per process (torch.set_num_threads); null keeps torch's choice."""
+    """CPU threads per process (torch.set_num_threads), at most the machine's cores (os.cpu_count());
+    null keeps torch's choice."""
     output_dir: Optional[str] = None
     """The run's folder (config.yaml, metrics.jsonl, metrics.png, summary.json, checkpoints/).
     null: a new folder runs/<time>-<strategy>-replay-<on|off>[-<slurm job>], never one that

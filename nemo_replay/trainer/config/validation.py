@@ -34,6 +34,7 @@ import os
 from typing import Optional
 
 from nemo_replay.rollout.capture.sampler import TEMPERATURE_RANGE
+from nemo_replay.scoring.plan import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE
 from nemo_replay.trainer.config.errors import ConfigError
 from nemo_replay.trainer.config.paths import output_dir_problem, pretrained_problem
 from nemo_replay.trainer.config.schema import RecipeConfig, flag_docs
@@ -227,14 +228,24 @@ def _replay(cfg: RecipeConfig, out: list[str]) -> None:
             out.append(f"replay.strategy={r.strategy!r} cannot be loaded: {exc}")
     if r.scorer.source not in _SOURCES:
         out.append(f"replay.scorer.source={r.scorer.source!r} must be one of {', '.join(_SOURCES)}")
-    if r.scorer.chunk_size < 1:
-        out.append(f"replay.scorer.chunk_size={r.scorer.chunk_size} must be >= 1")
+    if not 1 <= r.scorer.chunk_size <= MAX_CHUNK_SIZE:
+        out.append(f"replay.scorer.chunk_size={r.scorer.chunk_size} must be in [1, {MAX_CHUNK_SIZE}] (pairs projected per "
+                   f"chunk; the default is {DEFAULT_CHUNK_SIZE})")
     spec = _spec(cfg)
     if r.route_replay and spec is not None and not spec.supports_route_replay:
         out.append(
             f"replay.route_replay=true needs a strategy that replays MoE routes; replay.strategy={r.strategy!r} "
             f"does not. Set replay.route_replay=false, or replay.strategy=megatron with an MoE model"
         )
+
+
+def _num_threads(num_threads: Optional[int], out: list[str]) -> None:
+    """Threads past the machine's cores only contend; at 16384 libgomp aborts the process, and
+    at a million their start starves every process of the machine of thread ids."""
+    cores = os.cpu_count() or 1
+    if num_threads is not None and not 1 <= num_threads <= cores:
+        out.append(f"trainer.num_threads={num_threads} must be in [1, {cores}] (this machine's cores, os.cpu_count()) "
+                   f"or null for torch's choice")
 
 
 def _parallel(cfg: RecipeConfig, world: int, out: list[str]) -> None:
@@ -338,8 +349,7 @@ def _loop(cfg: RecipeConfig, out: list[str]) -> None:
             )
     if tr.accelerator not in _ACCELERATORS:
         out.append(f"trainer.accelerator={tr.accelerator!r} must be one of {', '.join(_ACCELERATORS)}")
-    if tr.num_threads is not None and tr.num_threads < 1:
-        out.append(f"trainer.num_threads={tr.num_threads} must be >= 1 or null")
+    _num_threads(tr.num_threads, out)
     from nemo_replay.trainer.tasks import TASKS
 
     if task.name not in TASKS:

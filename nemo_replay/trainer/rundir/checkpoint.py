@@ -30,7 +30,10 @@ Two formats, chosen by what the model offers, never by a strategy's name:
 Integrity. A checkpoint whose files are missing, resized or altered, or that its loader fails
 on (any exception, ``BaseException`` subclasses such as torch DCP's ``CheckpointException``
 included), is set aside on every rank alike and the one before it is used
-(:meth:`Checkpointer.load`, ``grpo.GRPOTrainer._resume``).
+(:meth:`Checkpointer.load`, ``grpo.GRPOTrainer._resume``). So is one whose ``complete.json``
+cannot be trusted (:class:`ManifestUntrusted`): its step must be an int equal to the folder's
+number and to the state's own step, its listing must name every file of the folder and only
+files inside it.
 
 Atomicity. Every rank writes into ``.partial-step-<n>-<token>``; after a barrier, rank 0
 writes ``complete.json`` (fsynced) and renames the folder to ``step-<n>`` (one ``rename``,
@@ -72,6 +75,7 @@ __all__ = [
     "CheckpointMismatch",
     "CheckpointUnreadable",
     "Checkpointer",
+    "ManifestUntrusted",
     "unreadable_manifests",
     "latest_checkpoint",
     "capture_rank_rng",
@@ -82,6 +86,11 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "complete.json"
 _COMPLETE = re.compile(r"^step-(\d{7,})$")
 _FORMAT_VERSION = 1
+#: ``complete.json``'s own version. 1: the manifest written before it had a ``version`` key (the
+#: same fields, read under the same checks); 2: with the key.
+_MANIFEST_VERSION = 2
+_FORMATS = ("fabric", "megatron-dist")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -95,8 +104,8 @@ class CheckpointInfo:
         format: ``fabric`` or ``megatron-dist``.
         config: the recipe of the run that wrote it, as YAML.
         files: ``{relative path: [size, sha256 hex]}`` of every file of the folder but
-            ``complete.json`` (:mod:`~nemo_replay.trainer.rundir.digests`); None for a checkpoint
-            written before digests were recorded (loaded unchecked).
+            ``complete.json`` (:mod:`~nemo_replay.trainer.rundir.digests`), each checked before a
+            resume reads it; a file of the folder it does not list is refused.
     """
 
     path: Path
@@ -104,7 +113,7 @@ class CheckpointInfo:
     world_size: int
     format: str
     config: str
-    files: Optional[dict] = None
+    files: dict
 
 
 class CheckpointUnreadable(RuntimeError):
@@ -119,20 +128,78 @@ class CheckpointMismatch(ValueError):
     """A checkpoint that loads but does not fit this run's model or optimizer (a recipe error, not damage)."""
 
 
+class ManifestUntrusted(ValueError):
+    """A ``complete.json`` that parses but cannot steer a resume: another step than its folder's, a
+    file outside the folder, no listing to check the files against, an unknown version."""
+
+
+# What reading a manifest raises when it cannot be used (deep nesting: RecursionError).
+_UNUSABLE = (OSError, ValueError, RecursionError)
+
+
 def _read_manifest(folder: Path) -> Optional[CheckpointInfo]:
     try:
         return _parse_manifest(folder)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except _UNUSABLE:
         return None
+
+
+def _exact_int(value) -> bool:
+    return type(value) is int  # not a bool, not 2.9, not Infinity
+
+
+def _name_problem(name) -> Optional[str]:
+    """Why ``name`` is not a file inside the checkpoint's folder, as the writer records one; None when it is."""
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        return f"{name!r} is not a relative file name"
+    if name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/")):
+        return f"{name!r} is not a relative path inside the checkpoint's folder (no '/' first, no '.' or '..' parts)"
+    return None
+
+
+def _files_problem(files) -> Optional[str]:
+    """Why the manifest's ``files`` entry is not a listing to check every file against; None when it is."""
+    if not isinstance(files, dict) or not files:
+        return (f"its files entry is {json.dumps(files)[:40]} where {{name: [size, sha256]}} of every file is expected "
+                f"(a checkpoint written before digests, or its listing removed: nothing can be checked)")
+    for name, entry in files.items():
+        problem = _name_problem(name)
+        if problem:
+            return f"its files entry lists {problem}"
+        if not (isinstance(entry, list) and len(entry) == 2 and _exact_int(entry[0]) and entry[0] >= 0
+                and isinstance(entry[1], str) and _SHA256.match(entry[1])):
+            return f"its files entry for {name!r} is {json.dumps(entry)[:60]} where [size, 64 hex digits of SHA-256] is expected"
+    return None
+
+
+def _manifest_problem(folder: Path, data) -> Optional[str]:
+    """Why the parsed ``complete.json`` of ``folder`` cannot be trusted; None when it can."""
+    if not isinstance(data, dict):
+        return "it is not a JSON object"
+    version = data.get("version", 1)  # version 1: the same fields, written before the manifest had a version
+    if not (_exact_int(version) and 1 <= version <= _MANIFEST_VERSION):
+        return f"its version is {json.dumps(version)[:20]}, this nemo_replay reads versions 1 to {_MANIFEST_VERSION}"
+    m = _COMPLETE.match(folder.name)
+    if m is None:
+        return f"its folder's name {folder.name!r} is not step-<n> (7 digits or more)"
+    named = int(m.group(1))
+    if not (_exact_int(data.get("step")) and data["step"] == named):
+        return f"its step is {json.dumps(data.get('step'))[:20]} where the folder's number {named} is expected"
+    if not (_exact_int(data.get("world_size")) and data["world_size"] >= 1):
+        return f"its world_size is {json.dumps(data.get('world_size'))[:20]} where a process count >= 1 is expected"
+    if data.get("format") not in _FORMATS:
+        return f"its format is {json.dumps(data.get('format'))[:20]} where one of {', '.join(_FORMATS)} is expected"
+    if not isinstance(data.get("config"), str):
+        return "its config is not the recipe's YAML text"
+    return _files_problem(data.get("files"))
 
 
 def _parse_manifest(folder: Path) -> CheckpointInfo:
     data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    files = data.get("files")
-    if files is not None and not (isinstance(files, dict) and all(
-            isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str) for v in files.values())):
-        raise ValueError(f"its files entry is not {{name: [size, sha256]}}")
-    return CheckpointInfo(folder, int(data["step"]), int(data["world_size"]), str(data["format"]), str(data["config"]), files)
+    problem = _manifest_problem(folder, data)
+    if problem:
+        raise ManifestUntrusted(problem)
+    return CheckpointInfo(folder, data["step"], data["world_size"], data["format"], data["config"], data["files"])
 
 
 def unreadable_manifests(root: Path) -> list[tuple[Path, str]]:
@@ -144,7 +211,7 @@ def unreadable_manifests(root: Path) -> list[tuple[Path, str]]:
         if _COMPLETE.match(child.name) and child.is_dir():
             try:
                 _parse_manifest(child)
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            except _UNUSABLE as exc:
                 bad.append((child, f"{type(exc).__name__}: {exc}"))
     return bad
 
@@ -393,7 +460,7 @@ class Checkpointer:
         files = self._digests(partial)
         final = self.root / f"step-{step:07d}"
         if self.fabric.is_global_zero:
-            manifest = {"step": step, "world_size": world, "format": fmt.name, "config": self.config, "written": time.time(),
+            manifest = {"version": _MANIFEST_VERSION, "step": step, "world_size": world, "format": fmt.name, "config": self.config, "written": time.time(),
                         "files": files}
             write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
             if final.exists():
@@ -435,6 +502,7 @@ class Checkpointer:
         files = sorted((name, size) for name, (size, _) in info.files.items())
 
         def mine() -> dict:
+            _raise_if(digests.unlisted(info.path, info.files, skip=MANIFEST))
             _raise_if(digests.resized(info.path, info.files))
             return digests.block_digests(info.path, digests.share(digests.blocks(files), rank, world))
 
@@ -555,8 +623,7 @@ class Checkpointer:
             )
         # Every rank decides alike: a file or shard may fail on one rank only.
         group = dist.group.WORLD if self._distributed() else None
-        if info.files is not None:
-            self._verify(info)
+        self._verify(info)
         try:
             common = agree(lambda: fmt.load(self.fabric, info.path, model, optimizer), group,
                            device=self.fabric.device, name="checkpoint")
@@ -568,6 +635,10 @@ class Checkpointer:
             text = str(exc).strip()
             raise CheckpointUnreadable(info.path, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}") from None
         rank = dist.get_rank() if self._distributed() else 0
+        if not (_exact_int(common.get("step")) and common["step"] == info.step):
+            # The same common state on every rank: all set it aside alike.
+            raise CheckpointUnreadable(info.path, f"its state holds step {common.get('step')!r} where its folder and "
+                                                  f"{MANIFEST} say {info.step}")
         if common.get("version") != _FORMAT_VERSION or len(common["ranks"]) != self.fabric.world_size:
             raise ValueError(
                 f"checkpoint {info.path} holds {len(common['ranks'])} rank(s) (format version {common.get('version')}); "

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["BLOCK", "list_files", "blocks", "share", "block_digests", "combine", "resized", "differs"]
+__all__ = ["BLOCK", "list_files", "blocks", "share", "block_digests", "combine", "resized", "unlisted", "differs"]
 
 #: Bytes per hashed block.
 BLOCK = 64 << 20
@@ -106,6 +106,19 @@ def resized(folder: Path, expected: dict) -> Optional[str]:
         have = path.stat().st_size
         if have != size:
             return f"{name} has {have} bytes where {size} were written ({'truncated' if have < size else 'grown'})"
+    return None
+
+
+def unlisted(folder: Path, expected: dict, *, skip: str) -> Optional[str]:
+    """The first file under ``folder`` (but ``skip``) that ``expected`` does not list, or the first
+    listed one that is reached through a link out of ``folder``; None when there is neither."""
+    for name, _ in list_files(folder, skip=skip):
+        if name not in expected:
+            return f"{name} is not listed in {skip} (a file the checkpoint was not written with)"
+    root = folder.resolve()
+    for name in sorted(expected):
+        if not (folder / name).resolve().is_relative_to(root):
+            return f"{name} leads out of the checkpoint's folder (a link): only the folder's own files are read"
     return None
 
 

@@ -167,6 +167,25 @@ def test_flagged_tokens_leave_the_loss_and_each_sample_keeps_its_response_rows_o
         batch_rows(entries, ids, torch.tensor([10, 3]), key="generation_support")
 
 
+@pytest.mark.parametrize("lengths", [[3, 3], [3, 2], [2, 2**40], [0, 2], [2, -1]])
+def test_input_lengths_past_the_width_are_named_before_the_rows_are_placed(lengths):
+    """batch_rows placed the compact rows by input_lengths before the width check: a length past
+    input_ids' width, with rows recorded past it, was a raw IndexError. The width check now runs
+    first, for either row form."""
+    # Three tokens recorded a sample; input_ids cut to two columns.
+    entries = [sample_rows([{"token_ids": torch.tensor([7, t, 5]), "generation_support": torch.tensor([[-1], [t], [5]])}],
+                           "generation_support", where=f"t{t}") for t in (11, 12)]
+    data = {"input_ids": torch.tensor([[7, 11], [7, 12]]), "input_lengths": torch.tensor(lengths),
+            "token_mask": torch.tensor([[0, 1], [0, 1]]), "sample_mask": torch.ones(2), "generation_support": entries}
+    row = next(i for i, n in enumerate(lengths) if not 1 <= n <= 2)
+    match = rf"data\['input_lengths'\]: data row {row} has input_lengths {lengths[row]}, outside \[1, 2\] \(the width of input_ids\)"
+    with pytest.raises(ValueError, match=match):
+        next_token_logprobs(torch.randn(2, 2, 16), data)
+    data["generation_support"] = torch.tensor([[[-1], [11]], [[-1], [12]]], dtype=torch.int32)  # the dense form
+    with pytest.raises(ValueError, match=match):
+        next_token_logprobs(torch.randn(2, 2, 16), data)
+
+
 def test_backfill_refuses_a_generated_message_without_rows_or_with_misshaped_rows():
     logs = _multi_turn_logs()
     del logs[1][2]["generation_support"]

@@ -120,3 +120,46 @@ def test_the_plugin_installs_the_plug_counts_its_calls_and_removes_it(tmp_path, 
     assert Path(got["package"]) == ROOT / "nemo_replay"
     assert (vars(bdd.BatchedDataDict)["from_batches"], grpo.batched_message_log_to_flat_message,
             grpo.add_grpo_token_loss_masks_and_generation_logprobs, grpo._preserve_router_replay_routed_experts) == own
+
+
+def test_ray_sessions_get_a_short_root_whatever_tmpdir_is(tmp_path, monkeypatch):
+    """RAY_TMPDIR lay under $TMPDIR/nrl-unit-*/: with a TMPDIR past about 6 characters (a job's
+    scratch folder) Ray's socket paths passed AF_UNIX's 107 bytes and every test errored. Each run's
+    Ray session now lies in a short root under /tmp, checked to fit, whatever TMPDIR is."""
+    import subprocess
+    import tempfile
+
+    driver = _driver()
+    scratch = tmp_path / ("scratch-of-a-cluster-job-" + "x" * 40)
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    work = Path(tempfile.mkdtemp(prefix="nrl-unit-"))
+    assert str(work).startswith(str(scratch))
+    seen = {}
+
+    class Started:
+        pid = 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    def popen(command, *, env, **kwargs):
+        seen["ray"] = env["RAY_TMPDIR"]
+        return Started()
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    ray = driver.ray_root()
+    try:
+        for plugged in (False, True):
+            with pytest.raises(SystemExit, match="wrote no report"):  # nothing ran: stopped before reading it
+                driver.run_pytest(tmp_path, work, ray, plugged=plugged, timeout=1)
+            assert Path(seen["ray"]).is_dir() and not seen["ray"].startswith(str(scratch))
+            assert len(seen["ray"].encode()) + driver.RAY_TAIL <= driver.SOCKET_PATH_MAX == 107, seen["ray"]
+    finally:
+        import shutil
+
+        shutil.rmtree(ray)
+    with pytest.raises(SystemExit, match=r"would reach \d+ bytes, past AF_UNIX's 107; give ray_root\(\) a shorter"):
+        driver.ray_root(str(scratch))
+    assert list(scratch.glob("nrl-*")) == [work]  # the refused root is not left behind

@@ -69,6 +69,10 @@ def disturb_first(n_bad: int, how: str):
             at = body.index(b'"codec":"nrsc-1","data":{"data":"') + 40
             body[at : at + 4] = b"!!!!"
             return web.Response(body=bytes(body), content_type="application/json")
+        if how == "overflow":  # an empty array whose strides overflow int64
+            shape = b"[0" + b",2147483647" * 5 + b"]"
+            return web.Response(body=b'{"output_ids":{"data":"","shape":' + shape + b',"dtype":"int32"}}',
+                                content_type="application/json")
         if how == "unavailable":
             return web.Response(status=503, text="warming up")
         if how == "pretty":  # a proxy re-indenting JSON
@@ -88,7 +92,7 @@ async def one_request(how, n_bad, *, max_attempts=4, prompt=(5, 6, 7)):
                 return exc, client, server
 
 
-@pytest.mark.parametrize("how", ["truncate", "corrupt", "unavailable"])
+@pytest.mark.parametrize("how", ["truncate", "corrupt", "unavailable", "overflow"])
 def test_client_retries_a_bad_response_then_succeeds(how):
     result, client, server = asyncio.run(one_request(how, 1))
     assert client.num_retries == 1 and server.num_requests == 2

@@ -106,6 +106,9 @@ BAD = [
     (edit("sampling_params.temperature", 1e308), r"temperature=1e\+308: capture serves temperatures"),
     (b'{"input_ids": {"data": "", "shape": [0, 100000000000000000000000], "dtype": "int32"}}',
      r"has a dimension over 2147483647"),  # was a TypeError
+    (b'{"input_ids": {"data": "", "shape": [0' + b",2147483647" * 5 + b'], "dtype": "int32"}}',
+     r"spans more than 2147483647 \(2\*\*31 - 1\) elements"),  # was a 500 (stride overflow)
+    (b'{"input_ids": {"data":"","shape":[0' + b",2147483647" * 5 + b'],"dtype":"int32"}}', "spans more than"),
     (b'{"input_ids": [5], "seed": ' + b"9" * 4301 + b"}", "an integer of more than 4300 digits; no field"),
     (b'{"input_ids": {"data": "", "shape": [0,' + b"9" * 4301 + b'], "dtype": "int32"}}', "more than 4300 digits"),
 ]

@@ -129,6 +129,25 @@ def test_malformed_envelopes(envelope, match):
         loads(('{"a":' + envelope + "}").encode())
 
 
+WIDE = ",".join(["2147483647"] * 5)
+
+
+@pytest.mark.parametrize("envelope", [
+    f'{{"data":"","shape":[0,{WIDE}],"dtype":"int32"}}',  # torch: "Stride calculation overflowed"
+    f'{{"data": "", "shape": [0, {WIDE}], "dtype": "int8"}}',  # the fallback path
+    f'{{"dtype":"int64","shape":[{WIDE},0],"data":""}}',
+    '{"data":"","shape":[0,2147483647,2],"dtype":"int32"}',
+    '{"data":"","shape":[0,65536,65536],"dtype":"bool"}',
+])
+def test_an_empty_array_whose_other_dimensions_overflow_a_stride_is_a_wire_error(envelope):
+    with pytest.raises(WireError, match=r"spans more than 2147483647 \(2\*\*31 - 1\) elements with its zero dimensions"):
+        loads(('{"a":' + envelope + "}").encode())
+
+
+def test_an_empty_array_as_wide_as_one_dimension_may_be_still_decodes():
+    assert loads(b'{"a":{"data":"","shape":[0,2147483647],"dtype":"int32"}}')["a"].shape == (0, 2**31 - 1)
+
+
 def test_reformatted_bodies_parse():
     body = small_body()
     want = loads(body)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,33 @@ def test_defaults_cycle_and_missing_file_are_reported(tmp_path):
         load_config(tmp_path / "c.yaml")
     with pytest.raises(ConfigError, match="shipped recipes: default"):
         load_config("pkg://no_such_recipe")
+
+
+@pytest.mark.parametrize("text, name", [
+    ("vm\n", "hostname"),  # /etc/hostname: once read back as the flag 'vm'
+    ("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n", "passwd"),
+    ("- trainer.steps=3\n", "list.txt"),
+    ("trainer: {steps: 3}\n", "recipe.txt"),  # flags, but not named as a recipe
+])
+def test_a_defaults_entry_that_is_not_a_recipe_is_named_not_echoed(tmp_path, text, name):
+    (tmp_path / name).write_text(text)
+    (tmp_path / "r.yaml").write_text(f"defaults: [{tmp_path / name}]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "r.yaml")
+    (problem,) = info.value.problems
+    assert problem.startswith(f"the defaults entry '{tmp_path / name}' of {tmp_path / 'r.yaml'} is not a recipe: "), problem
+    assert "not a YAML file named *.yaml or *.yml" in problem and "pkg://default" in problem, problem
+    assert text.split(":")[0].strip() not in problem.replace(str(tmp_path), "")  # the content is not echoed
+    with pytest.raises(ConfigError, match=rf"'{tmp_path / name}' is not a recipe: "):
+        load_config(tmp_path / name)  # as the CONFIG itself
+
+
+@pytest.mark.parametrize("text, kind", [("vm\n", "str"), ("- a\n- b\n", "list"), ("3\n", "int")])
+def test_a_yaml_file_that_holds_no_mapping_is_not_a_recipe(tmp_path, text, kind):
+    (tmp_path / "s.yaml").write_text(text)
+    (tmp_path / "r.yaml").write_text("defaults: [s.yaml]\n")
+    with pytest.raises(ConfigError, match=rf"is not a recipe: {tmp_path / 's.yaml'} holds a YAML {kind}, not a mapping"):
+        load_config(tmp_path / "r.yaml")
 
 
 def test_unknown_flags_and_bad_types_are_collected_with_hints():
@@ -136,7 +164,30 @@ RULES = [
     (["generation.engine=vllm-server", "generation.vllm.url=127.0.0.1:8000"], 1, "generation.vllm.url='127.0.0.1:8000': a running vLLM server's http://host:port"),
     (["generation.engine=vllm-server", "generation.vllm.start_timeout=0"], 1, "generation.vllm.start_timeout=0.0 must be > 0"),
     (["trainer.loggers=csv"], 1, "trainer.loggers='csv': trainer.loggers takes a list; write it in brackets, e.g. trainer.loggers=[csv]"),
+    # What check passed and train could not run: an OverflowError, a SIGSEGV, libgomp's abort at 16384.
+    (["replay.scorer.chunk_size=100000000000000000000"], 1,
+     "replay.scorer.chunk_size=100000000000000000000 must be in [1, 2147483647] (pairs projected per chunk; the default is 8192)"),
+    (["replay.scorer.chunk_size=2147483648"], 1, "replay.scorer.chunk_size=2147483648 must be in [1, 2147483647]"),
+    (["replay.scorer.chunk_size=0"], 1, "replay.scorer.chunk_size=0 must be in [1, 2147483647]"),
+    (["trainer.num_threads=1000000"], 1,
+     f"trainer.num_threads=1000000 must be in [1, {os.cpu_count()}] (this machine's cores, os.cpu_count()) or null"),
+    (["trainer.num_threads=16384"], 1, "trainer.num_threads=16384 must be in [1, "),
+    ([f"trainer.num_threads={os.cpu_count() + 1}"], 1, f"trainer.num_threads={os.cpu_count() + 1} must be in [1, "),
+    (["trainer.num_threads=0"], 1, "trainer.num_threads=0 must be in [1, "),
 ]
+
+
+def test_the_largest_chunk_and_every_core_are_accepted():
+    cfg = load_config(overrides=["replay.scorer.chunk_size=2147483647", f"trainer.num_threads={os.cpu_count()}"])
+    assert cfg.replay.scorer.chunk_size == 2**31 - 1 and cfg.trainer.num_threads == os.cpu_count()
+
+
+def test_check_refuses_what_train_cannot_run(capsys):
+    from nemo_replay.cli import main
+
+    assert main(["check", "replay.scorer.chunk_size=100000000000000000000", "trainer.num_threads=1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problem(s)" in err and "replay.scorer.chunk_size=" in err and "trainer.num_threads=1000000" in err
 
 
 @pytest.mark.parametrize("overrides, world, expected", RULES, ids=[r[2][:40] for r in RULES])
