@@ -102,7 +102,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.6))
     for (name, r), color in zip(results.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         steps = [x["step"] for x in r["history"]]
         axes[0].semilogy(steps, [x["full_vocab_mismatch_max"] for x in r["history"]], "--", color=color, label=f"{name}: full vocab")
@@ -119,9 +119,8 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="center right")
-    axes[1].legend(fontsize=7, loc="center right")
-    axes[2].legend(fontsize=7, loc="upper right")
+    for ax in axes:  # under each panel: legends never cover a curve
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -313,3 +313,17 @@ def test_a_weight_sync_empties_the_prefix_cache(live):
     gap = float((_trainer_logprobs(updated, ro.batch, replay=True) - ro.batch.rollout_logprobs).abs()[mask].max())
     assert gap <= TOL, gap
     engine.sync(model)
+
+
+def test_the_sampling_mask_path_is_refused_on_this_engine(live):
+    """Sampling masks (``return_sampling_mask=True``) need Model Runner V2, which needs Triton with
+    a GPU driver: vLLM's CPU build runs the V1 runner, so the live engine's own configuration is
+    refused for the mask path, naming both flags, and accepted for the log-prob path it runs."""
+    from nemo_replay.rollout.engines.vllm import check_vllm_engine
+
+    engine, _ = live
+    config = engine.llm.llm_engine.vllm_config
+    assert config.use_v2_model_runner is not True
+    with pytest.raises(ValueError, match=r"(?s)return_sampling_mask is off.*VLLM_USE_V2_MODEL_RUNNER=1"):
+        check_vllm_engine(config, path="mask")
+    check_vllm_engine(config, path="logprobs", top_k=8)
