@@ -19,33 +19,17 @@ import math
 import pytest
 import torch
 
+from tests.rollout.engines.live_reference import TOL, V, check_rows, gap, logits64, tiny_llama, trainer_logprobs
 from tests.vllm_marks import vllm_marks
 
 pytestmark = vllm_marks()
-
-V, TOL = 32, 1e-4
-
-
-def _model(seed: int = 0):
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # logits of a few nats' spread (random init gives ~0.2): supports that truncate
-        model.lm_head.weight.mul_(10.0)
-    return model
-
 
 @pytest.fixture(scope="module")
 def live():
     from nemo_replay.trainer.backends.vllm_engine import VLLMEngine
     from nemo_replay.trainer.generation import SamplingSettings
 
-    model = _model()
+    model = tiny_llama()
     settings = SamplingSettings(temperature=1.0, top_k=8, top_p=0.95, max_new_tokens=6)
     # Blocks of 32 tokens (the CPU attention takes multiples of 32): a 40-token prompt fills one, which
     # vLLM's prefix cache keeps across calls.
@@ -75,56 +59,11 @@ def _generate(engine, prompts, params):
     return [o.outputs[0] for o in outs]
 
 
-def _logits64(model, prompt: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-    """(R, V) float64: the model's next-token logits at each response position."""
-    seq = torch.cat([prompt, response])[None]
-    with torch.no_grad():
-        z = model(input_ids=seq).logits[0].double()
-    return z[prompt.numel() - 1 : seq.shape[1] - 1]
-
-
-def _kept(x: torch.Tensor, top_k, top_p: float, min_p: float, slack: float) -> torch.Tensor:
-    """vLLM's support of one row of logits / temperature (float64), every threshold moved by
-    ``slack`` (> 0 looser, < 0 stricter): min-p on the probabilities, then top-k keeping every
-    token tied with the k-th, then top-p over what is left, summed from the bottom."""
-    keep = torch.ones_like(x, dtype=torch.bool)
-    if min_p > 0:
-        keep &= x >= x.max() + math.log(min_p) - slack
-    if top_k is not None:
-        above = (x[None, :] > x[:, None] + slack) & keep[None, :]  # above[t, u]: u beats t
-        keep &= above.sum(1) < top_k
-    if top_p < 1.0:
-        p = torch.where(keep, x, -math.inf).softmax(0)
-        mass_above = ((x[None, :] > x[:, None]) * p[None, :]).sum(1)
-        keep &= mass_above < top_p + slack
-    return keep
-
-
-def _check_rows(model, prompts, outs, captured, *, top_k, top_p=1.0, min_p=0.0, temperature=1.0):
-    """Each row holds every token the float64 sampler surely keeps and none it surely drops."""
-    for prompt, out, got in zip(prompts, outs, captured):
-        z = _logits64(model, prompt, torch.tensor(list(out.token_ids))) / temperature
-        for j in range(z.shape[0]):
-            if got.flagged[j]:
-                continue
-            row = set(got.support.row(j).tolist())
-            sure = set(torch.nonzero(_kept(z[j], top_k, top_p, min_p, -TOL)).flatten().tolist())
-            maybe = set(torch.nonzero(_kept(z[j], top_k, top_p, min_p, TOL)).flatten().tolist())
-            assert sure <= row <= maybe, (j, sorted(row), sorted(sure), sorted(maybe))
-
-
-def _trainer_logprobs(model, batch, *, replay: bool, temperature: float = 1.0) -> torch.Tensor:
-    """The fsdp strategy's recompute role over ``batch`` (B, A): the trainer's own scoring path."""
-    from nemo_replay.strategies.base import RoleSettings
-    from nemo_replay.strategies.registry import get_strategy
-
-    strategy = get_strategy("fsdp").factory(sp_group=None)
-    settings = RoleSettings(replay=replay, temperature=temperature, source="logits", chunk_size=8192,
-                            compute_entropy=False, reference_full_vocab=False)
-    if not replay:
-        batch = copy.copy(batch)
-        batch.support = None
-    return strategy.run_role("recompute", model, [batch], settings)[0].response(batch.response_width).logprobs
+def _check_rows(model, prompts, outs, captured, **settings):
+    """The adapter's rows of each output against the float64 sampler (flagged positions skipped)."""
+    responses = [torch.tensor(list(o.token_ids)) for o in outs]
+    row_of = lambda i, j: None if captured[i].flagged[j] else captured[i].support.row(j).tolist()  # noqa: E731
+    check_rows(model, prompts, responses, row_of, **settings)
 
 
 def _replayed_gap(model, prompts, outs, params, *, temperature: float = 1.0) -> tuple[float, float]:
@@ -133,11 +72,7 @@ def _replayed_gap(model, prompts, outs, params, *, temperature: float = 1.0) -> 
 
     batch = rollout_from_outputs(prompts, outs, [params] * len(outs), vocab_size=V, row_width=None, pad_id=0,
                                  device="cpu").batch
-    mask = batch.loss_mask.bool()
-    on = _trainer_logprobs(model, batch, replay=True, temperature=temperature)
-    off = _trainer_logprobs(model, batch, replay=False, temperature=temperature)
-    gap = lambda lp: float((lp - batch.rollout_logprobs).abs()[mask].max())  # noqa: E731
-    return gap(on), gap(off)
+    return gap(model, batch, temperature=temperature), gap(model, batch, replay=False, temperature=temperature)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +126,7 @@ def test_ties_at_the_cut_are_kept_whole_or_flagged(live):
         outs = _generate(engine, prompts, params)
         captured = [support_from_vllm_output(o, vocab_size=V, sampling_params=params) for o in outs]
         for prompt, out, got in zip(prompts, outs, captured):
-            tied_on_top = _logits64(tied, prompt, torch.tensor(list(out.token_ids)))[:, 10] > 0
+            tied_on_top = logits64(tied, prompt, torch.tensor(list(out.token_ids)))[:, 10] > 0
             assert torch.equal(got.flagged, ~tied_on_top)  # 22 tied at 0 do not fit 21 entries
             for j in torch.nonzero(tied_on_top).flatten().tolist():
                 assert got.support.row(j).tolist() == list(range(10, 20))  # wider than top_k, whole
@@ -235,7 +170,7 @@ def test_multi_turn_trace_replays(live):
                           token_mask=torch.cat(masks)).batch
     mask = batch.loss_mask.bool()
     assert int(mask.sum()) == sum(len(a.token_ids) + len(b.token_ids) for a, b in zip(first, second))
-    on = _trainer_logprobs(model, batch, replay=True)
+    on = trainer_logprobs(model, batch, replay=True)
     assert float((on - batch.rollout_logprobs).abs()[mask].max()) <= TOL
 
 
@@ -286,10 +221,9 @@ def test_weight_sync_then_rollout_the_trainer_reproduces(live):
             p.add_(0.05 * torch.randn_like(p))
     prompts = _prompts(8, seed=11)
     ro = engine.rollout(updated, prompts, seed=123)
-    batch, mask = ro.batch, ro.batch.loss_mask.bool()
-    gap = lambda m: float((_trainer_logprobs(m, batch, replay=True) - batch.rollout_logprobs).abs()[mask].max())  # noqa: E731
-    assert gap(updated) <= TOL
-    assert gap(model) > 1e-2
+    batch = ro.batch
+    assert gap(updated, batch) <= TOL
+    assert gap(model, batch) > 1e-2
     assert engine.sync_seconds[-1] < 5.0
     again = engine.rollout(updated, prompts, seed=123)  # the same seeds draw the same tokens
     assert torch.equal(again.batch.sequences, batch.sequences)
@@ -309,9 +243,7 @@ def test_a_weight_sync_empties_the_prefix_cache(live):
     prompts = [torch.randint(3, V, (40,), generator=g) for _ in range(4)]
     engine.rollout(model, prompts, seed=5)  # fills the cache under the old weights
     ro = engine.rollout(updated, prompts, seed=5)
-    mask = ro.batch.loss_mask.bool()
-    gap = float((_trainer_logprobs(updated, ro.batch, replay=True) - ro.batch.rollout_logprobs).abs()[mask].max())
-    assert gap <= TOL, gap
+    assert gap(updated, ro.batch) <= TOL, gap(updated, ro.batch)
     engine.sync(model)
 
 

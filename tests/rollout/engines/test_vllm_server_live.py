@@ -15,7 +15,6 @@ Marked ``vllm``; skipped where vLLM does not import (the reason names the instal
 from __future__ import annotations
 
 import copy
-import math
 import os
 import re
 import socket
@@ -24,26 +23,10 @@ import urllib.request
 import pytest
 import torch
 
-from nemo_replay.trainer.backends.vllm_engine import INSTALL, vllm_missing
+from tests.rollout.engines.live_reference import TOL, V, check_rows, gap, tiny_llama
+from tests.vllm_marks import vllm_marks
 
-_MISSING = vllm_missing()
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_MISSING is not None, reason=f"needs vLLM: {INSTALL}")]
-
-V, TOL = 32, 1e-4
-
-
-def _model(seed: int = 0):
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # logits a few nats apart (random init gives ~0.2): supports that truncate
-        model.lm_head.weight.mul_(10.0)
-    return model
+pytestmark = vllm_marks()
 
 
 def _settings():
@@ -79,7 +62,7 @@ def test_a_server_that_does_not_come_up_is_named_and_stopped(tmp_path, options, 
     from nemo_replay.trainer.backends.vllm_server import VLLMServerError
 
     with pytest.raises(VLLMServerError, match=re.compile(message, re.S)) as info:
-        _engine(_model(), folder=tmp_path, **options)
+        _engine(tiny_llama(), folder=tmp_path, **options)
     text = str(info.value)
     assert str(tmp_path / "server.log") in text  # the log kept, named, its tail shown
     assert _gone(int(re.search(r"pid (\d+)", text).group(1)))
@@ -87,7 +70,7 @@ def test_a_server_that_does_not_come_up_is_named_and_stopped(tmp_path, options, 
 
 @pytest.fixture(scope="module")
 def served():
-    model = _model()
+    model = tiny_llama()
     engine = _engine(model, server_args=("--block-size", "32"))
     try:
         yield engine, model
@@ -109,46 +92,22 @@ def _read(engine, prompts, fields: dict):
     return rollout_from_choices(prompts, choices, bodies, vocab_size=V, row_width=None, pad_id=0, device="cpu")
 
 
-def _kept(x: torch.Tensor, top_k: int, top_p: float, min_p: float, slack: float) -> torch.Tensor:
-    """(V,) bool: vLLM's support of one row of float64 logits / temperature, each threshold
-    moved by ``slack`` (> 0 looser, < 0 stricter)."""
-    keep = x >= x.max() + math.log(min_p) - slack if min_p > 0 else torch.ones_like(x, dtype=torch.bool)
-    beaten_by = ((x[None, :] > x[:, None] + slack) & keep[None, :]).sum(1)  # [t]: kept tokens above t
-    keep &= beaten_by < top_k
-    if top_p < 1.0:
-        p = torch.where(keep, x, -math.inf).softmax(0)
-        keep &= ((x[None, :] > x[:, None]) * p[None, :]).sum(1) < top_p + slack  # the mass above t
-    return keep
+def _check_rows(model, rollout, **settings):
+    """The batch's rows against the float64 sampler (flagged positions, out of the loss, skipped)."""
+    batch, a = rollout.batch, rollout.batch.response_width
+    starts = batch.support.cu_seqlens
 
+    def row_of(i, j):
+        if not batch.loss_mask[i, a - rollout.responses[i].numel() + j]:
+            return None
+        return batch.support.row(int(starts[i]) + j).tolist()
 
-def _check_rows(model, rollout, *, top_k, top_p, min_p, temperature):
-    """Each token's row holds every token the float64 sampler surely keeps and none it surely drops."""
-    batch, j = rollout.batch, 0
-    for prompt, response in zip(rollout.prompts, rollout.responses):
-        with torch.no_grad():
-            z = model(input_ids=torch.cat([prompt, response])[None]).logits[0].double() / temperature
-        for t in range(response.numel()):
-            x = z[prompt.numel() - 1 + t]
-            row = set(batch.support.row(j).tolist())
-            sure = set(torch.nonzero(_kept(x, top_k, top_p, min_p, -TOL)).flatten().tolist())
-            maybe = set(torch.nonzero(_kept(x, top_k, top_p, min_p, TOL)).flatten().tolist())
-            assert sure <= row <= maybe, (j, sorted(row), sorted(sure), sorted(maybe))
-            j += 1
+    check_rows(model, rollout.prompts, rollout.responses, row_of, **settings)
 
 
 def _gap(model, batch, *, replay: bool = True, temperature: float = 1.0) -> float:
     """max |server - trainer| over the loss positions, the trainer being the fsdp recompute role."""
-    from nemo_replay.strategies.base import RoleSettings
-    from nemo_replay.strategies.registry import get_strategy
-
-    strategy = get_strategy("fsdp").factory(sp_group=None)
-    settings = RoleSettings(replay=replay, temperature=temperature, source="logits", chunk_size=8192,
-                            compute_entropy=False, reference_full_vocab=False)
-    scored = copy.copy(batch)
-    if not replay:
-        scored.support = None
-    lp = strategy.run_role("recompute", model, [scored], settings)[0].response(batch.response_width).logprobs
-    return float((lp - batch.rollout_logprobs).abs()[batch.loss_mask.bool()].max())
+    return gap(model, batch, replay=replay, temperature=temperature)
 
 
 @pytest.mark.parametrize(
