@@ -27,7 +27,9 @@ Preemption on Slurm: the executor asks for ``--signal=USR1@<--signal-lead>`` (to
 step, NeMo-Run's batch script has no trap), ``--requeue``, and ``retries=<--retries>``:
 NeMo-Run's script requeues the job when the step exits non-zero and fewer restarts have
 happened. The ranks checkpoint on USR1 and exit 75; the requeued job runs the same line
-into the same pinned ``trainer.output_dir`` and resumes. A job stopped at its time limit
+into the same pinned ``trainer.output_dir`` and resumes. ``srun_args=["--kill-on-bad-exit=0"]``
+overrides NeMo-Run's ``--kill-on-bad-exit=1``, under which the first node to exit 75 would
+terminate the other nodes' tasks before they finish. A job stopped at its time limit
 without USR1 gets SIGTERM: the ranks checkpoint if the step and the checkpoint fit in
 Slurm's ``KillWait``.
 
@@ -105,6 +107,10 @@ def plan(job: Job, executor: str, *, ssh_host: Optional[str] = None, ssh_user: O
             "signal": f"USR1@{signal_lead}",
             "retries": retries,
             "additional_parameters": {"requeue": True},
+            # NeMo-Run's srun has --kill-on-bad-exit=1, and a stop's 75 is a bad exit to srun: the first node
+            # to exit would terminate the others' tasks while their torchrun still closes the rendezvous (seen on
+            # two nodes: 143 instead of 75). Its --wait=60 still ends the others 60 s after the first task.
+            "srun_args": ["--kill-on-bad-exit=0"],
             "env_vars": env,
             "packager": "plain",
             "tunnel": ({"kind": "ssh", "host": ssh_host, "user": ssh_user, "job_dir": job_dir or "~/.nemo_run/experiments"}
