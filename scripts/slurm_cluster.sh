@@ -189,6 +189,12 @@ start() {
     [[ "$nodes" =~ ^[1-9][0-9]?$ ]] || { log "start: --nodes takes a count from 1 to 99, got '$nodes'"; exit 2; }
     command -v slurmctld >/dev/null || { log "Slurm is not installed: run $0 install (as root)"; exit 1; }
     if [ -f "$DIR/slurmctld.pid" ] && kill -0 "$(cat "$DIR/slurmctld.pid")" 2>/dev/null; then
+        local running
+        running="$(grep -c '^NodeName=' "$CONF")"
+        if [ "$running" != "$nodes" ]; then
+            log "a cluster of $running node(s) is already running under $DIR, not $nodes: stop it first ($0 stop)"
+            exit 1
+        fi
         log "already running (SLURM_CONF=$CONF)"
     else
         remove_network  # of a previous cluster here that was not stopped
