@@ -35,7 +35,10 @@ Slurm's ``KillWait``.
 
 The recipe waits for the experiment (unless ``--detach``) and exits 0 when every task
 succeeded: NeMo-Run's status, or, where it reports UNKNOWN (Slurm without accounting,
-where ``sacct`` has nothing), the job's state from ``scontrol show job``.
+where ``sacct`` has nothing), the job's state from ``scontrol show job``. NeMo-Run waits
+through ``sacct`` alone and, after 30 failed asks 2 s apart, cancels the job; so on a Slurm
+whose ``sacct`` does not answer (accounting off) the recipe submits detached and waits on
+the job itself (``scontrol show job`` every 2 s, through requeues, to its final state).
 
 ``nemo_run`` is imported only to submit (``pip install -e ".[nemo-run]"``, in an environment
 of its own: README). ``--dry-run`` needs neither NeMo-Run nor a cluster: it prints the
@@ -54,6 +57,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -163,6 +167,26 @@ def _slurm_state(job_id: str) -> str:
     return fields.get("JobState", "UNKNOWN")
 
 
+def _sacct_answers() -> bool:
+    """Whether this machine's Slurm keeps accounting (``sacct`` answers), which NeMo-Run's wait needs."""
+    try:
+        return subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True, text=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+# States a job leaves on its own: it runs, is requeued (by NeMo-Run's script after exit 75) and runs again.
+_LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SIGNALING", "STAGE_OUT", "SUSPENDED"}
+
+
+def _wait_for_jobs(statuses: dict, poll_s: float = 2.0) -> None:
+    """Until every task's Slurm job is in a final state (``scontrol show job``)."""
+    for info in statuses.values():
+        if info.get("job_id"):
+            while _slurm_state(info["job_id"]) in _LIVE:
+                time.sleep(poll_s)
+
+
 def outcome(statuses: dict, executor: str) -> int:
     """0 when every task succeeded; prints one line per task (state, job id, folder)."""
     failed = 0
@@ -241,11 +265,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     task, executor = build(p)  # reports a missing NeMo-Run install
     import nemo_run as run
 
+    own_wait = not ns.detach and p["executor"] == "slurm" and not ns.ssh_host and not _sacct_answers()
+    if own_wait:
+        print("nemo-run: this Slurm keeps no accounting (sacct does not answer), so NeMo-Run's wait would cancel the "
+              "job after about a minute: submitting detached and waiting on the job through scontrol", file=sys.stderr)
     with run.Experiment(p["name"], base_dir=p["base_dir"]) as exp:
         exp.add(task, executor=executor, name=p["name"])
-        exp.run(detach=ns.detach)
+        exp.run(detach=ns.detach or own_wait)
     if ns.detach:
         return 0
+    if own_wait:
+        _wait_for_jobs(exp.status(return_dict=True) or {})
     return outcome(exp.status(return_dict=True) or {}, p["executor"])
 
 

@@ -101,6 +101,8 @@ def _usr1_requeue_resume(local_run, tmp_path: Path, nodes: int, procs: int) -> N
     assert proc.returncode == 0, text[-4000:]
     line = _task_line(text)
     assert line.group(1) == job and line.group(2) == "SUCCEEDED"
+    if subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True).returncode != 0:  # accounting off
+        assert "waiting on the job through scontrol" in text, text[-4000:]  # NeMo-Run's wait would cancel it
     logs = Path(line.group(3))
     first, second = (logs / f"log--.nemo-replay_{job}_{n}.out" for n in (0, 1))  # one per SLURM_RESTART_COUNT
     stopped = re.search(r"stopped by SIGUSR1 after (\d+) of 10 steps", first.read_text())
