@@ -27,13 +27,18 @@ Preemption on Slurm: the executor asks for ``--signal=USR1@<--signal-lead>`` (to
 step, NeMo-Run's batch script has no trap), ``--requeue``, and ``retries=<--retries>``:
 NeMo-Run's script requeues the job when the step exits non-zero and fewer restarts have
 happened. The ranks checkpoint on USR1 and exit 75; the requeued job runs the same line
-into the same pinned ``trainer.output_dir`` and resumes. A job stopped at its time limit
+into the same pinned ``trainer.output_dir`` and resumes. ``srun_args=["--kill-on-bad-exit=0"]``
+overrides NeMo-Run's ``--kill-on-bad-exit=1``, under which the first node to exit 75 would
+terminate the other nodes' tasks before they finish. A job stopped at its time limit
 without USR1 gets SIGTERM: the ranks checkpoint if the step and the checkpoint fit in
 Slurm's ``KillWait``.
 
 The recipe waits for the experiment (unless ``--detach``) and exits 0 when every task
 succeeded: NeMo-Run's status, or, where it reports UNKNOWN (Slurm without accounting,
-where ``sacct`` has nothing), the job's state from ``scontrol show job``.
+where ``sacct`` has nothing), the job's state from ``scontrol show job``. NeMo-Run waits
+through ``sacct`` alone and, after 30 failed asks 2 s apart, cancels the job; so on a Slurm
+whose ``sacct`` does not answer (accounting off) the recipe submits detached and waits on
+the job itself (``scontrol show job`` every 2 s, through requeues, to its final state).
 
 ``nemo_run`` is imported only to submit (``pip install -e ".[nemo-run]"``, in an environment
 of its own: README). ``--dry-run`` needs neither NeMo-Run nor a cluster: it prints the
@@ -52,6 +57,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -105,6 +111,10 @@ def plan(job: Job, executor: str, *, ssh_host: Optional[str] = None, ssh_user: O
             "signal": f"USR1@{signal_lead}",
             "retries": retries,
             "additional_parameters": {"requeue": True},
+            # NeMo-Run's srun has --kill-on-bad-exit=1, and a stop's 75 is a bad exit to srun: the first node
+            # to exit would terminate the others' tasks while their torchrun still closes the rendezvous (seen on
+            # two nodes: 143 instead of 75). Its --wait=60 still ends the others 60 s after the first task.
+            "srun_args": ["--kill-on-bad-exit=0"],
             "env_vars": env,
             "packager": "plain",
             "tunnel": ({"kind": "ssh", "host": ssh_host, "user": ssh_user, "job_dir": job_dir or "~/.nemo_run/experiments"}
@@ -156,6 +166,26 @@ def _slurm_state(job_id: str) -> str:
     shown = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True)
     fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
     return fields.get("JobState", "UNKNOWN")
+
+
+def _sacct_answers() -> bool:
+    """Whether this machine's Slurm keeps accounting (``sacct`` answers), which NeMo-Run's wait needs."""
+    try:
+        return subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True, text=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+# States a job leaves on its own: it runs, is requeued (by NeMo-Run's script after exit 75) and runs again.
+_LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SIGNALING", "STAGE_OUT", "SUSPENDED"}
+
+
+def _wait_for_jobs(statuses: dict, poll_s: float = 2.0) -> None:
+    """Until every task's Slurm job is in a final state (``scontrol show job``)."""
+    for info in statuses.values():
+        if info.get("job_id"):
+            while _slurm_state(info["job_id"]) in _LIVE:
+                time.sleep(poll_s)
 
 
 def outcome(statuses: dict, executor: str) -> int:
@@ -236,11 +266,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     task, executor = build(p)  # reports a missing NeMo-Run install
     import nemo_run as run
 
+    own_wait = not ns.detach and p["executor"] == "slurm" and not ns.ssh_host and not _sacct_answers()
+    if own_wait:
+        print("nemo-run: this Slurm keeps no accounting (sacct does not answer), so NeMo-Run's wait would cancel the "
+              "job after about a minute: submitting detached and waiting on the job through scontrol", file=sys.stderr)
     with run.Experiment(p["name"], base_dir=p["base_dir"]) as exp:
         exp.add(task, executor=executor, name=p["name"])
-        exp.run(detach=ns.detach)
+        exp.run(detach=ns.detach or own_wait)
     if ns.detach:
         return 0
+    if own_wait:
+        _wait_for_jobs(exp.status(return_dict=True) or {})
     return outcome(exp.status(return_dict=True) or {}, p["executor"])
 
 

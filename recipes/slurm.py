@@ -19,7 +19,7 @@ requeues the job (``scontrol requeue``; ``#SBATCH --requeue``, logs appended); t
 job runs the same command into the same pinned ``trainer.output_dir`` and resumes.
 ``--no-requeue`` leaves the job ended after its checkpoint.
 
-Without GPUs or pyxis (a CPU cluster, or the one-node Slurm of ``scripts/slurm_cluster.sh``):
+Without GPUs or pyxis (a CPU cluster, or the one- or two-node Slurm of ``scripts/slurm_cluster.sh``):
 ``--gpus-per-node 0 --procs-per-node N`` asks for no GRES and runs N CPU ranks per node
 (``trainer.accelerator=cpu``); ``--no-container`` drops the pyxis flags, so the task runs on
 the node's own software in the environment ``sbatch`` was called from (``--setup`` defaults

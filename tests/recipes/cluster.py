@@ -1,15 +1,22 @@
-"""What the tests that submit to a real Slurm share: the skip, a job's fields, a run's rows."""
+"""What the tests that submit to a real Slurm share: the skips, a job's fields and log, a run's rows,
+checkpoints and final weights."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-__all__ = ["skip_without_slurm", "job_fields", "ended", "rows"]
+__all__ = [
+    "skip_without_slurm", "skip_without_two_nodes", "job_fields", "ended", "rows", "wait_for", "latest_checkpoint",
+    "final_weights", "after_start", "resumed_after", "node_processes", "node_ranks",
+]
 
 
 def _cluster_problem() -> str | None:
@@ -27,6 +34,26 @@ def skip_without_slurm():
         problem is not None,
         reason=f"needs a running Slurm: {problem}; as root: scripts/slurm_cluster.sh install && "
         f'eval "$(scripts/slurm_cluster.sh start)", then python -m pytest -m slurm',
+    )
+
+
+def _two_nodes_problem() -> str | None:
+    problem = _cluster_problem()
+    if problem:
+        return problem
+    shown = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split()
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    missing = [n for n in ("nr-node1", "nr-node2") if n not in shown or f"nemo-replay-node{n[-1]}" not in spaces]
+    return f"the cluster has no {' and no '.join(missing)} in its own network namespace (nodes: {shown})" if missing else None
+
+
+def skip_without_two_nodes():
+    """Skips unless the cluster is ``scripts/slurm_cluster.sh start --nodes 2``'s (its node names and namespaces)."""
+    problem = _two_nodes_problem()
+    return pytest.mark.skipif(
+        problem is not None,
+        reason=f"needs the two-node Slurm of this machine: {problem}; as root: scripts/slurm_cluster.sh install && "
+        f'eval "$(scripts/slurm_cluster.sh start --nodes 2)", then python -m pytest -m slurm -k two_nodes',
     )
 
 
@@ -49,3 +76,78 @@ def rows(out: Path) -> list[dict]:
     for r in found:
         r.pop("step_time_s")
     return found
+
+
+def wait_for(what: str, ok, log: Path, timeout: float = 300):
+    """``ok()``'s first true value, polled every 0.2 s; fails with the job log's tail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = ok()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-4000:] if log.exists() else "(no log)"
+            pytest.fail(f"timed out waiting for {what}; job log:\n{tail}")
+        time.sleep(0.2)
+
+
+def latest_checkpoint(out: Path) -> int:
+    """The step of the run's latest complete checkpoint, -1 without one."""
+    steps = [int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*") if (p / "complete.json").exists()]
+    return max(steps, default=-1)
+
+
+def final_weights(out: Path, tmp: Path, steps: int) -> dict:
+    """Every tensor of the final checkpoint, that of step ``steps - 1`` (torch distributed checkpoint, read
+    without a process group), by its path in the state."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step = latest_checkpoint(out)
+    assert step == steps - 1, f"the last complete checkpoint of {out} is step {step}, expected the final step {steps - 1}"
+    folder = out / "checkpoints" / f"step-{step:07d}"
+    state = next(p for p in (folder, *folder.iterdir()) if p.is_dir() and (p / ".metadata").exists())
+    target = tmp / f"{out.name}.pt"
+    dcp_to_torch_save(state, target)
+    flat = {}
+
+    def walk(value, key):
+        if torch.is_tensor(value):
+            flat[key] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}/{k}")
+
+    walk(torch.load(target, weights_only=False), "")
+    return flat
+
+
+def after_start(log: Path, restart: int) -> str:
+    """The log of the job's ``restart``-th start (``SLURM_RESTART_COUNT``) to its next start."""
+    text = log.read_text()
+    parts = re.split(r"nemo-replay: job \d+ started on \S+ \(SLURM_RESTART_COUNT=(\d+)\)", text)
+    found = {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+    return found.get(restart, "")
+
+
+def resumed_after(segment: str) -> int:
+    """The step a log segment says the run resumed after."""
+    m = re.search(r"resuming \S+ after step (\d+)", segment)
+    assert m, segment[-3000:]
+    return int(m.group(1))
+
+
+def node_processes(node: int) -> dict:
+    """{pid: command line} of every process in nr-node<node>'s network namespace."""
+    listed = subprocess.run(["ip", "netns", "pids", f"nemo-replay-node{node}"], capture_output=True, text=True, check=True)
+    found = {}
+    for pid in map(int, listed.stdout.split()):
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except FileNotFoundError:
+            pass  # ended meanwhile
+    return found
+
+
+def node_ranks(node: int) -> list:
+    """The trainer ranks running on nr-node<node>."""
+    return [pid for pid, cmd in node_processes(node).items() if "-m nemo_replay train" in cmd]

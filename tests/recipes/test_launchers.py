@@ -129,6 +129,7 @@ def test_nemo_run_dry_runs_without_nemo_run(capsys, tmp_path, monkeypatch):
     assert ex["container_image"].startswith("nvcr.io/nvidia/") and ex["container_mounts"] == ["/lustre/repo:/workspace/nemo_replay"]
     # Preemption through NeMo-Run's own script: USR1 to the step, requeue on a non-zero exit.
     assert (ex["signal"], ex["retries"], ex["additional_parameters"]) == ("USR1@120", 3, {"requeue": True})
+    assert ex["srun_args"] == ["--kill-on-bad-exit=0"]  # every node's 75 is a bad exit to srun: none ends the others
     assert ex["tunnel"] == {"kind": "local", "job_dir": os.path.join(os.path.expanduser("~/.nemo_run"), "experiments")}
     script = plan["task"]["inline"].splitlines()
     assert script[0].startswith('trap "" USR1') and script[1] == "cd /workspace/nemo_replay"

@@ -7,7 +7,9 @@ under the package's torchrun; the Slurm executor (marked ``slurm``: a running Sl
 the job gets the USR1 that ``--signal=USR1@<lead>`` sends every process of the step
 (``scancel --signal=USR1``: the same delivery, now), checkpoints, exits 75, is requeued by
 NeMo-Run's own batch script (``retries``) and resumes, then ends with the rows of the local
-run, which was never interrupted. Each test runs the README's command line.
+run, which was never interrupted; with ``--nodes 2`` on the two-node Slurm of
+``scripts/slurm_cluster.sh start --nodes 2`` too, one rank per node. Each test runs the
+README's command line.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.cluster import rows, skip_without_slurm
+from tests.recipes.cluster import node_processes, node_ranks, rows, skip_without_slurm, skip_without_two_nodes
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
@@ -72,14 +74,14 @@ def test_the_local_executor_runs_the_main_job(local_run):
     assert (cwd / "runs" / "local" / "summary.json").exists()
 
 
-@pytest.mark.slurm
-@skip_without_slurm()
-def test_the_slurm_executor_checkpoints_on_usr1_requeues_and_resumes(local_run, tmp_path):
+def _usr1_requeue_resume(local_run, tmp_path: Path, nodes: int, procs: int) -> None:
+    """The Slurm executor's job on ``nodes`` x ``procs`` CPU ranks: USR1, exit 75, NeMo-Run's requeue, resume,
+    and the local run's rows at the end."""
     cwd, rc, _ = local_run
     assert rc == 0
-    proc = _recipe(tmp_path, "--executor", "slurm", "--gpus-per-node", "0", "--procs-per-node", "2", "--no-container",
-                   "--time", "00:20:00", "--signal-lead", "60", "--retries", "2", "--base-dir", str(tmp_path / "nr-home"),
-                   "--", "trainer.output_dir=runs/slurm", *RECIPE)
+    proc = _recipe(tmp_path, "--executor", "slurm", "--nodes", str(nodes), "--gpus-per-node", "0", "--procs-per-node",
+                   str(procs), "--no-container", "--time", "00:20:00", "--signal-lead", "60", "--retries", "2",
+                   "--base-dir", str(tmp_path / "nr-home"), "--", "trainer.output_dir=runs/slurm", *RECIPE)
     collected: list[str] = []
     reader = threading.Thread(target=lambda: collected.extend(proc.stdout), daemon=True)
     reader.start()
@@ -90,6 +92,8 @@ def test_the_slurm_executor_checkpoints_on_usr1_requeues_and_resumes(local_run, 
         time.sleep(0.2)
     jobs = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, check=True).stdout.split("\n")
     (job,) = [j.split()[0] for j in jobs if j.strip().endswith("nemo-replay")]
+    if nodes == 2:
+        assert node_ranks(1) and node_ranks(2), (node_processes(1), node_processes(2))  # a rank on each node
     subprocess.run(["scancel", "--signal=USR1", job], check=True)  # to every process of the job step
     proc.wait(timeout=600)
     reader.join(timeout=10)
@@ -97,6 +101,8 @@ def test_the_slurm_executor_checkpoints_on_usr1_requeues_and_resumes(local_run, 
     assert proc.returncode == 0, text[-4000:]
     line = _task_line(text)
     assert line.group(1) == job and line.group(2) == "SUCCEEDED"
+    if subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True).returncode != 0:  # accounting off
+        assert "waiting on the job through scontrol" in text, text[-4000:]  # NeMo-Run's wait would cancel it
     logs = Path(line.group(3))
     first, second = (logs / f"log--.nemo-replay_{job}_{n}.out" for n in (0, 1))  # one per SLURM_RESTART_COUNT
     stopped = re.search(r"stopped by SIGUSR1 after (\d+) of 10 steps", first.read_text())
@@ -105,3 +111,17 @@ def test_the_slurm_executor_checkpoints_on_usr1_requeues_and_resumes(local_run, 
     batch = next(logs.glob(f"sbatch_*_{job}.out")).read_text()
     assert "job exited with code 75" in batch and f"scontrol requeue {job}" in batch and "job exited with code 0" in batch
     assert rows(out) == rows(cwd / "runs" / "local")  # where the uninterrupted run ended, bit for bit
+
+
+@pytest.mark.slurm
+@skip_without_slurm()
+def test_the_slurm_executor_checkpoints_on_usr1_requeues_and_resumes(local_run, tmp_path):
+    _usr1_requeue_resume(local_run, tmp_path, nodes=1, procs=2)
+
+
+@pytest.mark.slurm
+@skip_without_two_nodes()
+def test_two_nodes_the_slurm_executor_checkpoints_on_usr1_requeues_and_resumes(local_run, tmp_path):
+    """``--nodes 2``, one rank per node, on ``scripts/slurm_cluster.sh start --nodes 2``: the same world of 2 ranks
+    as the local run, so the same rows."""
+    _usr1_requeue_resume(local_run, tmp_path, nodes=2, procs=1)

@@ -28,13 +28,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.recipes.cluster import ended, job_fields, rows, skip_without_slurm
+from tests.recipes.cluster import (
+    after_start, ended, final_weights, job_fields, latest_checkpoint, resumed_after, rows, skip_without_slurm, wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,18 +72,6 @@ def _submit(cwd: Path, strategy: str, name: str, out: str) -> tuple[str, Path]:
     return job.group(1), script
 
 
-def _wait(what: str, ok, log: Path, timeout: float = 300):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = ok()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            tail = log.read_text()[-4000:] if log.exists() else "(no log)"
-            pytest.fail(f"timed out waiting for {what}; job log:\n{tail}")
-        time.sleep(0.2)
-
-
 def _kill_outright(job: str) -> None:
     """SIGKILL to the job's processes (``scontrol listpids``) and all their descendants, at once."""
     listed = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True, check=True).stdout
@@ -106,53 +95,11 @@ def _kill_outright(job: str) -> None:
             pass
 
 
-def _latest_checkpoint(out: Path) -> int:
-    steps = [int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*") if (p / "complete.json").exists()]
-    return max(steps, default=-1)
-
-
-def _weights(out: Path, tmp: Path) -> dict:
-    """Every tensor of the final checkpoint (torch distributed checkpoint, read without a process group)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    step = _latest_checkpoint(out)
-    assert step == STEPS - 1, step
-    folder = out / "checkpoints" / f"step-{step:07d}"
-    state = next(p for p in (folder, *folder.iterdir()) if p.is_dir() and (p / ".metadata").exists())
-    target = tmp / f"{out.name}.pt"
-    dcp_to_torch_save(state, target)
-    flat = {}
-
-    def walk(value, key):
-        if torch.is_tensor(value):
-            flat[key] = value
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{key}/{k}")
-
-    walk(torch.load(target, weights_only=False), "")
-    return flat
-
-
-def _after(log: Path, restart: int) -> str:
-    """The log of the job's ``restart``-th start (``SLURM_RESTART_COUNT``) to its next start."""
-    text = log.read_text()
-    parts = re.split(r"nemo-replay: job \d+ started on \S+ \(SLURM_RESTART_COUNT=(\d+)\)", text)
-    found = {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
-    return found.get(restart, "")
-
-
-def _resumed_after(segment: str) -> int:
-    m = re.search(r"resuming \S+ after step (\d+)", segment)
-    assert m, segment[-3000:]
-    return int(m.group(1))
-
-
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job_ends(strategy, tmp_path):
     ref_job, _ = _submit(tmp_path, strategy, f"ref-{strategy}", "runs/ref")
     ref_log = tmp_path / "logs" / f"ref-{strategy}-{ref_job}.out"
-    state = _wait("the uninterrupted job to end", lambda: ended(ref_job), ref_log)
+    state = wait_for("the uninterrupted job to end", lambda: ended(ref_job), ref_log)
     assert state == "COMPLETED" and job_fields(ref_job)["ExitCode"] == "0:0", ref_log.read_text()[-4000:]
 
     out = tmp_path / "runs" / "run"
@@ -160,41 +107,41 @@ def test_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job_ends(stra
     log = tmp_path / "logs" / f"run-{strategy}-{job}.out"
 
     # 1. USR1 to the batch shell: checkpoint the step in flight, exit 75, requeue, resume after it.
-    _wait("step 1", lambda: len(rows(out)) >= 2, log)
+    wait_for("step 1", lambda: len(rows(out)) >= 2, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
-    _wait("the requeued job to start", lambda: job_fields(job).get("Restarts") == "1" and _after(log, 1), log)
-    first = _after(log, 0)
+    wait_for("the requeued job to start", lambda: job_fields(job).get("Restarts") == "1" and after_start(log, 1), log)
+    first = after_start(log, 0)
     assert "nemo-replay: the job step exited 75 (75: it checkpointed and stopped)" in first, first[-4000:]
     stopped = re.search(r"stopped by SIGUSR1 after (\d+) of", first)
     assert stopped, first[-4000:]
-    _wait("the resumed run", lambda: "resuming" in _after(log, 1), log)
-    assert _resumed_after(_after(log, 1)) == int(stopped.group(1)) - 1  # the step in flight, not a periodic one
+    wait_for("the resumed run", lambda: "resuming" in after_start(log, 1), log)
+    assert resumed_after(after_start(log, 1)) == int(stopped.group(1)) - 1  # the step in flight, not a periodic one
 
     # 2. An external requeue: nothing older than the last periodic checkpoint is lost.
-    resumed = _resumed_after(_after(log, 1))
-    _wait("a periodic checkpoint after the resume", lambda: _latest_checkpoint(out) > resumed, log)
-    periodic = _latest_checkpoint(out)
+    resumed = resumed_after(after_start(log, 1))
+    wait_for("a periodic checkpoint after the resume", lambda: latest_checkpoint(out) > resumed, log)
+    periodic = latest_checkpoint(out)
     subprocess.run(["scontrol", "requeue", job], check=True)
-    _wait("the second start", lambda: job_fields(job).get("Restarts") == "2" and "resuming" in _after(log, 2), log)
-    assert _resumed_after(_after(log, 2)) >= periodic
+    wait_for("the second start", lambda: job_fields(job).get("Restarts") == "2" and "resuming" in after_start(log, 2), log)
+    assert resumed_after(after_start(log, 2)) >= periodic
 
     # 3. Killed outright: the same script, submitted again, resumes from the last complete checkpoint.
-    resumed = _resumed_after(_after(log, 2))
-    _wait("a checkpoint after the second resume", lambda: _latest_checkpoint(out) > resumed, log)
+    resumed = resumed_after(after_start(log, 2))
+    wait_for("a checkpoint after the second resume", lambda: latest_checkpoint(out) > resumed, log)
     _kill_outright(job)
-    _wait("the killed job to end", lambda: ended(job), log)
-    assert "stopped by" not in _after(log, 2) and job_fields(job)["JobState"] == "FAILED", _after(log, 2)[-4000:]
-    kept = _latest_checkpoint(out)
+    wait_for("the killed job to end", lambda: ended(job), log)
+    assert "stopped by" not in after_start(log, 2) and job_fields(job)["JobState"] == "FAILED", after_start(log, 2)[-4000:]
+    kept = latest_checkpoint(out)
     again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=_env(strategy), capture_output=True, text=True, check=True)
     job2 = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
     log2 = tmp_path / "logs" / f"run-{strategy}-{job2}.out"
-    _wait("the resubmitted job to end", lambda: ended(job2), log2)
+    wait_for("the resubmitted job to end", lambda: ended(job2), log2)
     assert job_fields(job2)["JobState"] == "COMPLETED", log2.read_text()[-4000:]
-    assert _resumed_after(log2.read_text()) == kept
+    assert resumed_after(log2.read_text()) == kept
 
     # Where an uninterrupted job ends, bit for bit.
     assert rows(out) == rows(tmp_path / "runs" / "ref")
-    ref, got = _weights(tmp_path / "runs" / "ref", tmp_path), _weights(out, tmp_path)
+    ref, got = final_weights(tmp_path / "runs" / "ref", tmp_path, STEPS), final_weights(out, tmp_path, STEPS)
     assert ref.keys() == got.keys() and len(ref) > 10
     for key in ref:
         assert torch.equal(ref[key], got[key]), key
