@@ -46,13 +46,8 @@ install() {
     log "installed $(sbatch --version)"
 }
 
-write_conf() {
-    local host cpus mem
-    host="$(hostname -s)"
-    cpus="$(nproc)"
-    mem="$(awk '/MemTotal/ {print int($2 / 1024 * 0.8)}' /proc/meminfo)"
-    mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
-    cat >"$CONF" <<EOF
+conf_common() {  # the settings every cluster shape shares
+    cat <<EOF
 ClusterName=nemo-replay-ci
 SlurmctldHost=localhost
 SlurmUser=root
@@ -71,16 +66,29 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
 SlurmctldPort=6817
 SlurmdPort=6818
+EOF
+}
+
+write_conf() {
+    local host cpus mem
+    host="$(hostname -s)"
+    cpus="$(nproc)"
+    mem="$(awk '/MemTotal/ {print int($2 / 1024 * 0.8)}' /proc/meminfo)"
+    mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
+    {
+        conf_common
+        cat <<EOF
+SlurmdSpoolDir=$DIR/spool
+SlurmdPidFile=$DIR/slurmd.pid
+SlurmdLogFile=$DIR/log/slurmd.log
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
+    } >"$CONF"
 }
 
 write_conf_nodes() {  # write_conf_nodes N: N nodes at their own addresses, slurmctld on the bridge
@@ -89,39 +97,20 @@ write_conf_nodes() {  # write_conf_nodes N: N nodes at their own addresses, slur
     mem="$(awk -v n="$n" '/MemTotal/ {print int($2 / 1024 * 0.8 / n)}' /proc/meminfo)"
     mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
     # SlurmdTimeout: a node silent for 20 s is DOWN, and its jobs end (NODE_FAIL) or are requeued.
-    cat >"$CONF" <<EOF
-ClusterName=nemo-replay-ci
-SlurmctldHost=localhost
+    {
+        conf_common
+        cat <<EOF
 SlurmctldAddr=$NET.1
-SlurmUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=cred_expire=5
-MpiDefault=none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-ReturnToService=2
-JobRequeue=1
 SlurmdTimeout=20
-SchedulerParameters=sched_interval=2,bf_interval=1
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n
-SlurmctldPidFile=$DIR/slurmctld.pid
 SlurmdPidFile=$DIR/slurmd-%n.pid
-SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
-SlurmctldPort=6817
-SlurmdPort=6818
 EOF
-    for i in $(seq 1 "$n"); do
-        echo "NodeName=nr-node$i NodeAddr=$NET.$((10 + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN" >>"$CONF"
-    done
-    echo "PartitionName=debug Nodes=nr-node[1-$n] Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
+        for i in $(seq 1 "$n"); do
+            echo "NodeName=nr-node$i NodeAddr=$NET.$((10 + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+        done
+        echo "PartitionName=debug Nodes=nr-node[1-$n] Default=YES MaxTime=INFINITE State=UP"
+    } >"$CONF"
 }
 
 made() { echo "$1" >>"$DIR/made"; }  # made KIND:NAME: one thing `stop` removes
