@@ -5,18 +5,19 @@ vLLM's offline engine (``vllm.LLM``) in this process -- its engine core and work
 child processes, as vLLM starts them -- from a folder holding the policy's config and
 weights, with ``--logprobs-mode processed_logprobs``. Every rollout:
 
-1. **weight sync**: the policy's weights (FSDP2 shards gathered) are written into that folder
-   as one safetensors file (written beside, then renamed over the old one), and each vLLM
-   worker reloads them in place through vLLM's own path,
-   ``collective_rpc("reload_weights", kwargs={"weights_path": folder})``: no engine restart;
+1. **weight sync**: the policy's weights (FSDP2 shards gathered; a megatron model's renamed by
+   ``export``) are written into that folder as one safetensors file (written beside, then
+   renamed over the old one), and each vLLM worker reloads them in place through vLLM's own
+   path, ``collective_rpc("reload_weights", kwargs={"weights_path": folder})``: no engine
+   restart. Then vLLM's prefix cache is emptied: its blocks hold keys and values of the old weights;
 2. **generation**: one request per prompt, ``SamplingParams`` from the recipe (temperature,
    top-k, top-p, min-p, the stop token; a seed per request drawn from the trainer's sampling
-   generator), asking ``logprobs = vllm_row_width(top_k) + 1`` processed log-probs so every
-   position's list ends with a filtered entry;
-3. **capture**: each ``CompletionOutput`` through the package's vLLM adapter
-   (:func:`~nemo_replay.rollout.engines.vllm.support_from_vllm_output`): one support row per
-   token and the engine's own log-prob of the sampled token. A position whose support the
-   list cannot show whole is flagged and left out of the loss.
+   generator), asking ``top_k + VLLM_TIE_MARGIN + 1`` processed log-probs (``flat_logprobs``)
+   so every position's list ends with a filtered entry;
+3. **capture**: the outputs' log-probs through the package's vLLM adapter as one batch
+   (:func:`capture_rollout`): one support row per token and the engine's own log-prob of the
+   sampled token. A position whose support the list cannot show whole is flagged and left out
+   of the loss.
 
 The batch is then built by :func:`~nemo_replay.trainer.generation.rollout_batch`, as for every
 other engine. Its ``rollout_logprobs`` are vLLM's; with replay on the trainer reproduces them
