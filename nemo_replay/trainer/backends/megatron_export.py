@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["hf_llama_config", "hf_weights"]
+__all__ = ["hf_llama_config", "hf_weights", "check_complete"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # megatron name (after the layer prefix) -> Hugging Face name, for tensors that only rename.
@@ -103,9 +103,24 @@ def hf_weights(model, config, *, tp_group=None) -> Iterator[tuple[str, torch.Ten
         tp_group: the tensor-parallel group its shards are spread over; None: not sharded.
 
     Raises:
-        ValueError naming a parameter with no Llama counterpart.
+        ValueError naming a parameter with no Llama counterpart, or (after the last pair) the Llama
+        tensors none of the parameters gave: an engine would keep its old values for those.
     """
     model = getattr(model, "module", model)  # Float16Module keeps the GPTModel as .module
+    yielded = set()
+    for hf_name, tensor in _pairs(model, config, tp_group):
+        yielded.add(hf_name)
+        yield hf_name, tensor
+    missing = check_complete(yielded, config)
+    if missing:
+        raise ValueError(f"{missing}; export a model holding every layer (one pipeline stage), or use "
+                         f"generation.engine=trainer")
+
+
+def _pairs(model, config, tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, whole tensor) of every parameter, unchecked for completeness (:func:`hf_weights`)."""
+    unknown = ("megatron parameter {!r} has no Hugging Face Llama counterpart (this export knows the dense "
+               "Llama layout of the reference trainer's GPTModel); use generation.engine=trainer for this model")
     for name, param in model.named_parameters():
         t = param.detach()
         if name in _TOP_NAMES:
@@ -114,7 +129,7 @@ def hf_weights(model, config, *, tp_group=None) -> Iterator[tuple[str, torch.Ten
             continue
         m = _LAYER.match(name)
         if m is None:
-            raise ValueError(f"megatron parameter {name!r} has no Hugging Face Llama counterpart")
+            raise ValueError(unknown.format(name))
         layer, rest = f"model.layers.{m.group(1)}.", m.group(2)
         if rest in _LAYER_NAMES:
             dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
@@ -127,7 +142,7 @@ def hf_weights(model, config, *, tp_group=None) -> Iterator[tuple[str, torch.Ten
             yield layer + "mlp.gate_proj.weight", _gather(gate, 0, tp_group)
             yield layer + "mlp.up_proj.weight", _gather(up, 0, tp_group)
         else:
-            raise ValueError(f"megatron parameter {name!r} has no Hugging Face Llama counterpart")
+            raise ValueError(unknown.format(name))
 
 
 def check_complete(names: set, config) -> Optional[str]:
