@@ -234,7 +234,8 @@ def rollout_batch(
     if token_mask is not None:
         if token_mask.shape != (sum(lengths),) or token_mask.dtype != torch.bool:
             raise ValueError(f"rollout_batch: token_mask must be ({sum(lengths)},) bool, one per response token, got "
-                             f"{tuple(token_mask.shape)} {token_mask.dtype}")
+                             f"{tuple(token_mask.shape)} {token_mask.dtype}; pass the responses' tokens in order, "
+                             f"e.g. an engine adapter's loss_mask per response, concatenated")
         loss_mask[loss_mask.clone()] = token_mask.to(device)
     # Rows cost what they hold: CSR unless fixed-width rows were asked for (the scorer pads
     # them on the device, to the width they were captured at: docs/design.md §4).

@@ -113,3 +113,19 @@ def test_routes_keep_the_forward_that_first_processed_each_token():
     # trajectory 0: 3 prompt tokens (step 0), response tokens 0, 1 fed at steps 1, 2; the last never fed -> 0.
     assert r.segment(0)[:, 0, 0].tolist() == [100, 100, 100, 101, 102, 0]
     assert r.segment(1)[:, 0, 0].tolist() == [100, 101, 102, 0]
+
+
+def test_rollout_batch_token_mask_keeps_flagged_tokens_out_of_the_loss_at_their_columns():
+    """A flagged token (an engine adapter's position whose row is empty) leaves the loss at exactly
+    its own right-aligned column: response 0 (3 tokens) loses token 1, response 1 (1 token) none."""
+    from nemo_replay.trainer.generation import rollout_batch
+
+    prompts = [torch.tensor([5, 6]), torch.tensor([7])]
+    responses = [torch.tensor([1, 2, 3]), torch.tensor([4])]
+    rows = RaggedSupport(torch.tensor([1, 9, 3, 4], dtype=torch.int32), torch.tensor([0, 2, 2, 3, 4]),
+                         torch.tensor([0, 3, 4], dtype=torch.int32))
+    mask = torch.tensor([True, False, True, True])
+    batch = rollout_batch(prompts, responses, -torch.rand(4), rows, token_mask=mask).batch
+    assert batch.loss_mask.tolist() == [[True, False, True], [False, False, True]]
+    with pytest.raises(ValueError, match=r"token_mask must be \(4,\) bool, one per response token, got \(3,\)"):
+        rollout_batch(prompts, responses, -torch.rand(4), rows, token_mask=mask[:3])

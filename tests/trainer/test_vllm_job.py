@@ -15,8 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.vllm_marks import vllm_marks
 
 pytestmark = vllm_marks()

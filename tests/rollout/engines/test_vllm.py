@@ -355,3 +355,21 @@ def test_the_margin_keeps_every_position_vllm_024_ties_past_k(top_k, top_p, temp
             assert [sorted(got.support.row(j).tolist()) for j in range(n)] == [s.mask for s in steps]
             assert max(len(s.mask) for s in steps) > top_k  # ties past k were there to lose
     assert kept[width + 1] == n and kept[top_k + 1] < n, kept
+
+
+def test_a_batch_checks_each_distinct_request_setting_naming_its_first_response():
+    """The live engines check every distinct sampler setting of a batch once (not every request):
+    two requests that differ only in chat's ``top_logprobs`` are two settings, and the one that
+    cannot show a support whole is named by its response before anything is read."""
+    from nemo_replay.trainer.backends.vllm_engine import capture_rollout
+
+    body = {"temperature": 1.0, "top_k": 8, "logprobs": True, "top_logprobs": 25}
+    bodies = [body, dict(body, seed=3), dict(body, top_logprobs=3)]  # the seed alone is no other setting
+    prompts, responses = [torch.tensor([1])] * 3, [torch.tensor([2])] * 3
+
+    def read_one(i):
+        raise AssertionError("nothing is read before the settings pass")
+
+    with pytest.raises(ValueError, match=r"response 2 \(and every response of the same setting\): .*logprobs=3"):
+        capture_rollout(prompts, responses, bodies, None, read_one, where="response", vocab_size=32, row_width=None,
+                        pad_id=0, device="cpu")

@@ -14,12 +14,11 @@ Marked ``vllm``; skipped where vLLM does not import (the reason names the instal
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 
-from tests.rollout.engines.live_reference import TOL, V, check_rows, gap, logits64, tiny_llama, trainer_logprobs
+from tests.rollout.engines.live_reference import TOL, V, check_rows, gap, logits64, tiny_llama, trainer_logprobs, updated
 from tests.vllm_marks import vllm_marks
 
 pytestmark = vllm_marks()
@@ -215,17 +214,14 @@ def test_weight_sync_then_rollout_the_trainer_reproduces(live):
     """The engine's rollout after a weight update: the trainer (new weights) reproduces its
     log-probs with replay on; scored with the weights before the update it does not."""
     engine, model = live
-    updated = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in updated.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new = updated(model)
     prompts = _prompts(8, seed=11)
-    ro = engine.rollout(updated, prompts, seed=123)
+    ro = engine.rollout(new, prompts, seed=123)
     batch = ro.batch
-    assert gap(updated, batch) <= TOL
+    assert gap(new, batch) <= TOL
     assert gap(model, batch) > 1e-2
     assert engine.sync_seconds[-1] < 5.0
-    again = engine.rollout(updated, prompts, seed=123)  # the same seeds draw the same tokens
+    again = engine.rollout(new, prompts, seed=123)  # the same seeds draw the same tokens
     assert torch.equal(again.batch.sequences, batch.sequences)
     engine.sync(model)
 
@@ -235,15 +231,12 @@ def test_a_weight_sync_empties_the_prefix_cache(live):
     to the next: after a weight update those blocks hold keys and values of the old weights. The
     sync empties the cache, so the rollout after it is the new weights' own."""
     engine, model = live
-    updated = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in updated.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new = updated(model)
     g = torch.Generator().manual_seed(17)
     prompts = [torch.randint(3, V, (40,), generator=g) for _ in range(4)]
     engine.rollout(model, prompts, seed=5)  # fills the cache under the old weights
-    ro = engine.rollout(updated, prompts, seed=5)
-    assert gap(updated, ro.batch) <= TOL, gap(updated, ro.batch)
+    ro = engine.rollout(new, prompts, seed=5)
+    assert gap(new, ro.batch) <= TOL, gap(new, ro.batch)
     engine.sync(model)
 
 

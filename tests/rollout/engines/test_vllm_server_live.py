@@ -17,13 +17,15 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shutil
 import socket
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.rollout.engines.live_reference import TOL, V, check_rows, gap, tiny_llama
+from tests.rollout.engines.live_reference import TOL, V, check_rows, gap, tiny_llama, updated
 from tests.vllm_marks import vllm_marks
 
 pytestmark = vllm_marks()
@@ -58,14 +60,19 @@ def _gone(pid: int) -> bool:
     ],
     ids=["dies", "times-out"],
 )
-def test_a_server_that_does_not_come_up_is_named_and_stopped(tmp_path, options, message):
+@pytest.mark.parametrize("own_folder", [False, True], ids=["given-folder", "own-folder"])
+def test_a_server_that_does_not_come_up_is_named_and_stopped(tmp_path, options, message, own_folder):
     from nemo_replay.trainer.backends.vllm_server import VLLMServerError
 
     with pytest.raises(VLLMServerError, match=re.compile(message, re.S)) as info:
-        _engine(tiny_llama(), folder=tmp_path, **options)
+        _engine(tiny_llama(), folder=None if own_folder else tmp_path, **options)
     text = str(info.value)
-    assert str(tmp_path / "server.log") in text  # the log kept, named, its tail shown
+    log = Path(re.search(r"its log (\S+server\.log)", text).group(1))
+    assert log.is_file() and (own_folder or log == tmp_path / "server.log")  # the log kept, named, its tail shown
+    assert not (log.parent / "model.safetensors").exists()  # the weights are not left behind
     assert _gone(int(re.search(r"pid (\d+)", text).group(1)))
+    if own_folder:
+        shutil.rmtree(log.parent)
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +112,6 @@ def _check_rows(model, rollout, **settings):
     check_rows(model, rollout.prompts, rollout.responses, row_of, **settings)
 
 
-def _gap(model, batch, *, replay: bool = True, temperature: float = 1.0) -> float:
-    """max |server - trainer| over the loss positions, the trainer being the fsdp recompute role."""
-    return gap(model, batch, replay=replay, temperature=temperature)
-
-
 @pytest.mark.parametrize(
     "fields",
     [
@@ -130,8 +132,8 @@ def test_rows_and_logprobs_read_over_http(served, fields):
     sizes = batch.support.row_lengths
     assert sizes.min() >= 1 and sizes.max() < V  # every case truncates somewhere
     _check_rows(model, rollout, **{k: fields[k] for k in ("top_k", "top_p", "min_p", "temperature")})
-    assert _gap(model, batch, temperature=fields["temperature"]) <= TOL
-    assert _gap(model, batch, replay=False, temperature=fields["temperature"]) > 0.05  # what the rows remove
+    assert gap(model, batch, temperature=fields["temperature"]) <= TOL
+    assert gap(model, batch, replay=False, temperature=fields["temperature"]) > 0.05  # what the rows remove
 
 
 def test_requests_the_adapter_or_the_server_refuse(served):
@@ -155,20 +157,17 @@ def test_weight_sync_then_rollout_the_trainer_reproduces(served):
     log-probs; scored with the weights before the update it does not. Prompts of 32 tokens and
     more were served with the old weights just before: their cached blocks must not outlive the sync."""
     engine, model = served
-    updated = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in updated.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new = updated(model)
     g = torch.Generator().manual_seed(12)
     prompts = _prompts(6, seed=11) + [torch.randint(3, V, (n,), generator=g) for n in (40, 33)]
     stale = engine.rollout(model, prompts, seed=123)  # fills the prefix cache with the old weights' blocks
-    assert _gap(model, stale.batch) <= TOL
-    rollout = engine.rollout(updated, prompts, seed=123)
+    assert gap(model, stale.batch) <= TOL
+    rollout = engine.rollout(new, prompts, seed=123)
     batch = rollout.batch
-    assert _gap(updated, batch) <= TOL
-    assert _gap(model, batch) > 1e-2
+    assert gap(new, batch) <= TOL
+    assert gap(model, batch) > 1e-2
     assert engine.sync_seconds[-1] < 5.0
-    again = engine.rollout(updated, prompts, seed=123)  # the same seeds draw the same tokens
+    again = engine.rollout(new, prompts, seed=123)  # the same seeds draw the same tokens
     assert torch.equal(again.batch.sequences, batch.sequences)
     engine.sync(model)
 
@@ -177,14 +176,14 @@ def test_a_server_given_by_url_is_used_and_left_running(served):
     """A second engine on the running server (``url``): weights from its own folder, a rollout
     the trainer reproduces; its close() leaves the server up and removes only its folder."""
     engine, model = served
-    updated = copy.deepcopy(model)
+    new = copy.deepcopy(model)
     with torch.no_grad():
-        updated.lm_head.weight.mul_(0.5)
+        new.lm_head.weight.mul_(0.5)
     attached = _engine(model, url=engine.url)
     try:
         assert attached.server is None and attached.folder != engine.folder
-        rollout = attached.rollout(updated, _prompts(4, seed=13), seed=5)
-        assert _gap(updated, rollout.batch) <= TOL and _gap(model, rollout.batch) > 1e-2
+        rollout = attached.rollout(new, _prompts(4, seed=13), seed=5)
+        assert gap(new, rollout.batch) <= TOL and gap(model, rollout.batch) > 1e-2
     finally:
         attached.close()
     assert not attached.folder.exists()
