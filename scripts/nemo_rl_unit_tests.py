@@ -88,9 +88,9 @@ PLUG_WRAPS = 4
 #: The longest AF_UNIX socket path on Linux (``sun_path`` holds 108 bytes with its NUL); Ray
 #: refuses a session whose sockets would pass it (``validate_socket_filename failed``).
 SOCKET_PATH_MAX = 107
-#: Bytes Ray appends to RAY_TMPDIR for its session folder and socket names: about 69 (the old
-#: layout, $TMPDIR/nrl-unit-XXXXXXXX/ray-unplugged, fitted with a 6-character TMPDIR and not with
-#: a longer one), plus room for a longer process id.
+#: Bytes Ray appends to RAY_TMPDIR for its session folder and socket names: measured 62 with the
+#: NeMo-RL environment's Ray 2.60.0 (``session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store``,
+#: a 5-digit process id), plus room for a 7-digit process id and a longer socket name.
 RAY_TAIL = 72
 
 

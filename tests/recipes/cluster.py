@@ -4,6 +4,7 @@ checkpoints and final weights."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -13,9 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
 __all__ = [
     "skip_without_slurm", "skip_without_two_nodes", "job_fields", "ended", "rows", "wait_for", "latest_checkpoint",
-    "final_weights", "after_start", "resumed_after", "node_processes", "node_ranks",
+    "final_weights", "after_start", "resumed_after", "node_processes", "node_ranks", "JOB_RECIPE", "STRATEGIES",
+    "job_env", "REPO_ROOT",
 ]
 
 
@@ -28,13 +32,16 @@ def _cluster_problem() -> str | None:
     return None
 
 
-def skip_without_slurm():
-    problem = _cluster_problem()
+def _skip_unless(problem: str | None, what: str, start: str, select: str):
     return pytest.mark.skipif(
         problem is not None,
-        reason=f"needs a running Slurm: {problem}; as root: scripts/slurm_cluster.sh install && "
-        f'eval "$(scripts/slurm_cluster.sh start)", then python -m pytest -m slurm',
+        reason=f"needs {what}: {problem}; as root: scripts/slurm_cluster.sh install && "
+        f'eval "$(scripts/slurm_cluster.sh start{start})", then python -m pytest -m slurm{select}',
     )
+
+
+def skip_without_slurm():
+    return _skip_unless(_cluster_problem(), "a running Slurm", "", "")
 
 
 def _two_nodes_problem() -> str | None:
@@ -49,12 +56,27 @@ def _two_nodes_problem() -> str | None:
 
 def skip_without_two_nodes():
     """Skips unless the cluster is ``scripts/slurm_cluster.sh start --nodes 2``'s (its node names and namespaces)."""
-    problem = _two_nodes_problem()
-    return pytest.mark.skipif(
-        problem is not None,
-        reason=f"needs the two-node Slurm of this machine: {problem}; as root: scripts/slurm_cluster.sh install && "
-        f'eval "$(scripts/slurm_cluster.sh start --nodes 2)", then python -m pytest -m slurm -k two_nodes',
-    )
+    return _skip_unless(_two_nodes_problem(), "the two-node Slurm of this machine", " --nodes 2", " -k two_nodes")
+
+
+#: The Slurm jobs' recipe (the tiny model, checkpoints every 3 steps) without its step count, and
+#: each strategy's flags: megatron's TP=2 spans the job's two ranks.
+JOB_RECIPE = [
+    "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.micro_batch_size=8", "trainer.minibatches_per_step=2",
+    "trainer.progress_bar=false", "trainer.plot=false", "generation.max_new_tokens=4", "model.hidden_size=32",
+    "model.intermediate_size=64", "trainer.checkpoint_every=3", "trainer.num_threads=1",
+]
+STRATEGIES = {
+    "fsdp": [],
+    "megatron": ["replay.strategy=megatron", "parallel.tensor=2"],
+}
+
+
+def job_env(strategy: str) -> dict:
+    """The job's environment: this checkout first on PYTHONPATH; megatron's CPU shims for megatron
+    (megatron-core asks CUDA for its device: tests/recipes/cpu_shims_site)."""
+    shims = [str(REPO_ROOT / "tests" / "recipes" / "cpu_shims_site")] if strategy == "megatron" else []
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([*shims, str(REPO_ROOT)]), OMP_NUM_THREADS="1")
 
 
 def job_fields(job: str) -> dict:

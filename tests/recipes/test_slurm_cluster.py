@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from tests.recipes.cluster import (
+    JOB_RECIPE, STRATEGIES, job_env,
     after_start, ended, final_weights, job_fields, latest_checkpoint, resumed_after, rows, skip_without_slurm, wait_for,
 )
 
@@ -43,20 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slurm, skip_without_slurm()]
 
 STEPS = 14
-RECIPE = [
-    "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.micro_batch_size=8", "trainer.minibatches_per_step=2",
-    "trainer.progress_bar=false", "trainer.plot=false", "generation.max_new_tokens=4", "model.hidden_size=32",
-    "model.intermediate_size=64", f"trainer.steps={STEPS}", "trainer.checkpoint_every=3", "trainer.num_threads=1",
-]
-STRATEGIES = {
-    "fsdp": [],
-    "megatron": ["replay.strategy=megatron", "parallel.tensor=2"],
-}
-
-
-def _env(strategy: str) -> dict:
-    shims = [str(REPO / "tests" / "recipes" / "cpu_shims_site")] if strategy == "megatron" else []
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([*shims, str(REPO)]), OMP_NUM_THREADS="1")
+RECIPE = [*JOB_RECIPE, f"trainer.steps={STEPS}"]
 
 
 def _submit(cwd: Path, strategy: str, name: str, out: str) -> tuple[str, Path]:
@@ -64,7 +52,7 @@ def _submit(cwd: Path, strategy: str, name: str, out: str) -> tuple[str, Path]:
     cmd = [sys.executable, str(REPO / "recipes" / "slurm.py"), "--nodes", "1", "--gpus-per-node", "0",
            "--procs-per-node", "2", "--no-container", "--time", "00:20:00", "--signal-lead", "60",
            "--job-name", name, "--", f"trainer.output_dir={out}", *RECIPE, *STRATEGIES[strategy]]
-    done = subprocess.run(cmd, cwd=cwd, env=_env(strategy), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, cwd=cwd, env=job_env(strategy), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     job = re.search(r"Submitted batch job (\d+)", done.stdout)
     assert job, done.stdout
@@ -132,7 +120,7 @@ def test_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job_ends(stra
     wait_for("the killed job to end", lambda: ended(job), log)
     assert "stopped by" not in after_start(log, 2) and job_fields(job)["JobState"] == "FAILED", after_start(log, 2)[-4000:]
     kept = latest_checkpoint(out)
-    again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=_env(strategy), capture_output=True, text=True, check=True)
+    again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=job_env(strategy), capture_output=True, text=True, check=True)
     job2 = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
     log2 = tmp_path / "logs" / f"run-{strategy}-{job2}.out"
     wait_for("the resubmitted job to end", lambda: ended(job2), log2)

@@ -39,6 +39,7 @@ import pytest
 import torch
 
 from tests.recipes.cluster import (
+    JOB_RECIPE, STRATEGIES, job_env,
     after_start, ended, final_weights, job_fields, latest_checkpoint, node_processes, node_ranks, resumed_after, rows,
     skip_without_two_nodes, wait_for,
 )
@@ -49,21 +50,8 @@ CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
 pytestmark = [pytest.mark.slurm, skip_without_two_nodes()]
 
 STEPS = 12
-RECIPE = [
-    "trainer.prompts_per_step=4", "trainer.group_size=4", "trainer.micro_batch_size=8", "trainer.minibatches_per_step=2",
-    "trainer.progress_bar=false", "trainer.plot=false", "generation.max_new_tokens=4", "model.hidden_size=32",
-    "model.intermediate_size=64", f"trainer.steps={STEPS}", "trainer.checkpoint_every=3", "trainer.num_threads=1",
-]
-STRATEGIES = {
-    "fsdp": [],
-    "megatron": ["replay.strategy=megatron", "parallel.tensor=2"],
-}
+RECIPE = [*JOB_RECIPE, f"trainer.steps={STEPS}"]
 TIMEOUT_S = 30  # trainer.collective_timeout_s of the job that loses a node
-
-
-def _env(strategy: str) -> dict:
-    shims = [str(REPO / "tests" / "recipes" / "cpu_shims_site")] if strategy == "megatron" else []
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([*shims, str(REPO)]), OMP_NUM_THREADS="1")
 
 
 def _submit(cwd: Path, strategy: str, name: str, out: str, *extra: str) -> tuple[str, Path, Path]:
@@ -71,7 +59,7 @@ def _submit(cwd: Path, strategy: str, name: str, out: str, *extra: str) -> tuple
     cmd = [sys.executable, str(REPO / "recipes" / "slurm.py"), "--nodes", "2", "--gpus-per-node", "0",
            "--procs-per-node", "1", "--no-container", "--time", "00:20:00", "--signal-lead", "60",
            "--job-name", name, "--", f"trainer.output_dir={out}", *RECIPE, *STRATEGIES[strategy], *extra]
-    done = subprocess.run(cmd, cwd=cwd, env=_env(strategy), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, cwd=cwd, env=job_env(strategy), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     job = re.search(r"Submitted batch job (\d+)", done.stdout)
     assert job, done.stdout
@@ -154,7 +142,7 @@ def test_two_nodes_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job
     wait_for("the killed job to end", lambda: ended(job), log)
     assert job_fields(job)["JobState"] == "FAILED" and "stopped by" not in after_start(log, 1), after_start(log, 1)[-4000:]
     kept = latest_checkpoint(out)
-    again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=_env(strategy), capture_output=True, text=True, check=True)
+    again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=job_env(strategy), capture_output=True, text=True, check=True)
     job2 = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
     log2 = tmp_path / "logs" / f"run-{strategy}-{job2}.out"
     wait_for("the resubmitted job to end", lambda: ended(job2), log2)

@@ -134,6 +134,10 @@ def _vllm(cfg: RecipeConfig, world: int, out: list[str]) -> None:
         out.append(f"generation.engine={engine} runs one vLLM beside one trainer process; this recipe has {world} "
                    f"processes (trainer.devices x trainer.num_nodes, or WORLD_SIZE): set trainer.devices=1 "
                    f"trainer.num_nodes=1, or generation.engine=hf for a multi-process run")
+    if cfg.replay.strategy == "megatron" and cfg.model.num_experts > 0:
+        out.append(f"generation.engine={engine} loads the megatron model's weights as a Hugging Face Llama "
+                   f"(trainer/backends/megatron_export.py), which an MoE model (model.num_experts="
+                   f"{cfg.model.num_experts}) has no form of; set generation.engine=trainer, or model.num_experts=0")
     if cfg.replay.route_replay:
         out.append("replay.route_replay=true needs the engine's MoE routes, which vLLM does not return here; set "
                    f"replay.route_replay=false with generation.engine={engine}")

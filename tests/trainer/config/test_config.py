@@ -159,6 +159,7 @@ RULES = [
     (["generation.engine=vllm", "generation.vllm.memory_share=0"], 1, "generation.vllm.memory_share=0.0 must be in (0, 1]"),
     (["generation.engine=vllm", "generation.vllm.memory_share=1.5"], 1, "generation.vllm.memory_share=1.5 must be in (0, 1]"),
     (["generation.engine=vllm", "replay.strategy=megatron", "parallel.tensor=2"], 2, "generation.engine=vllm runs one vLLM beside one trainer process; this recipe has 2"),
+    (["generation.engine=vllm", "replay.strategy=megatron", "model.num_experts=4"], 1, "which an MoE model (model.num_experts=4) has no form of"),
     (["generation.engine=vllm-server", "generation.top_k=null"], 1, "generation.engine=vllm-server reads each support"),
     (["generation.engine=vllm", "generation.vllm.url=http://127.0.0.1:8000"], 1, "with generation.engine=vllm-server (generation.engine=vllm)"),
     (["generation.engine=vllm-server", "generation.vllm.url=127.0.0.1:8000"], 1, "generation.vllm.url='127.0.0.1:8000': a running vLLM server's http://host:port"),
