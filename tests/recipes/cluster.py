@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 __all__ = [
     "skip_without_slurm", "skip_without_two_nodes", "job_fields", "ended", "rows", "wait_for", "latest_checkpoint",
     "final_weights", "after_start", "resumed_after", "node_processes", "node_ranks", "JOB_RECIPE", "STRATEGIES",
-    "job_env", "REPO_ROOT",
+    "job_env", "REPO_ROOT", "resubmit_resumes",
 ]
 
 
@@ -173,3 +173,16 @@ def node_processes(node: int) -> dict:
 def node_ranks(node: int) -> list:
     """The trainer ranks running on nr-node<node>."""
     return [pid for pid, cmd in node_processes(node).items() if "-m nemo_replay train" in cmd]
+
+
+def resubmit_resumes(script: Path, cwd: Path, strategy: str, out: Path) -> None:
+    """After a job failed: the same batch script, submitted again, completes and resumes after the
+    last complete checkpoint in ``out`` (its log ``<cwd>/logs/run-<strategy>-<job>.out``)."""
+    kept = latest_checkpoint(out)
+    again = subprocess.run(["sbatch", str(script)], cwd=cwd, env=job_env(strategy), capture_output=True, text=True,
+                           check=True)
+    job = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
+    log = cwd / "logs" / f"run-{strategy}-{job}.out"
+    wait_for("the resubmitted job to end", lambda: ended(job), log)
+    assert job_fields(job)["JobState"] == "COMPLETED", log.read_text()[-4000:]
+    assert resumed_after(log.read_text()) == kept

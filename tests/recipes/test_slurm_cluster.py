@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from tests.recipes.cluster import (
-    JOB_RECIPE, STRATEGIES, job_env,
+    JOB_RECIPE, STRATEGIES, job_env, resubmit_resumes,
     after_start, ended, final_weights, job_fields, latest_checkpoint, resumed_after, rows, skip_without_slurm, wait_for,
 )
 
@@ -119,13 +119,7 @@ def test_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job_ends(stra
     _kill_outright(job)
     wait_for("the killed job to end", lambda: ended(job), log)
     assert "stopped by" not in after_start(log, 2) and job_fields(job)["JobState"] == "FAILED", after_start(log, 2)[-4000:]
-    kept = latest_checkpoint(out)
-    again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=job_env(strategy), capture_output=True, text=True, check=True)
-    job2 = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
-    log2 = tmp_path / "logs" / f"run-{strategy}-{job2}.out"
-    wait_for("the resubmitted job to end", lambda: ended(job2), log2)
-    assert job_fields(job2)["JobState"] == "COMPLETED", log2.read_text()[-4000:]
-    assert resumed_after(log2.read_text()) == kept
+    resubmit_resumes(script, tmp_path, strategy, out)
 
     # Where an uninterrupted job ends, bit for bit.
     assert rows(out) == rows(tmp_path / "runs" / "ref")

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from tests.recipes.cluster import (
-    JOB_RECIPE, STRATEGIES, job_env,
+    JOB_RECIPE, STRATEGIES, job_env, resubmit_resumes,
     after_start, ended, final_weights, job_fields, latest_checkpoint, node_processes, node_ranks, resumed_after, rows,
     skip_without_two_nodes, wait_for,
 )
@@ -141,13 +141,7 @@ def test_two_nodes_signal_requeue_kill_and_resume_end_where_an_uninterrupted_job
             pass
     wait_for("the killed job to end", lambda: ended(job), log)
     assert job_fields(job)["JobState"] == "FAILED" and "stopped by" not in after_start(log, 1), after_start(log, 1)[-4000:]
-    kept = latest_checkpoint(out)
-    again = subprocess.run(["sbatch", str(script)], cwd=tmp_path, env=job_env(strategy), capture_output=True, text=True, check=True)
-    job2 = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
-    log2 = tmp_path / "logs" / f"run-{strategy}-{job2}.out"
-    wait_for("the resubmitted job to end", lambda: ended(job2), log2)
-    assert job_fields(job2)["JobState"] == "COMPLETED", log2.read_text()[-4000:]
-    assert resumed_after(log2.read_text()) == kept
+    resubmit_resumes(script, tmp_path, strategy, out)
 
     _same_end(out, ref, tmp_path)
 

@@ -95,3 +95,17 @@ def gap(model, batch, *, replay: bool = True, temperature: float = 1.0) -> float
     """max |engine - trainer| log-prob over the batch's loss positions."""
     lp = trainer_logprobs(model, batch, replay=replay, temperature=temperature)
     return float((lp - batch.rollout_logprobs).abs()[batch.loss_mask.bool()].max())
+
+
+def check_weight_update(engine, model, prompts) -> None:
+    """An engine's rollout after a weight update: the trainer with the new weights reproduces its
+    log-probs, the old weights do not (the update reached the engine), the sync stays quick, and
+    the same seeds draw the same tokens again. The engine holds ``model`` again at the end."""
+    new = updated(model)
+    batch = engine.rollout(new, prompts, seed=123).batch
+    assert gap(new, batch) <= TOL
+    assert gap(model, batch) > 1e-2
+    assert engine.sync_seconds[-1] < 5.0
+    again = engine.rollout(new, prompts, seed=123)
+    assert torch.equal(again.batch.sequences, batch.sequences)
+    engine.sync(model)

@@ -18,7 +18,9 @@ import copy
 import pytest
 import torch
 
-from tests.rollout.engines.live_reference import TOL, V, check_rows, gap, logits64, tiny_llama, trainer_logprobs, updated
+from tests.rollout.engines.live_reference import (
+    TOL, V, check_rows, check_weight_update, gap, logits64, tiny_llama, trainer_logprobs, updated,
+)
 from tests.vllm_marks import vllm_marks
 
 pytestmark = vllm_marks()
@@ -214,16 +216,7 @@ def test_weight_sync_then_rollout_the_trainer_reproduces(live):
     """The engine's rollout after a weight update: the trainer (new weights) reproduces its
     log-probs with replay on; scored with the weights before the update it does not."""
     engine, model = live
-    new = updated(model)
-    prompts = _prompts(8, seed=11)
-    ro = engine.rollout(new, prompts, seed=123)
-    batch = ro.batch
-    assert gap(new, batch) <= TOL
-    assert gap(model, batch) > 1e-2
-    assert engine.sync_seconds[-1] < 5.0
-    again = engine.rollout(new, prompts, seed=123)  # the same seeds draw the same tokens
-    assert torch.equal(again.batch.sequences, batch.sequences)
-    engine.sync(model)
+    check_weight_update(engine, model, _prompts(8, seed=11))
 
 
 def test_a_weight_sync_empties_the_prefix_cache(live):
