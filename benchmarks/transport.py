@@ -222,13 +222,11 @@ def batch_pickles(rows, sampled, V) -> dict:
         try:
             from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
-            from nemo_replay.integrations.nemo_rl.sample_rows import sample_rows
+            from nemo_replay.support.rows import SampleRows
 
-            # What the replay data path ships: one SampleRows a sample, built from its message log.
+            # What the replay data path ships: one SampleRows a sample, its rows after the prompt's columns.
             entries = [
-                sample_rows([{"token_ids": torch.zeros(P, dtype=torch.int64)},
-                             {"token_ids": torch.tensor(sampled[i * R:(i + 1) * R]), "generation_support": fixed[i, P:]}],
-                            "generation_support", where=f"sample {i}")
+                SampleRows.encode(fixed[i, P:], torch.tensor(sampled[i * R:(i + 1) * R]), start=P)
                 for i in range(B)
             ]
             out["NeMo-RL BatchedDataDict"] = (

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from nemo_replay.layout.channels import ScorerChannels
+from nemo_replay.layout.checks import Where, check_canonical
 from nemo_replay.scoring.collectives import agree
 from nemo_replay.scoring.scorer import SupportArg, SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
+from nemo_replay.support.ragged import as_support
 
 __all__ = ["ScorerChannels", "score_positions", "check_together", "flag_device"]
 
@@ -63,6 +65,9 @@ def score_positions(
     group=None,
     group_name: str = "SP",
     context: str = "",
+    canonical: Optional[ScorerChannels] = None,
+    where: Optional[Where] = None,
+    hint: str = "",
 ) -> SupportScores:
     """Score one micro-batch's positions on this rank.
 
@@ -84,6 +89,11 @@ def score_positions(
             ``"<group_name> rank r of n: "``.
         context: what the positions are, prefixed to a ``ValueError`` (for example how a
             framework's trajectory and token position read).
+        canonical: the whole sequences' channels, ``(B, S - 1)`` in the caller's coordinates, for a
+            caller whose positions are a slice of them (context parallel): membership and the
+            synthetic-EOS rule are checked on them first
+            (:func:`~nemo_replay.layout.checks.check_canonical`, naming positions with ``where``
+            and adding ``hint`` to a membership error), over the same decoded rows.
 
     Returns:
         :class:`~nemo_replay.scoring.scorer.SupportScores` shaped like the positions.
@@ -102,8 +112,13 @@ def score_positions(
                     "replay scores over the recorded support but none was given (support=None); pass the batch's "
                     "rows, or score with replay=False"
                 )
+            rows = as_support(support, source.device)  # compact rows decode here, once (docs/design.md §2)
+            if canonical is not None:
+                if getattr(rows, "decode_flag", None) is not None:
+                    rows.check()  # the decode's own checks before any row is read
+                check_canonical(canonical, rows, hint=hint, where=where)
             return score_aligned_support(
-                source, channels.sampled_ids, channels.row_ids, channels.loss_mask, support, shard=shard,
+                source, channels.sampled_ids, channels.row_ids, channels.loss_mask, rows, shard=shard,
                 lm_head_weight=lm_head_weight, temperature=temperature, trajectory_ids=channels.trajectory_ids,
                 compute_entropy=compute_entropy, compute_support_mass=compute_support_mass, chunk_size=chunk_size,
                 validate=validate, token_positions=channels.token_positions,

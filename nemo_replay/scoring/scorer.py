@@ -381,8 +381,6 @@ def score_aligned_support(
             "compute_support_mass needs full logits; in hidden mode (lm_head_weight given) the scorer never builds "
             "them. Pass logits as source, or set compute_support_mass=False"
         )
-    if isinstance(support, CompactRows):  # decoded here, on the device the scorer runs on (docs/design.md §2)
-        support = support.decode(call.device)
     plan = plan_support(call, as_support(support, call.device), validate=validate, hidden=hidden)
     local = _local_support_scores(plan, compute_entropy)
     totals = _reduce(plan, local, compute_entropy, compute_support_mass)

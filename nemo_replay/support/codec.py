@@ -937,6 +937,10 @@ class CompactRows:
             out.check()
         return out
 
+    def to(self, device) -> DecodedRows:
+        """The rows decoded on ``device`` (:meth:`decode`): compact rows decode where they are moved to."""
+        return self.decode(device)
+
     def _name_fused(self, sampled: Optional[torch.Tensor], device: torch.device, flags: torch.Tensor) -> None:
         """Name what the fused decode flagged by rerunning the reference, which sets the same flags."""
         _check(_decode(self._batch, sampled, device), self.labels)

@@ -418,15 +418,19 @@ def is_support(x) -> bool:
 
 def as_support(support, device) -> "PackedTensor | RaggedSupport":
     """The scorer's support argument as a PackedTensor of int32/int64 ``(rows, k)`` rows or a
-    RaggedSupport, on ``device``. A bare ``(rows, k)`` tensor becomes one segment."""
+    RaggedSupport, on ``device``. A bare ``(rows, k)`` tensor becomes one segment; compact rows
+    (:class:`~nemo_replay.support.codec.CompactRows`) decode themselves on the device they are
+    moved to."""
     if isinstance(support, torch.Tensor):
         if support.dim() != 2:
             raise ValueError(f"support rows must be (rows, k), got shape {tuple(support.shape)}")
         support = PackedTensor(support, [0, support.shape[0]])
+    elif hasattr(support, "decode") and hasattr(support, "to"):
+        support = support.to(device)
     if not is_support(support):
         raise ValueError(
-            f"support must be a PackedTensor of (rows, k) int rows, a RaggedSupport or a (rows, k) tensor, got "
-            f"{type(support).__name__}"
+            f"support must be a PackedTensor of (rows, k) int rows, a RaggedSupport, compact rows or a (rows, k) "
+            f"tensor, got {type(support).__name__}"
         )
     ids = support.all_ids  # RaggedSupport checked its members' dtype when it was built
     if ids.dim() != 2 and isinstance(support, PackedTensor):

@@ -7,20 +7,19 @@ per-sequence packing; :mod:`.layout`). The pieces:
 
 - :func:`replay_prepare_fn` -- a ``prepare_fn`` for the Megatron ``LossPostProcessor``:
   ``next_token_logprobs`` over the recorded supports read from ``data["generation_support"]``
-  (int32 ``(B, S, k)``, token-aligned, -1 padded); NeMo-RL's own loss
+  (one compact :class:`~nemo_replay.support.rows.SampleRows` a sample); NeMo-RL's own loss
   (``ClippedPGLossFn``...) runs on them unchanged;
 - :class:`ReplayLogprobsPostProcessor` (Megatron) and :class:`ReplayAutomodelLogprobsPostProcessor`
   (DTensor v2) for the old-policy and reference log-probs, same support (full vocabulary
   selectable, :func:`reference_pass`); :class:`ReplayAutomodelLossPostProcessor` for the
   DTensor policy loss;
 - :func:`vllm_support_request` and :func:`completion_supports` for the vLLM worker (each
-  completion's CSR rows); :func:`generation_support_from_vllm` lays them out densely, like
-  ``logprobs``, for a data path that carries that form;
+  completion's CSR rows, encoded once into its sample's rows);
 - :func:`check_nemo_rl_recipe` for the recipe options replay depends on;
 - :mod:`.workers`: replay's vLLM generation worker and the policy worker extensions that
   install the post-processors in each worker process;
-- :func:`install_data_path` (:mod:`.datapath`): ``generation_support`` kept and padded with
-  -1 through the driver's message logs and batches;
+- :func:`install_data_path` (:mod:`.datapath`): ``generation_support`` carried through the
+  driver's message logs and batches, one entry a sample;
 - :mod:`.patch`: the one source patch (the rollout's per-message slicing) and the command
   that applies it;
 - :mod:`.run_grpo`: the launcher, ``examples/run_grpo.py``'s command line with all of it wired.
@@ -41,12 +40,7 @@ from nemo_replay.integrations.nemo_rl.hooks import (
 from nemo_replay.integrations.nemo_rl.datapath import backfill_support, carry_support, install_data_path, with_support_pad
 from nemo_replay.integrations.nemo_rl.token_aligned import NEMO_RL_COMMIT
 from nemo_replay.integrations.nemo_rl.recipe import check_nemo_rl_recipe
-from nemo_replay.integrations.nemo_rl.rollout import (
-    GenerationSupport,
-    completion_supports,
-    generation_support_from_vllm,
-    vllm_support_request,
-)
+from nemo_replay.integrations.nemo_rl.rollout import completion_supports, vllm_support_request
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY, ReplayScores, next_token_logprobs
 
 __all__ = [
@@ -61,9 +55,7 @@ __all__ = [
     "ReplayLogprobsPostProcessor",
     "ReplayAutomodelLossPostProcessor",
     "ReplayAutomodelLogprobsPostProcessor",
-    "GenerationSupport",
     "completion_supports",
-    "generation_support_from_vllm",
     "vllm_support_request",
     "check_nemo_rl_recipe",
     "install_data_path",

@@ -38,15 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, MutableMapping, Optional, Sequence
 
-import torch
 
-from nemo_replay.integrations.nemo_rl.sample_rows import MessageRows, SampleRows, message_log_rows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
-from nemo_replay.support.dtypes import is_integer
-from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.rows import SampleRows
 
 __all__ = ["SUPPORT_PAD", "with_support_pad", "backfill_support", "carry_support", "install_data_path", "DataPath",
-           "replay_run"]
+           "replay_run", "message_log_rows"]
 
 #: The pad value of support rows: never a token id.
 SUPPORT_PAD = -1
@@ -77,22 +74,36 @@ def with_support_pad(pad_value_dict: Optional[dict] = None, *, key: str = SUPPOR
     return pads
 
 
-def _recorded(message: dict, key: str, where: str) -> torch.Tensor:
-    """(num_tokens,) bool: the tokens of a generated message whose support was recorded."""
-    rows = message[key]
-    num_tokens = int(message["token_ids"].shape[0])
-    if isinstance(rows, MessageRows) and rows.shape[0] == num_tokens:
-        return rows.recorded()  # the rows' lengths alone; the ids are decoded where the log is flattened
-    if (not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[0] != num_tokens
-            or not is_integer(rows)):
-        got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
-        if isinstance(rows, MessageRows):
-            got = f"MessageRows of {rows.shape[0]} rows"
+def _message_rows(message: dict, key: str, where: str) -> SampleRows:
+    """A generated message's rows: the worker's :class:`~nemo_replay.support.rows.SampleRows`, sliced by the
+    rollout code to the message's tokens."""
+    rows, num_tokens = message[key], int(message["token_ids"].shape[0])
+    if not isinstance(rows, SampleRows) or rows.length != num_tokens:
+        got = f"SampleRows of {rows.length} columns" if isinstance(rows, SampleRows) else type(rows).__name__
         raise ValueError(
-            f"{where}: {key} must be integer rows (num_tokens={num_tokens}, k), one per token_ids entry, got {got}; "
-            f"slice the vLLM worker's rows as generation_logprobs is sliced ([i, input_length:total_length])"
+            f"{where}: {key} must be the rows of its {num_tokens} tokens (SampleRows, one column a token_ids entry), "
+            f"got {got}; slice the vLLM worker's rows as generation_logprobs is sliced ([i][input_length:total_length])"
         )
-    return RaggedSupport.checked_of(rows, where=f"{where}: {key}").row_lengths > 0  # -1 only as a trailing pad
+    return rows
+
+
+def _sample_rows(messages: Sequence[dict], key: str, where: str) -> SampleRows:
+    """One sample's rows in the columns of its flattened message log (a message's tokens after those of
+    the messages before it); messages nobody sampled hold none."""
+    parts = []
+    for j, message in enumerate(messages):
+        n = int(message["token_ids"].shape[0])
+        parts.append(_message_rows(message, key, f"{where}, message {j}") if key in message else SampleRows.none(n))
+    return SampleRows.cat(parts)
+
+
+def message_log_rows(message_logs: Sequence[Sequence[dict]], key: str) -> Optional[list]:
+    """The rows of every sample of a batch, one :class:`~nemo_replay.support.rows.SampleRows` a sample in
+    the columns NeMo-RL's flattening gives its tokens; None when no message carries ``key``. No row is
+    decoded or encoded again: the samples refer to the worker's buffers."""
+    if not any(key in m for log in message_logs for m in log):
+        return None
+    return [_sample_rows(log, key, f"trajectory {i}") for i, log in enumerate(message_logs)]
 
 
 def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPORT_KEY, cause: Optional[str] = None) -> int:
@@ -103,12 +114,12 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
     token whose row is all -1 (the engine's support could not be recorded exactly) leaves
     ``token_loss_mask``. Messages nobody sampled (prompt, tool output, a prompt's own assistant
     turns) get no rows: the flattening wrapper keeps response positions only
-    (:func:`~.sample_rows.message_log_rows`).
+    (:func:`message_log_rows`).
 
     Args:
         message_logs: NeMo-RL's batch of message logs; each message a dict with
             ``token_ids (n,)`` and ``token_loss_mask (n,)``, generated ones also
-            ``key (n, k)`` int.
+            ``key``, their :class:`~nemo_replay.support.rows.SampleRows` (one column a token).
         cause: why a generated message has no rows, as the caller knows it (the wrapped data
             path says what the replay run's generate calls returned, :func:`_missing_rows_cause`);
             default: the two places rows can be lost.
@@ -131,7 +142,7 @@ def backfill_support(message_logs: Sequence[Sequence[dict]], *, key: str = SUPPO
                         f"but carries no {key}: {cause or _UNKNOWN_CAUSE}"
                     )
                 continue
-            recorded = _recorded(message, key, f"trajectory {i}, message {j}")
+            recorded = _message_rows(message, key, f"trajectory {i}, message {j}").recorded()
             flagged = (mask != 0) & ~recorded.to(mask.device)
             dropped += int(flagged.sum())
             message["token_loss_mask"] = mask.masked_fill(flagged, 0)
@@ -142,8 +153,8 @@ def carry_support(target: MutableMapping[str, Any], flat_messages: MutableMappin
     """``target[key] = flat_messages[key]``, checked against ``target``'s ``input_ids``.
 
     Raises:
-        ValueError when the flattened batch has no rows, or rows that are neither one
-        :class:`~.sample_rows.SampleRows` a sample nor ``(B, S, k)`` over its tokens.
+        ValueError when the flattened batch has no rows, or not one
+        :class:`~nemo_replay.support.rows.SampleRows` a sample.
     """
     if key not in flat_messages:
         raise ValueError(
@@ -151,17 +162,10 @@ def carry_support(target: MutableMapping[str, Any], flat_messages: MutableMappin
             f"nemo_replay.integrations.nemo_rl.run_grpo, which installs replay's vLLM worker and this data path)"
         )
     rows, ids = flat_messages[key], target["input_ids"]
-    if isinstance(rows, list):
-        if len(rows) != ids.shape[0] or not all(isinstance(r, SampleRows) for r in rows):
-            raise ValueError(
-                f"flattened {key} holds {len(rows)} entries for {ids.shape[0]} samples; expected one SampleRows a sample"
-            )
-    elif not isinstance(rows, torch.Tensor) or rows.dim() != 3 or tuple(rows.shape[:2]) != tuple(ids.shape):
-        got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
-        raise ValueError(
-            f"flattened {key} has shape {got}; expected a list of SampleRows (one a sample) or (B, S, k) over "
-            f"input_ids {tuple(ids.shape)} (token-aligned, -1 padded)"
-        )
+    if not isinstance(rows, list) or len(rows) != ids.shape[0] or not all(isinstance(r, SampleRows) for r in rows):
+        got = f"{len(rows)} entries" if isinstance(rows, list) else type(rows).__name__
+        raise ValueError(f"flattened {key} holds {got} for {ids.shape[0]} samples; expected a list of one SampleRows a "
+                         f"sample (what the flattening wrapper writes)")
     target[key] = rows
 
 

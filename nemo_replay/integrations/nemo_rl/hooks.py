@@ -99,8 +99,8 @@ def replay_prepare_fn(
         logits: ``(B, S / cp, V / tp)`` temperature-divided logits of an unpacked micro-batch,
             or ``[1, P / cp, V / tp]`` of one packed sequence (``SequencePackingLossWrapper``).
         data: the (per-sequence) data dict: ``input_ids``, ``input_lengths``, ``token_mask``,
-            ``sample_mask``, ``generation_support`` (a list of one ``SampleRows`` a sample, or
-            the dense ``(B, S, k)`` int32 token-aligned rows).
+            ``sample_mask``, ``generation_support`` (a list of one
+            :class:`~nemo_replay.support.rows.SampleRows` a sample).
         loss_fn: a LOGPROB loss (``ClippedPGLossFn``...).
         vocab_parallel_rank, vocab_parallel_group, context_parallel_group: Megatron's groups.
         metrics_sink: receives this call's replay metric parts (:func:`~.metrics.metric_parts`);

@@ -20,13 +20,11 @@ For replay the worker must see each token's whole support:
 
 :func:`completion_supports` reads the worker's outputs through the engine adapters of
 :mod:`nemo_replay.rollout.engines.vllm`: each completion's rows, CSR, placed after its prompt in
-the columns of the worker's ``logprobs`` tensor. Replay's vLLM worker (:mod:`.workers`) returns
-them as one compact ``GeneratedRows`` a sample; the patched rollout code slices each into its
-generated message like ``logprobs`` (:mod:`.patch`), and :mod:`.datapath` turns each sample's
-messages into one compact entry, response positions only (:mod:`.sample_rows`), before NeMo-RL
-builds its policy batches. :func:`generation_support_from_vllm` lays the same rows out densely,
-exactly like ``logprobs`` (int32 ``[B, total_length, width]``, the row of token t at column t,
-``-1`` on prompt and padding), for a data path that carries that form.
+the columns of the worker's ``logprobs`` tensor. Replay's vLLM worker (:mod:`.workers`) encodes
+them once, one :class:`~nemo_replay.support.rows.SampleRows` a sample; the patched rollout code
+slices each into its generated message like ``logprobs`` (:mod:`.patch`), and :mod:`.datapath`
+joins each sample's messages in the columns of its flattened message log, before NeMo-RL builds
+its policy batches. The rows are decoded once, where they are scored (:mod:`.scoring`).
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import torch
 
 from nemo_replay.rollout.engines.vllm import support_from_vllm_output, vllm_row_width
 
-__all__ = ["vllm_support_request", "completion_supports", "generation_support_from_vllm", "GenerationSupport"]
+__all__ = ["vllm_support_request", "completion_supports"]
 
 
 def vllm_support_request(top_k: int, *, path: str = "logprobs", max_logprobs: Optional[int] = None) -> dict:
@@ -69,26 +67,25 @@ def vllm_support_request(top_k: int, *, path: str = "logprobs", max_logprobs: Op
     raise ValueError(f"path must be 'logprobs' or 'mask', got {path!r}")
 
 
-class GenerationSupport:
-    """Support rows of one generate call, laid out like NeMo-RL's ``logprobs`` output.
-
-    Attributes:
-        rows: (B, total_length, width), int32. The row of token t at column t; -1 padded.
-        flagged: (B, total_length), bool. Generated tokens whose support could not be
-            recorded exactly (their rows are all -1): leave them out of ``token_mask``.
-        logprobs: (B, total_length), float32. The engine's processed log-prob of each
-            generated token (0 elsewhere, and everywhere for mask outputs requested without
-            log-probs), the value NeMo-RL stores as ``generation_logprobs``.
-    """
-
-    def __init__(self, rows: torch.Tensor, flagged: torch.Tensor, logprobs: torch.Tensor):
-        self.rows, self.flagged, self.logprobs = rows, flagged, logprobs
-
-
 def completion_supports(completions: Sequence[Any], input_lengths, total_length: int, *, width: int,
                         vocab_size: Optional[int] = None, sampling_params: Any = None):
     """``(i, start, EngineSupport)`` of each completion, its rows CSR, checked to fit ``total_length``
-    after its prompt (the arguments as :func:`generation_support_from_vllm` takes them)."""
+    after its prompt.
+
+    Args:
+        completions: ``[o.outputs[0] for o in llm.generate(...)]``, one vLLM
+            ``CompletionOutput`` per request, in batch order.
+        input_lengths: (B,), int. The prompt lengths NeMo-RL's worker used.
+        total_length: the width of its ``output_ids`` / ``logprobs`` (padded input length
+            plus the longest generation).
+        width: the row width (``vllm_row_width(top_k, max_logprobs)``: wider supports are flagged).
+        vocab_size: ids must be below it when given.
+        sampling_params: the requests' ``SamplingParams``, checked for the support path.
+
+    Raises:
+        ValueError naming the request when its tokens do not fit ``total_length``, and the
+        adapters' errors (misaligned log-probs, a raw log-prob mode, missing log-probs).
+    """
     lengths = torch.as_tensor(input_lengths, dtype=torch.int64).cpu()
     B = len(completions)
     if lengths.shape != (B,):
@@ -105,41 +102,3 @@ def completion_supports(completions: Sequence[Any], input_lengths, total_length:
                 f"the width of the worker's output_ids"
             )
         yield i, start, got
-
-
-def generation_support_from_vllm(
-    completions: Sequence[Any],
-    input_lengths: Sequence[int] | torch.Tensor,
-    total_length: int,
-    *,
-    width: int,
-    vocab_size: Optional[int] = None,
-    sampling_params: Any = None,
-) -> GenerationSupport:
-    """``generation_support`` of one batch from the vLLM worker's outputs.
-
-    Args:
-        completions: ``[o.outputs[0] for o in llm.generate(...)]``, one vLLM
-            ``CompletionOutput`` per request, in batch order.
-        input_lengths: (B,), int. The prompt lengths NeMo-RL's worker used.
-        total_length: the width of its ``output_ids`` / ``logprobs`` (padded input length
-            plus the longest generation).
-        width: the row width (``vllm_row_width(top_k, max_logprobs)``: wider supports are flagged).
-        vocab_size: ids must be below it when given.
-        sampling_params: the requests' ``SamplingParams``, checked for the support path.
-
-    Raises:
-        ValueError naming the request when its tokens do not fit ``total_length``, and the
-        adapters' errors (misaligned log-probs, a raw log-prob mode, missing log-probs).
-    """
-    rows = torch.full((len(completions), int(total_length), width), -1, dtype=torch.int32)
-    flagged = torch.zeros(len(completions), int(total_length), dtype=torch.bool)
-    logprobs = torch.zeros(len(completions), int(total_length), dtype=torch.float32)
-    for i, start, got in completion_supports(completions, input_lengths, total_length, width=width,
-                                             vocab_size=vocab_size, sampling_params=sampling_params):
-        n = got.support.num_rows
-        rows[i, start : start + n] = got.support.to_padded().values  # (n, width): generation_support's rows
-        flagged[i, start : start + n] = got.flagged
-        if got.logprobs is not None:
-            logprobs[i, start : start + n] = got.logprobs
-    return GenerationSupport(rows, flagged, logprobs)

@@ -132,7 +132,7 @@ def replay_summary(recipe: dict) -> list[str]:
     lines = [
         f"replay: policy worker {_policy_worker(recipe)}, generation worker ReplayVllmGenerationWorker (vLLM, synchronous)",
         f"replay: sampling temperature={gen['temperature']} top_k={top_k} top_p={gen['top_p']}; vLLM is asked {asked}",
-        f"replay: generation_support rows int32 (B, S, {width}): supports up to {width} ids read whole"
+        f"replay: generation_support one compact SampleRows a sample: supports up to {width} ids read whole"
         + ("" if width >= top_k + 16 else f" (ties past that are flagged: max_logprobs={top_k + 17} reads {top_k + 16})"),
     ]
     val = recipe.get("grpo", {}).get("val_period", 0)

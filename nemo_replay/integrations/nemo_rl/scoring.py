@@ -16,15 +16,12 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_replay.integrations.nemo_rl.sample_rows import batch_rows
 from nemo_replay.integrations.nemo_rl.token_aligned import canonical_of, check_width, gather_slots, local_slots
-from nemo_replay.layout.checks import check_canonical
 from nemo_replay.scoring.entry import score_positions
 from nemo_replay.scoring.shard import VocabShard
-from nemo_replay.support.codec import CompactRows
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.fsdp2 import dtensor_names
-from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.rows import batch_rows
 
 __all__ = ["ReplayScores", "next_token_logprobs", "vocab_shard_of", "SUPPORT_KEY"]
 
@@ -106,7 +103,6 @@ def _tensor(data: Mapping[str, Any], key: str, what: str) -> torch.Tensor:
     if key not in data:
         raise ValueError(
             f"the NeMo-RL data dict has no {key!r} ({what}); replay needs it in every micro-batch it scores"
-            + (": record supports at rollout (nemo_replay.integrations.nemo_rl.generation_support_from_vllm)" if key == SUPPORT_KEY else "")
         )
     value = data[key]
     if not isinstance(value, torch.Tensor):
@@ -117,9 +113,8 @@ def _tensor(data: Mapping[str, Any], key: str, what: str) -> torch.Tensor:
 def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
     """(input_ids (N, W), input_lengths [N], token_mask (N, W), sample_mask [N], support or None, token_rows or None).
 
-    The rows come in either form: a list of :class:`~.sample_rows.SampleRows` (what the replay data
-    path puts in NeMo-RL's batches; ``token_rows`` (N, W) then places them) or the dense
-    token-aligned ``(N, W, k)`` tensor (``token_rows`` None: row ``i * W + t`` is token t's).
+    The rows are a list of one :class:`~nemo_replay.support.rows.SampleRows` a data row (what the replay
+    data path puts in NeMo-RL's batches), in the columns of ``input_ids``; ``token_rows`` (N, W) places them.
     """
     ids = _tensor(data, "input_ids", "right-padded tokens (B, S)")
     if ids.dim() != 2 or not is_integer(ids):
@@ -137,28 +132,13 @@ def _read_data(data: Mapping[str, Any], support_key: str, replay: bool):
     support = token_rows = None
     if replay:
         if support_key not in data:
-            _tensor(data, support_key, "support rows: one SampleRows a sample, or token-aligned support rows (B, S, k)")
-        if isinstance(data[support_key], list):  # one compact entry per sample (.sample_rows)
-            support, token_rows = batch_rows(data[support_key], ids, lengths, key=support_key)
-        else:
-            support = _token_aligned_rows(data, support_key, N, W)
+            raise ValueError(
+                f"the NeMo-RL data dict has no {support_key!r} (support rows: one SampleRows a sample); replay needs it "
+                f"in every micro-batch it scores" + (": launch with python -m nemo_replay.integrations.nemo_rl.run_grpo, "
+                                                      "whose vLLM worker records them" if support_key == SUPPORT_KEY else "")
+            )
+        support, token_rows = batch_rows(data[support_key], ids, lengths, name=f"data[{support_key!r}]", unit="data row")
     return ids, lengths, mask, sample, support, token_rows
-
-
-def _token_aligned_rows(data: Mapping[str, Any], support_key: str, N: int, W: int) -> PackedTensor:
-    """The dense form, ``(N, W, k)`` int rows token-aligned with ``input_ids`` (the row of token t at column t)."""
-    rows = _tensor(data, support_key, "token-aligned support rows (B, S, k), int32, -1 padded")
-    if rows.dim() != 3 or rows.shape[:2] != (N, W) or not is_integer(rows):
-        raise ValueError(
-            f"data[{support_key!r}] must be a list of SampleRows (one per data row) or an integer (B={N}, S={W}, k) "
-            f"tensor, token-aligned with input_ids (the row of token t at column t), got {rows.dtype} {tuple(rows.shape)}"
-        )
-    if rows.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
-        raise ValueError(
-            f"data[{support_key!r}] is {rows.dtype}, which cannot hold the -1 padding of support rows; send int32"
-        )
-    # One segment of W rows per data row: row i * W + t is token t's.
-    return PackedTensor(rows.reshape(N * W, rows.shape[2]), torch.arange(0, (N + 1) * W, W, dtype=torch.int64))
 
 
 def next_token_logprobs(
@@ -181,8 +161,8 @@ def next_token_logprobs(
             float dtype; a torch tensor (Megatron) or a DTensor (automodel). Not modified.
         data: the micro-batch's data dict: ``input_ids (N, W)`` (int, right-padded),
             ``input_lengths [N]``, ``token_mask (N, W)``, ``sample_mask [N]`` and, unless
-            ``full_vocab``, ``generation_support``: a list of N ``SampleRows``
-            (:mod:`.sample_rows`) or the dense ``(N, W, k)`` rows (int32, token-aligned, -1 padded).
+            ``full_vocab``, ``generation_support``: a list of N
+            :class:`~nemo_replay.support.rows.SampleRows`, their columns those of ``input_ids``.
         vocab_parallel_rank, vocab_parallel_group: Megatron's TP rank and group (None: whole
             vocabulary, or the DTensor's own mesh).
         context_parallel_group: the CP group (None: no CP).
@@ -210,17 +190,13 @@ def next_token_logprobs(
     padded = _padded_lengths(local, N, cp, cu_seqlens_padded)
     check_width("logits", lengths, W, padded)
     canonical = canonical_of(ids, lengths, mask, sample, token_rows)
-    if isinstance(support, CompactRows):  # decoded on the logits' device, its checks read before any use of the rows
-        support = support.decode(local.device, check=True)
-    if not full_vocab:  # on whole sequences, before the CP split; every rank alike
-        check_canonical(canonical, support, hint=f"{support_key} must be token-aligned like generation_logprobs: the row "
-                        f"of token t at column t")
     host_lengths = lengths.to(torch.int64).cpu()  # slots are host index arithmetic: one copy serves every rank's
     slots = local_slots(padded, cp, cp_rank, packed=packed).logit_slots(host_lengths, W)
     ch = slots.channels(canonical, local.device).flat()
     scores = score_positions(
-        local.reshape(-1, local.shape[-1]), ch, None if full_vocab else support.to(local.device), replay=not full_vocab,
-        shard=shard, validate=validate, group=context_parallel_group, group_name="CP",
+        local.reshape(-1, local.shape[-1]), ch, support, replay=not full_vocab, shard=shard, validate=validate,
+        group=context_parallel_group, group_name="CP", canonical=canonical,  # whole sequences, before the CP split
+        hint=f"{support_key} must be sliced like generation_logprobs: the row of token t at column t",
     )
     indices = [  # where every CP rank's slots land in (N, W - 1)
         (slots if r == cp_rank else local_slots(padded, cp, r, packed=packed).logit_slots(host_lengths, W)).canonical_index().to(local.device)

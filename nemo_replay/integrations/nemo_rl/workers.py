@@ -28,12 +28,13 @@ import contextlib
 import importlib
 from typing import Any
 
+import torch
 
 from nemo_replay.integrations.nemo_rl import hooks
 from nemo_replay.integrations.nemo_rl.rollout import completion_supports, vllm_support_request
-from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows
 from nemo_replay.integrations.nemo_rl.scoring import SUPPORT_KEY
 from nemo_replay.rollout.engines.vllm import VLLM_DEFAULT_MAX_LOGPROBS, vllm_row_width
+from nemo_replay.support.rows import SampleRows
 
 __all__ = ["ReplayVllmMixin", "ReplayPolicyMixin", "rebind_post_processors", "WORKERS", "worker_fqn"]
 
@@ -112,10 +113,10 @@ class ReplayVllmMixin:
     """In front of NeMo-RL's ``VllmGenerationWorkerImpl``: supports requested, recorded and returned.
 
     Asks the engine for the sampling mask where it returns one, else for processed log-probs.
-    ``generation_support``: a list of B :class:`~.sample_rows.GeneratedRows`, each the generated
-    tokens' rows in the compact codec, sliced by column as ``logprobs`` is into the dense
-    ``(n, width)`` rows of each message (the row of token t at column t, -1 where a generated
-    token's support could not be recorded: it leaves the loss, :mod:`.datapath`).
+    ``generation_support``: a list of B :class:`~nemo_replay.support.rows.SampleRows`, each the
+    generated tokens' rows encoded once, in the columns of the worker's ``logprobs`` (the row of
+    token t at column t; none where a generated token's support could not be recorded: it leaves
+    the loss, :mod:`.datapath`), sliced by column as ``logprobs`` is into each message.
     """
 
     def _build_sampling_params(self, *, greedy: bool, stop_strings, max_new_tokens=None):
@@ -141,12 +142,12 @@ class ReplayVllmMixin:
         if len(outputs) != 1:
             raise ValueError(f"{type(self).__name__}.generate: expected one llm.generate call per batch, saw {len(outputs)}")
         completions = [out.outputs[0] for out in outputs[0]]
-        # One compact entry a sample crosses Ray, built from each completion's CSR rows: no (B, total_length,
-        # width) int32 tensor in the worker; the patched rollout code slices it as it slices logprobs
-        # (sample_rows.GeneratedRows).
+        # One compact entry a sample crosses Ray, encoded once from each completion's CSR rows (the sampled ids
+        # kept: the rows travel apart from the tokens); the patched rollout code slices it as it slices logprobs.
         result[SUPPORT_KEY] = [
-            GeneratedRows.of(got.support, start, width)
-            for _, start, got in completion_supports(completions, data["input_lengths"], result["output_ids"].shape[1],
+            SampleRows.encode(got.support, torch.as_tensor(list(completions[i].token_ids)), start=start,
+                              where=f"{type(self).__name__}.generate, request {i}")
+            for i, start, got in completion_supports(completions, data["input_lengths"], result["output_ids"].shape[1],
                                                      width=width, vocab_size=_vocab_size(self.llm))
         ]
         return result

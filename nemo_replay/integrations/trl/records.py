@@ -3,8 +3,10 @@
 TRL-independent (no ``trl`` import), so it is tested on its own.
 
 One :class:`CompletionRecord` per generated completion travels in TRL's batch dict as a
-Python list under :data:`RECORDS_KEY`, its rows compact (:class:`KeptRows`) while they wait
-in TRL's buffer and decoded when a batch is scored: TRL's ``shuffle_sequence_dict`` permutes lists with
+Python list under :data:`RECORDS_KEY`, its rows encoded once, compact
+(:class:`~nemo_replay.support.rows.SampleRows`, the sampled tokens dropped: the record holds
+them; about 11 B a token for typical top-p supports where int32 rows of k = 64 hold 256), while
+they wait in TRL's buffer, and decoded once, by the scorer, when a batch is scored: TRL's ``shuffle_sequence_dict`` permutes lists with
 the tensors and ``split_tensor_dict`` slices them, so record ``i`` stays with row ``i``.
 Every scoring call checks that it did (:func:`completion_channels`).
 
@@ -21,55 +23,25 @@ record sits at column ``j``::
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from nemo_replay.rollout.capture.hf import CapturedSupport
 from nemo_replay.scoring.entry import ScorerChannels
-from nemo_replay.support.codec import CompactRows, decode_support, encode_support
-from nemo_replay.support.packed import PackedTensor, lengths_to_cu_seqlens
-from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.codec import CompactRows
+from nemo_replay.support.rows import SampleRows, batch_rows
 
 __all__ = [
     "RECORDS_KEY",
-    "KeptRows",
     "CompletionRecord",
     "records_from_capture",
     "records_from_vllm",
     "completion_channels",
-    "join_supports",
 ]
 
 #: Key of the per-completion records in TRL's batch dict.
 RECORDS_KEY = "replay_records"
-
-
-class KeptRows(NamedTuple):
-    """A completion's rows as they wait in TRL's buffer: one compact buffer
-    (:mod:`nemo_replay.support.codec`, the sampled tokens dropped: the record holds them) --
-    about 11 B a token for typical top-p supports where int32 rows of k = 64 hold 256.
-
-    Attributes:
-        data: (n,) uint8, the buffer.
-        vocab_size: the vocabulary the rows were coded for.
-        width: the fixed row width the rows were captured at, or None (ragged).
-    """
-
-    data: torch.Tensor
-    vocab_size: int
-    width: Optional[int]
-
-    @classmethod
-    def of(cls, support: Union[PackedTensor, RaggedSupport], token_ids: torch.Tensor, vocab_size: int) -> "KeptRows":
-        width = None if support.csr else support.width_bound  # fixed-width rows come back as wide
-        data = encode_support(support, vocab_size=vocab_size, sampled_ids=token_ids)
-        return cls(torch.from_numpy(data), vocab_size, width)
-
-    def rows(self, token_ids: torch.Tensor) -> Union[PackedTensor, RaggedSupport]:
-        """The rows back (ids ascending in each row), checked; fixed-width when they were."""
-        ragged = decode_support(self.data, sampled_ids=token_ids, vocab_size=self.vocab_size)
-        return ragged if self.width is None else ragged.to_padded(self.width)
 
 
 class CompletionRecord(NamedTuple):
@@ -78,28 +50,28 @@ class CompletionRecord(NamedTuple):
     Attributes:
         token_ids: (R,), int64 -- the sampled tokens (a stop token included).
         logprobs: (R,), float32 -- each token's processed log-prob over its row.
-        support: one segment of R rows: :class:`KeptRows` (as the trainer keeps them), or a
-            ``PackedTensor`` (values (R, w) int32) or ``RaggedSupport``.
+        support: its rows, encoded once (:class:`~nemo_replay.support.rows.SampleRows`, columns
+            ``0 .. R - 1``, the sampled tokens dropped).
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
-    support: Union[KeptRows, PackedTensor, RaggedSupport]
-
-    def rows(self) -> Union[PackedTensor, RaggedSupport]:
-        """The record's rows as the scorer takes them."""
-        return self.support.rows(self.token_ids) if isinstance(self.support, KeptRows) else self.support
+    support: SampleRows
 
 
-def _kept(support, token_ids: torch.Tensor, vocab_size: Optional[int]):
-    """Rows as a record keeps them: compact when the vocabulary is known."""
-    return support if vocab_size is None else KeptRows.of(support, token_ids, vocab_size)
+def _record(tokens: torch.Tensor, logprobs: torch.Tensor, rows, vocab_size: int, where: str) -> CompletionRecord:
+    """A record, its rows encoded for ``vocab_size`` (fixed-width rows decode as wide as they were captured)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"{where}: vocab_size must be the model's vocabulary size (an int >= 1), got {vocab_size!r}")
+    width = 0 if rows.csr else rows.width_bound
+    return CompletionRecord(tokens, logprobs, SampleRows.encode(rows, tokens, vocab_size=vocab_size, width=width,
+                                                                where=where))
 
 
 def records_from_capture(completions: Sequence[Sequence[int]], captured: CapturedSupport, *,
-                         vocab_size: Optional[int] = None) -> list[CompletionRecord]:
-    """Split a batch capture (:meth:`SupportRecorder.finish`) into one record per completion;
-    rows kept compact (:class:`KeptRows`) when ``vocab_size`` is given."""
+                         vocab_size: int) -> list[CompletionRecord]:
+    """Split a batch capture (:meth:`SupportRecorder.finish`) into one record per completion, its rows
+    encoded for the model's ``vocab_size``."""
     lengths = captured.lengths.tolist()
     if len(lengths) != len(completions):
         raise ValueError(f"{len(completions)} completions for a capture of {len(lengths)}")
@@ -107,7 +79,7 @@ def records_from_capture(completions: Sequence[Sequence[int]], captured: Capture
     out = []
     for i, (c, lp) in enumerate(zip(completions, lps)):
         tokens = torch.as_tensor(list(c), dtype=torch.int64)
-        out.append(CompletionRecord(tokens, lp, _kept(captured.support.gather([i]), tokens, vocab_size)))
+        out.append(_record(tokens, lp, captured.support.gather([i]), vocab_size, f"completion {i}"))
     return out
 
 
@@ -133,7 +105,7 @@ def records_from_vllm(
     token_ids: Sequence[Sequence[Sequence[int]]],
     *,
     width: Optional[int],
-    vocab_size: Optional[int],
+    vocab_size: int,
     sampling_params: dict,
 ) -> list[CompletionRecord]:
     """Records from what TRL's ``VLLMGeneration.generate`` returns with ``logprobs >= top_k + 1``.
@@ -177,15 +149,8 @@ def records_from_vllm(
                 f"(ReplaySettings(vllm_logprobs=...)) or ragged rows (ReplaySettings(row_width=None) with top_k ties)"
             )
         tokens = torch.as_tensor(list(comp), dtype=torch.int64)
-        records.append(CompletionRecord(tokens, got.logprobs, _kept(got.support, tokens, vocab_size)))
+        records.append(_record(tokens, got.logprobs, got.support, vocab_size, where))
     return records
-
-
-def join_supports(supports: Sequence[Union[PackedTensor, RaggedSupport]]) -> Union[PackedTensor, RaggedSupport]:
-    """One batch from per-completion supports: fixed width when all share one, else CSR."""
-    if not any(s.csr for s in supports) and len({s.width_bound for s in supports}) == 1:
-        return PackedTensor.cat(supports)  # one width: stays fixed-width
-    return RaggedSupport.cat([RaggedSupport.of(s) for s in supports])
 
 
 class Completions(NamedTuple):
@@ -195,14 +160,13 @@ class Completions(NamedTuple):
         channels: the scorer's channels, each (B, C): ``sampled_ids`` the completion ids,
             ``row_ids`` the row of ``support`` per position (-1 past R_i), ``loss_mask`` TRL's
             completion mask, ``trajectory_ids`` the completion's index b.
-        support: the B records' rows, completion-major: still compact
-            (:class:`~nemo_replay.support.codec.CompactRows`, decoded by the scorer) when every
-            record kept them so, at one width; else decoded here.
+        support: the B records' rows, completion-major, still compact
+            (:class:`~nemo_replay.support.codec.CompactRows`, decoded by the scorer).
         rollout_logprobs: (B, C), float32 -- the engine's processed log-probs, 0 past R_i.
     """
 
     channels: ScorerChannels
-    support: Union[CompactRows, PackedTensor, RaggedSupport]
+    support: CompactRows
     rollout_logprobs: torch.Tensor
 
 
@@ -260,14 +224,9 @@ def completion_channels(
             f"{where}: completion {i} has {int(covered[i])} loss-active positions but {int(lengths[i])} recorded tokens; "
             f"the completion mask must cover exactly the sampled tokens (TRL's right-padded completion layout)"
         )
-    offsets = lengths_to_cu_seqlens(lengths).to(torch.int64)[:-1]
-    row_ids = torch.where(inside, offsets[:, None] + cols[None, :], torch.full_like(tokens, -1))
+    # The records' rows in completion coordinates: row j of completion i at column j; the tokens there give the
+    # dropped sampled ids back (docs/design.md §2).
+    support, row_ids = batch_rows([r.support for r in records], ids, lengths, name=f"{where}: {RECORDS_KEY}",
+                                  unit="completion")
     channels = ScorerChannels(ids, row_ids, mask, torch.arange(B)[:, None].expand(B, C)).to(device)
-    kept = [r.support for r in records]
-    if kept and all(isinstance(k, KeptRows) for k in kept) and len({k.width for k in kept}) == 1:
-        # Still compact: the scorer decodes the chunk's buffers on its own device (docs/design.md §2).
-        support = CompactRows([k.data.numpy() for k in kept], sampled_ids=torch.cat([r.token_ids for r in records]),
-                              labels=[f"{where}: completion {i}" for i in range(B)], width=kept[0].width)
-        return Completions(channels, support, rollout.to(device))
-    support = join_supports([r.rows() for r in records])
-    return Completions(channels, support.to(device), rollout.to(device))
+    return Completions(channels, support, rollout.to(device))

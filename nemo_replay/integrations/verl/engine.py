@@ -35,8 +35,6 @@ from nemo_replay.scoring.entry import ScorerChannels, check_together, score_posi
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.checked import SupportCheck
 from nemo_replay.support.codec import CompactRows
-from nemo_replay.support.dtypes import is_integer
-from nemo_replay.support.packed import PackedTensor
 
 __all__ = [
     "ReplayEngineMixin",
@@ -89,21 +87,19 @@ class Responses:
     """A batch's response tensors, ``(B, W)`` whatever verl's layout.
 
     The legacy trainer hands the engines dense right-padded ``responses`` and ``response_mask``,
-    the TransferQueue trainer nested ones (``(B, R_i)``). ``generation_support`` is one compact
-    buffer a sample (:mod:`~nemo_replay.integrations.verl.response_rows`, what replay's agent
-    loops write), kept compact until the scorer decodes it, or the dense ``[B, response_length,
-    K]`` / nested ``(B, R_i, K)`` rows. Nested tensors are padded here (tokens and rows with -1,
-    the mask with 0) to ``W``, the widest response.
+    the TransferQueue trainer nested ones (``(B, R_i)``), padded here (tokens with -1, the mask
+    with 0) to ``W``, the widest response. ``generation_support`` is one compact buffer a sample
+    (:mod:`~nemo_replay.integrations.verl.response_rows`, what replay's agent loops write), kept
+    compact until the scorer decodes it.
 
     Attributes:
         tokens: (B, W), int64. mask: (B, W), bool. lengths: (B,), int64, ``R_i``.
-        rows: the rows, compact (:class:`~nemo_replay.support.codec.CompactRows`, one
-            trajectory a sample) or dense (B, W, K) in the support's integer dtype.
+        rows: the rows (:class:`~nemo_replay.support.codec.CompactRows`, one trajectory a sample).
         row_ids: (B, W), int64: the row of response position j of sample i, -1 where none.
     """
 
     tokens: torch.Tensor
-    rows: Any
+    rows: CompactRows
     mask: torch.Tensor
     lengths: torch.Tensor
     row_ids: torch.Tensor
@@ -112,33 +108,12 @@ class Responses:
     def width(self) -> int:
         return int(self.tokens.shape[1])
 
-    def support(self, device):
-        """The rows as the scorer takes them: compact as they are, or the dense rows as ``B * W`` rows
-        of one trajectory a sample (row ``i * W + j``)."""
-        if isinstance(self.rows, CompactRows):
-            return self.rows
-        B, W = self.tokens.shape
-        return PackedTensor(self.rows.reshape(B * W, self.rows.shape[2]).to(device),
-                            torch.arange(0, (B + 1) * W, W, dtype=torch.int64))
-
-
-def _dense(tokens: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> Responses:
-    B, W = tokens.shape
-    row_ids = torch.arange(B * W, dtype=torch.int64, device=tokens.device).view(B, W)
-    return Responses(tokens, rows, mask.to(tokens.device) != 0, lengths.to(tokens.device), row_ids)
-
-
-def _compact(tokens: torch.Tensor, buffers: list, mask: torch.Tensor, lengths: torch.Tensor) -> Responses:
-    mask = mask.to(tokens.device) != 0
-    rows, row_ids = compact_rows(buffers, lengths, mask, key=SUPPORT_KEY)
-    return Responses(tokens, rows, mask, lengths.to(tokens.device), row_ids)
-
 
 def _missing_support() -> ValueError:
     return ValueError(
         f"the batch has no {SUPPORT_KEY!r} while replay is on (the engine was selected with "
         f"VERL_ENGINE_VENDOR={VENDOR}); every actor and reference pass needs the support rows recorded at "
-        f"rollout (one compact buffer a sample, or int32 [batch, response_length, K], -1 padded). Run the rollout with "
+        f"rollout (one compact buffer a sample). Run the rollout with "
         f"nemo_replay.integrations.verl's servers and agent loop (configs/verl/), or unset VERL_ENGINE_VENDOR "
         f"to score over the full vocabulary"
     )
@@ -148,9 +123,9 @@ def read_responses(data) -> Responses:
     """The response tokens, mask and support rows of a verl batch or micro-batch, checked for shape.
 
     Raises:
-        ValueError: no ``generation_support``, a support that is not an integer ``(B, R, K)``
-            tensor aligned with ``responses`` (naming the shapes and, for nested batches, the
-            first sample whose row count differs from its response length).
+        ValueError: no ``generation_support``, a support that is not one compact buffer a sample,
+            a buffer whose row count differs from its response length (naming the sample), a
+            response mask of another shape than ``responses``.
     """
     if SUPPORT_KEY not in data.keys():
         raise _missing_support()
@@ -163,48 +138,14 @@ def read_responses(data) -> Responses:
             f"loop writes them (agent_loop.py, _postprocess) -- pass the batch as the trainer built it, not a subset of "
             f"its keys"
         )
-    rows = data[SUPPORT_KEY]
     responses = data["responses"]
     B = int(responses.size(0))
-    buffers = buffers_of(rows)  # one compact buffer a sample (response_rows.py), or None: the dense form
-    if buffers is None and (not is_integer(rows) or rows.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64)):
-        raise ValueError(f"batch[{SUPPORT_KEY!r}] is {rows.dtype}; support rows are signed integers (int32) padded with -1")
+    buffers = buffers_of(data[SUPPORT_KEY], SUPPORT_KEY)  # one compact buffer a sample (response_rows.py)
     lengths = response_lengths_of(data)
     if getattr(responses, "is_nested", False):
         width = int(responses.offsets().diff().max()) if B else 0
         tokens = torch.nested.to_padded_tensor(responses, -1, output_size=(B, width)).to(torch.int64)
-        mask_in = data["response_mask"]
-        if mask_in.is_nested:
-            if int(mask_in.size(0)) != B or not torch.equal(mask_in.offsets(), responses.offsets()):
-                raise ValueError(
-                    "batch['response_mask'] is nested with other lengths than 'responses'; one flag per response token, "
-                    "as verl's left_right_2_no_padding makes it"
-                )
-            mask = torch.nested.to_padded_tensor(mask_in, 0, output_size=(B, width))
-        elif mask_in.dim() != 2 or int(mask_in.shape[0]) != B or int(mask_in.shape[1]) < width:
-            raise ValueError(
-                f"batch['response_mask'] has shape {tuple(mask_in.shape)}, expected [{B}, >= {width}] (the widest "
-                f"response): one flag per response position"
-            )
-        else:
-            mask = mask_in[:, :width]
-        if buffers is not None:
-            return _compact(tokens, buffers, mask, lengths)
-        if not getattr(rows, "is_nested", False) or rows.dim() != 3 or int(rows.size(0)) != B:
-            raise ValueError(
-                f"batch[{SUPPORT_KEY!r}] must be nested [batch, R_i, K] like the nested 'responses' ({B} samples), got "
-                f"{'a nested' if getattr(rows, 'is_nested', False) else 'a dense'} tensor of {rows.dim()} dims"
-            )
-        counts = rows.offsets().diff().to(lengths.device)
-        bad = torch.nonzero(counts != responses.offsets().diff().to(lengths.device)).flatten()
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(
-                f"batch[{SUPPORT_KEY!r}] holds {int(counts[i])} rows for sample {i}, whose response has "
-                f"{int(responses.offsets().diff()[i])} tokens: one row per response token, -1 padded"
-            )
-        k = int(rows.values().shape[-1])
-        rows = torch.nested.to_padded_tensor(rows, -1, output_size=(B, width, k))
+        mask = _nested_mask(data["response_mask"], responses, B, width)
     else:
         width = int(responses.shape[1])
         tokens = responses.to(torch.int64)
@@ -214,17 +155,26 @@ def read_responses(data) -> Responses:
                 f"batch['response_mask'] has shape {tuple(mask.shape)}, expected [{B}, {width}] like 'responses': one "
                 f"flag per response column, sliced as 'responses' is"
             )
-        if buffers is not None:
-            return _compact(tokens, buffers, mask, lengths)
-        if rows.dim() != 3 or tuple(rows.shape[:2]) != (B, width) or getattr(rows, "is_nested", False):
+    mask = mask.to(tokens.device) != 0
+    rows, row_ids = compact_rows(buffers, tokens, lengths, mask, key=SUPPORT_KEY)
+    return Responses(tokens, rows, mask, lengths.to(tokens.device), row_ids)
+
+
+def _nested_mask(mask_in, responses, B: int, width: int) -> torch.Tensor:
+    """The response mask of a nested batch, ``(B, width)``, 0 past each response."""
+    if mask_in.is_nested:
+        if int(mask_in.size(0)) != B or not torch.equal(mask_in.offsets(), responses.offsets()):
             raise ValueError(
-                f"batch[{SUPPORT_KEY!r}] has shape {tuple(rows.shape)}, expected [{B}, {width}, K]: one row per column "
-                f"of 'responses' ({B} x {width}), padded with -1 to the widest row. Carry the rows through padding, "
-                f"concatenation and slicing exactly as 'responses' (response_length columns)"
+                "batch['response_mask'] is nested with other lengths than 'responses'; one flag per response token, "
+                "as verl's left_right_2_no_padding makes it"
             )
-    if rows.shape[-1] == 0:
-        raise ValueError(f"batch[{SUPPORT_KEY!r}] has K = 0 columns; a recorded support holds at least the sampled token")
-    return _dense(tokens, rows, mask, lengths)
+        return torch.nested.to_padded_tensor(mask_in, 0, output_size=(B, width))
+    if mask_in.dim() != 2 or int(mask_in.shape[0]) != B or int(mask_in.shape[1]) < width:
+        raise ValueError(
+            f"batch['response_mask'] has shape {tuple(mask_in.shape)}, expected [{B}, >= {width}] (the widest "
+            f"response): one flag per response position"
+        )
+    return mask_in[:, :width]
 
 
 def _name(data, i: int) -> str:
@@ -243,8 +193,8 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
     Args:
         data: the TensorDict an engine's ``forward_backward_batch`` receives (after verl's
             ``left_right_2_no_padding``): ``responses (B, R)``, ``response_mask (B, R)``,
-            ``prompts``, ``attention_mask`` and ``generation_support (B, R, K)`` (or their
-            nested forms, :func:`read_responses`).
+            ``prompts``, ``attention_mask`` (or their nested forms) and ``generation_support``, one
+            compact buffer a sample (:func:`read_responses`).
         vocab_size: ids must lie below it (the model's vocabulary); None skips that bound.
 
     Raises:
@@ -258,9 +208,9 @@ def check_replay_batch(data, *, vocab_size: Optional[int]) -> None:
     B = int(tokens.shape[0])
     if B == 0 or width == 0:
         return  # no response token: no row to check
-    rows = resp.support(tokens.device)
-    if isinstance(rows, CompactRows):  # decoded on the tokens' device; its own checks read first
-        rows = rows.decode(tokens.device, check=True)
+    # The whole batch's agreed check needs its rows: decoded here, and each micro-batch's again where it is
+    # scored (holding the batch's decoded rows through the step would cost rows x width x 4 bytes of device memory).
+    rows = resp.rows.decode(tokens.device, check=True)
     # The scorer's check: decoded rows carry their record (only a V below their codec's is news), others are sorted.
     check = SupportCheck.begin(rows, vocab_size, validate=True)
     if bool(check.flag):
@@ -305,8 +255,7 @@ def micro_batch_layout(micro_batch) -> tuple[ResponseLayout, Any]:
 
     Returns:
         the :class:`~nemo_replay.integrations.verl.response_layout.ResponseLayout` (with the row of
-        each response position), and the rows: compact, decoded by the scorer on its device, or the
-        dense ones as ``b * R`` rows read in place (:meth:`Responses.support`).
+        each response position), and the rows, compact: the scorer decodes them on its device.
     """
     input_ids = micro_batch["input_ids"]
     if not getattr(input_ids, "is_nested", False):
@@ -319,7 +268,7 @@ def micro_batch_layout(micro_batch) -> tuple[ResponseLayout, Any]:
     cu = input_ids.offsets()
     layout = response_layout(cu, resp.lengths.to(cu.device), resp.mask.to(cu.device),
                              None if sample_ids is None else sample_ids.to(cu.device), row_ids=resp.row_ids.to(cu.device))
-    return layout, resp.support(cu.device)
+    return layout, resp.rows
 
 
 def scalar_temperature(temperature) -> Optional[float]:

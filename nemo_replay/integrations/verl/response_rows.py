@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from nemo_replay.support.codec import CompactRows, decode_support, encode_kept, encode_support, header_of
+from nemo_replay.support.codec import CompactRows, decode_support, encode_kept, header_of
 from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.rows import SampleRows, batch_rows
 
 __all__ = ["encode_response_rows", "decode_response_rows", "object_column", "buffers_of", "compact_rows"]
 
@@ -79,36 +80,42 @@ def object_column(buffers: Sequence[Any]) -> np.ndarray:
     return out
 
 
-def buffers_of(value: Any) -> list | None:
-    """The per-sample buffers of a batch's field, or None when it holds a tensor (the dense form).
+def buffers_of(value: Any, key: str = "generation_support") -> list:
+    """The per-sample buffers of a batch's field.
 
     Takes what verl hands the engines: a ``NonTensorStack`` or the list a TensorDict returns for
     it, or ``non_tensor_batch``'s object array.
+
+    Raises:
+        ValueError for a tensor (a dense ``[B, R, K]`` form, which replay's agent loops never write)
+        or another type.
     """
     if isinstance(value, torch.Tensor):
-        return None
+        raise ValueError(
+            f"replay: batch[{key!r}] is a {tuple(value.shape)} tensor; replay's agent loops write one compact "
+            f"buffer a sample (encode_response_rows), the form the engines read: run the rollout with "
+            f"nemo_replay.integrations.verl's agent loops (configs/verl/)"
+        )
     if isinstance(value, np.ndarray) and value.dtype == object:
         return list(value)
     if isinstance(value, (list, tuple)):
         return list(value)
     if hasattr(value, "tolist"):
         return list(value.tolist())
-    raise ValueError(f"replay: a support field of type {type(value).__name__}; expected one uint8 buffer a sample")
+    raise ValueError(f"replay: batch[{key!r}] is a {type(value).__name__}; expected one uint8 buffer a sample")
 
 
-_EMPTY = encode_support(RaggedSupport.from_rows([[]]), vocab_size=1)  # one trajectory, no row
-
-
-def compact_rows(buffers: list, lengths: torch.Tensor, mask: torch.Tensor, *, key: str) -> tuple[CompactRows, torch.Tensor]:
-    """A batch's rows kept compact, one trajectory a sample: ``(rows, row_ids)``.
+def compact_rows(buffers: list, tokens: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, *,
+                 key: str) -> tuple[CompactRows, torch.Tensor]:
+    """A batch's rows kept compact, one trajectory a sample: ``(rows, row_ids)``
+    (:func:`~nemo_replay.support.rows.batch_rows`, verl's response positions as the columns).
 
     The buffers' headers and CRCs are checked here, on the host, and their row counts against
-    the responses; the rows are decoded where the scorer runs
-    (:class:`~nemo_replay.support.codec.CompactRows`), and checked there against the tokens now
-    at their positions (membership).
+    the responses; the rows are decoded where the scorer runs, and checked there against the
+    tokens now at their positions (membership).
 
     Args:
-        lengths: (B,) ``R_i``. mask: (B, W) bool, the response mask.
+        tokens: (B, W) the response tokens. lengths: (B,) ``R_i``. mask: (B, W) bool, the response mask.
 
     Returns:
         the rows (sample i's ``R_i`` rows after those of the samples before it) and ``row_ids``
@@ -125,37 +132,34 @@ def compact_rows(buffers: list, lengths: torch.Tensor, mask: torch.Tensor, *, ke
     B, W = mask.shape
     if len(buffers) != B:
         raise ValueError(f"batch[{key!r}] holds {len(buffers)} buffers for {B} samples; one a sample")
-    kept, counts = [], []
     lengths = lengths.cpu().to(torch.int64)
+    samples = []
     for i, buf in enumerate(buffers):
-        if isinstance(buf, (bytes, bytearray)):
-            buf = np.frombuffer(buf, np.uint8)
-        if not (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1):
-            got = f"{buf.dtype} {buf.shape}" if isinstance(buf, np.ndarray) else type(buf).__name__
-            raise ValueError(
-                f"batch[{key!r}][{i}] is {got}; expected a 1-D uint8 buffer (build the column with "
-                f"nemo_replay.integrations.verl.response_rows.object_column: np.array(buffers, dtype=object) makes "
-                f"equal-length buffers a 2-D array)"
-            )
+        buf = _buffer(buf, f"batch[{key!r}][{i}]")
         R = int(lengths[i])
         try:
             rows = header_of(buf).rows
         except ValueError as exc:
             raise type(exc)(f"batch[{key!r}][{i}] (sample {i}): {exc}") from exc
-        if rows != R:
-            if not bool(mask[i].any()):
-                kept.append(_EMPTY)
-                counts.append(0)
-                continue
+        if rows != R and bool(mask[i].any()):
             raise ValueError(
                 f"batch[{key!r}] holds {rows} rows for sample {i}, whose response has {R} tokens: one row per response "
                 f"token, sliced and reordered with 'responses'"
             )
-        kept.append(buf)
-        counts.append(R)
-    out = CompactRows(kept, labels=[f"batch[{key!r}][{i}] (sample {i})" for i in range(B)])
-    counts_t = torch.tensor(counts, dtype=torch.int64)
-    starts = torch.cumsum(counts_t, 0) - counts_t
-    col = torch.arange(W, dtype=torch.int64)
-    row_ids = torch.where(col[None, :] < counts_t[:, None], starts[:, None] + col[None, :], -1)
+        samples.append(SampleRows.whole(buf, R) if rows == R else SampleRows.none(R))
+    out, row_ids = batch_rows(samples, tokens, lengths, name=f"batch[{key!r}]", unit="sample")
     return out, row_ids.to(mask.device)
+
+
+def _buffer(buf: Any, where: str) -> np.ndarray:
+    """A sample's field as a 1-D uint8 buffer."""
+    if isinstance(buf, (bytes, bytearray)):
+        buf = np.frombuffer(buf, np.uint8)
+    if not (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1):
+        got = f"{buf.dtype} {buf.shape}" if isinstance(buf, np.ndarray) else type(buf).__name__
+        raise ValueError(
+            f"{where} is {got}; expected a 1-D uint8 buffer (build the column with "
+            f"nemo_replay.integrations.verl.response_rows.object_column: np.array(buffers, dtype=object) makes "
+            f"equal-length buffers a 2-D array)"
+        )
+    return buf

@@ -76,12 +76,14 @@ def make_logits(num_rows: int, width: int, seed: int, dtype=torch.float64) -> to
 def make_batch(seed: int = 0, dtype=torch.float32):
     """A NeMo-RL training micro-batch sampled from its own logits.
 
-    Returns ``(data, raw_logits [B, W, V], sampler_logprobs [B, W])``: ``data`` is the dict a
-    worker holds (right-padded ``input_ids [B, W]``, ``input_lengths``, token-aligned
-    ``token_mask``, ``sample_mask``, ``generation_support [B, W, k]`` int32 and
-    ``generation_logprobs``); the logits at column t - 1 produced token t, which
-    ``nemo_replay.capture.sample`` drew with top-k / top-p at the temperature; distinct
-    prompt ids so a swapped row changes the answer.
+    Returns ``(data, raw_logits [B, W, V], sampler_logprobs [B, W], rows [B, W, k])``: ``data`` is
+    the dict a worker holds (right-padded ``input_ids [B, W]``, ``input_lengths``, token-aligned
+    ``token_mask``, ``sample_mask``, ``generation_logprobs`` and ``generation_support``, one
+    :class:`~nemo_replay.support.rows.SampleRows` a sample: :func:`encode_rows`); ``rows`` are the
+    same support rows as the sampler drew them, int32, the row of token t at column t, -1 padded
+    (the float64 references' ground truth, never handed to the scorer). The logits at column
+    t - 1 produced token t, which ``nemo_replay.capture.sample`` drew with top-k / top-p at the
+    temperature; distinct prompt ids so a swapped row changes the answer.
     """
     from nemo_replay import capture
 
@@ -110,24 +112,51 @@ def make_batch(seed: int = 0, dtype=torch.float32):
             rows[i, col, : len(members)] = torch.tensor(members, dtype=torch.int32)
             token_mask[i, col] = 1.0
             gen_lp[i, col] = float(got.logprobs[0])
+    lengths = torch.tensor([t.prompt + t.response for t in TRAJS], dtype=torch.int32)
     data = {
         "input_ids": ids,
-        "input_lengths": torch.tensor([t.prompt + t.response for t in TRAJS], dtype=torch.int32),
+        "input_lengths": lengths,
         "token_mask": token_mask,
         "sample_mask": torch.tensor(SAMPLE_MASK),
-        "generation_support": rows,
+        "generation_support": encode_rows(rows, ids, lengths),
         "generation_logprobs": gen_lp,
     }
-    return data, raw, gen_lp
+    return data, raw, gen_lp, rows
 
 
-def reference_next_token_logprobs(scaled: torch.Tensor, data: dict, *, full_vocab: bool = False) -> torch.Tensor:
+def encode_rows(rows: torch.Tensor, ids: torch.Tensor, lengths, *, width: int = 0, shift: int = 0) -> list:
+    """``generation_support`` as the replay data path puts it in NeMo-RL's batches: one
+    :class:`~nemo_replay.support.rows.SampleRows` a sample, encoded once with its sampled ids kept
+    (as replay's vLLM worker encodes them), its columns those of ``ids``.
+
+    Args:
+        rows: (B, W, k) int, the row of token t at column t, -1 padded (an all -1 row: not recorded).
+        ids: (B, W) int, the sampled tokens; lengths: (B,) the tokens of each sample.
+        width: as ``SampleRows.encode`` (0: ragged rows; k: rows captured at a fixed width).
+        shift: place every row ``shift`` columns late (a misaligned slice: the row of token t at
+            column t + shift; the rows pushed past a sample's length are dropped).
+    """
+    from nemo_replay.support.packed import PackedTensor
+    from nemo_replay.support.rows import SampleRows
+
+    out = []
+    for i in range(ids.shape[0]):
+        L = int(lengths[i])
+        n = L - shift
+        out.append(SampleRows.encode(PackedTensor(rows[i, :n], [0, n]), ids[i, :n], start=shift, length=L, width=width,
+                                     where=f"sample {i}"))
+    return out
+
+
+def reference_next_token_logprobs(scaled: torch.Tensor, data: dict, rows: torch.Tensor, *,
+                                  full_vocab: bool = False) -> torch.Tensor:
     """Float64 loop: ``[B, W - 1]`` log-probs of loss-active next tokens over their rows (0 elsewhere).
 
-    ``scaled`` are temperature-divided logits ``[B, W, V]`` (differentiable). A loss-active
-    token without a row (a synthetic EOS) is scored over the full vocabulary.
+    ``scaled`` are temperature-divided logits ``[B, W, V]`` (differentiable); ``rows`` the dense
+    ``(B, W, k)`` rows (:func:`make_batch`). A loss-active token without a row (a synthetic EOS) is
+    scored over the full vocabulary.
     """
-    ids, rows = data["input_ids"], data["generation_support"]
+    ids = data["input_ids"]
     B, W = ids.shape
     out = [[torch.zeros((), dtype=torch.float64) for _ in range(W - 1)] for _ in range(B)]
     for i in range(B):
@@ -164,14 +193,14 @@ class ClippedPGStyleLoss:
         return loss, {"loss": float(loss.detach())}
 
 
-def with_loss_inputs(data: dict, scaled: torch.Tensor, seed: int = 3) -> dict:
+def with_loss_inputs(data: dict, scaled: torch.Tensor, rows: torch.Tensor, seed: int = 3) -> dict:
     """``prev_logprobs`` (old-policy log-probs near the current ones, token-aligned: token t at
     column t, 0 in column 0 as ``LogprobsPostProcessor`` returns them, train.py:668-671) and
     token-aligned ``advantages``; the ratios straddle the clip range."""
     g = torch.Generator().manual_seed(seed)
     B, W = data["input_ids"].shape
     with torch.no_grad():
-        current = reference_next_token_logprobs(scaled.double(), data)
+        current = reference_next_token_logprobs(scaled.double(), data, rows)
     out = dict(data)
     prev = torch.zeros(B, W, dtype=torch.float64)
     prev[:, 1:] = current + 0.25 * torch.randn(B, W - 1, generator=g, dtype=torch.float64)
@@ -231,28 +260,6 @@ def per_sequence_data(data: dict, i: int, width: int) -> dict:
         v = v[i : i + 1]
         out[k] = v[:, :width] if (isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] > 1) else v
     return out
-
-
-def sorted_rows(data: dict) -> dict:
-    """``data`` with each dense support row's members ascending (-1 padding last): the order compact rows decode in."""
-    rows = data["generation_support"]
-    big = torch.iinfo(rows.dtype).max
-    ordered = torch.where(rows < 0, big, rows).sort(-1).values
-    return {**data, "generation_support": torch.where(ordered == big, -1, ordered)}
-
-
-def compact_rows(data: dict) -> dict:
-    """``data`` with ``generation_support`` in the form the replay data path puts in NeMo-RL's batches: one
-    SampleRows a sample, built from the dense rows as the flattening wrapper builds it from a message log."""
-    from nemo_replay.integrations.nemo_rl.sample_rows import sample_rows
-
-    rows, ids, lengths = data["generation_support"], data["input_ids"], data["input_lengths"]
-    entries = [
-        sample_rows([{"token_ids": ids[i, : int(lengths[i])], "generation_support": rows[i, : int(lengths[i])]}],
-                    "generation_support", where=f"trajectory {i}")
-        for i in range(ids.shape[0])
-    ]
-    return {**data, "generation_support": entries}
 
 
 def close_to_zero(x: float) -> bool:

@@ -42,7 +42,7 @@ def main() -> None:
 
     from nemo_replay.integrations.nemo_rl import install_data_path, replay_prepare_fn
     from nemo_replay.integrations.nemo_rl.datapath import replay_run
-    from nemo_replay.integrations.nemo_rl.sample_rows import GeneratedRows, MessageRows, batch_rows
+    from nemo_replay.support.rows import SampleRows, batch_rows
     from nemo_replay.integrations.nemo_rl.workers import ReplayVllmMixin, worker_fqn
     from nemo_replay.rollout.engines.vllm import vllm_row_width
     from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
@@ -106,8 +106,8 @@ def main() -> None:
             return BatchedDataDict.from_batches([shard([0, 1]), shard([2, 3])], pad_value_dict={"output_ids": pad})
 
     joined = Generation().generate(None)
-    entries = joined["generation_support"]  # one GeneratedRows a sample; from_batches joined the shards' lists
-    assert isinstance(entries, list) and len(entries) == 4 and all(isinstance(e, GeneratedRows) for e in entries)
+    entries = joined["generation_support"]  # one SampleRows a sample; from_batches joined the shards' lists
+    assert isinstance(entries, list) and len(entries) == 4 and all(isinstance(e, SampleRows) for e in entries)
     dense = 4 * (4 + 7) * width * 4  # the (B, total_length, width) int32 rows it replaces over Ray
     assert len(pickle.dumps(entries)) < dense, (len(pickle.dumps(entries)), dense)
 
@@ -115,12 +115,22 @@ def main() -> None:
     input_lengths = torch.tensor([len(p) for p in prompts])
     tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens=True: ["" for _ in ids], pad_token_id=pad)
     batch, _, _ = rollouts.generate_responses(Generation(), BatchedDataDict({}), batch, tokenizer, input_lengths)
+    def decoded(rows, tokens):
+        """Each column's decoded row (members ascending, [] where none): through batch_rows and the decode."""
+        got, row_ids = batch_rows([rows], tokens[None], torch.tensor([rows.length]), name="rows")
+        values = got.decode("cpu", check=True).values
+        return [[] if r < 0 else [t for t in values[r].tolist() if t >= 0] for r in row_ids[0].tolist()]
+
+    replies = []
     for i, log in enumerate(batch["message_log"]):
         reply = log[-1]
         # The message holds a window of the sample's compact buffer, not (n, width) int32 rows.
-        assert isinstance(reply["generation_support"], MessageRows)
-        assert reply["generation_support"].shape == (gen_lengths[i], width)
-        assert (reply["generation_support"].dense() == reply["token_ids"][:, None]).any(1).all()
+        rows = reply["generation_support"]
+        assert isinstance(rows, SampleRows) and rows.length == gen_lengths[i]
+        assert [b.tobytes() for b in rows.buffers] == [b.tobytes() for b in entries[i].buffers]  # the worker's, whole
+        assert rows.recorded().all()
+        replies.append(decoded(rows, reply["token_ids"]))
+        assert all(0 < len(r) <= width and t in r for r, t in zip(replies[-1], reply["token_ids"].tolist()))
 
     lost = [[dict(m) for m in log] for log in batch["message_log"]]
     del lost[2][-1]["generation_support"]
@@ -143,18 +153,21 @@ def main() -> None:
     })
     grpo._preserve_router_replay_routed_experts(logprob_data, flat, policy_config)
     W = train_data["input_ids"].shape[1]
-    # One compact entry a sample (sample_rows.py), response positions only; both policy batches share it.
+    # One compact entry a sample (support/rows.py), response positions only; both policy batches share it.
     entries = train_data["generation_support"]
     assert W == 16 and isinstance(entries, list) and len(entries) == 4
     assert logprob_data["generation_support"] is flat["generation_support"]
-    support, token_rows = batch_rows(entries, train_data["input_ids"], train_data["input_lengths"], key="generation_support")
+    assert all(isinstance(e, SampleRows) and e.length == sum(int(m["token_ids"].shape[0]) for m in log)
+               for e, log in zip(entries, batch["message_log"]))
+    support, token_rows = batch_rows(entries, train_data["input_ids"], train_data["input_lengths"],
+                                     name="data['generation_support']", unit="data row")
     support = support.decode("cpu", check=True)  # compact until the scorer's device decodes them
     for i, log in enumerate(batch["message_log"]):
         start = sum(int(m["token_ids"].shape[0]) for m in log[:-1])
         cols = torch.nonzero(token_rows[i] >= 0).flatten().tolist()
         assert cols == list(range(start, start + gen_lengths[i])), (i, cols)
-        for c, want in zip(cols, log[-1]["generation_support"].dense().tolist()):
-            assert [t for t in support.values[int(token_rows[i, c])].tolist() if t >= 0] == sorted(t for t in want if t >= 0)
+        for c, want in zip(cols, replies[i]):
+            assert [t for t in support.values[int(token_rows[i, c])].tolist() if t >= 0] == want
     dense = 4 * W * width * 4  # what the token-aligned (B, S, k) int32 tensor held
     compact = len(pickle.dumps(entries))
     assert compact < dense, (compact, dense)
@@ -163,7 +176,8 @@ def main() -> None:
     assert part["generation_support"] == entries[1:3]
     back = train_data.slice(0, 4)
     back.reorder_data([3, 2, 1, 0])  # in place
-    assert [e.data.tobytes() for e in back["generation_support"]] == [e.data.tobytes() for e in entries[::-1]]
+    reordered = [b.tobytes() for e in back["generation_support"] for b in e.buffers]
+    assert reordered == [b.tobytes() for e in entries[::-1] for b in e.buffers]
 
     scaled = logits[:, :W] / TEMPERATURE
     loss_fn = SimpleNamespace(input_type=LossInputType.LOGPROB)

@@ -46,14 +46,8 @@ from nemo_replay.integrations.nemo_rl import workers
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
-from nemo_replay.integrations.nemo_rl.sample_rows import (
-    GeneratedRows,
-    MessageRows,
-    SampleRows,
-    batch_rows,
-    message_log_rows,
-    sample_rows,
-)
+from nemo_replay.integrations.nemo_rl.datapath import message_log_rows
+from nemo_replay.support.rows import SampleRows, batch_rows
 from tests.integrations.nemo_rl.batches import TEMPERATURE, make_logits
 from tests.rollout.engines.engine_outputs import RequestOutput, SamplingMask, vllm_offline_output, vllm_steps
 
@@ -61,18 +55,31 @@ K = 5
 VOCAB = 64
 
 
-def _message(role, ids, rows=None, generated=False):
+def _csr(rows: torch.Tensor) -> RaggedSupport:
+    """A message's dense rows (n, width), -1 padded, as the CSR rows the worker reads off vLLM."""
+    return RaggedSupport.from_padded(PackedTensor(rows.to(torch.int32), [0, rows.shape[0]]))
+
+
+def _encoded(rows: torch.Tensor, tokens: torch.Tensor) -> SampleRows:
+    """A generated message's rows as the rollout code slices them out of a worker's SampleRows whose
+    generated tokens start at column 0 (what ``SampleRows.encode`` gives for the message alone)."""
+    return SampleRows.encode(_csr(rows), tokens)
+
+
+def _message(role, ids, rows=None, generated=False, encode=_encoded):
     m = {"role": role, "content": "", "token_ids": torch.tensor(ids, dtype=torch.int64)}
     if generated:
         m["generation_logprobs"] = -torch.rand(len(ids))
     if rows is not None:
-        m["generation_support"] = torch.tensor(rows, dtype=torch.int32)
+        m["generation_support"] = encode(torch.tensor(rows, dtype=torch.int32), m["token_ids"])
     return m
 
 
-def _csr(rows: torch.Tensor) -> RaggedSupport:
-    """A message's dense rows (n, width), -1 padded, as the CSR rows the worker reads off vLLM."""
-    return RaggedSupport.from_padded(PackedTensor(rows.to(torch.int32), [0, rows.shape[0]]))
+def _decoded(sample: SampleRows, tokens: torch.Tensor) -> list:
+    """Each column's decoded row (its members, ascending; [] where none), through batch_rows and the decode."""
+    rows, row_ids = batch_rows([sample], tokens[None], torch.tensor([sample.length]), name="rows")
+    values = rows.decode("cpu", check=True).values
+    return [[] if r < 0 else [t for t in values[int(r)].tolist() if t >= 0] for r in row_ids[0].tolist()]
 
 
 def _nemo_rl_masks(message_logs):
@@ -84,51 +91,67 @@ def _nemo_rl_masks(message_logs):
             m.setdefault("generation_logprobs", torch.zeros_like(m["token_ids"], dtype=torch.float32))
 
 
-def _multi_turn_logs():
+def _multi_turn_logs(encode=_encoded):
     """Trajectory 0: prompt, generated turn (k=5, its second token flagged), tool output, generated
-    turn from the mask path (rows 3 wide). Trajectory 1: prompt with a history assistant turn, one turn."""
+    turn from the mask path (rows 3 wide). Trajectory 1: prompt with a history assistant turn, one turn.
+    ``encode(rows (n, k) -1 padded, token_ids (n,))`` gives a generated message's SampleRows."""
     t0 = [
         _message("user", [11, 12, 13]),
-        _message("assistant", [21, 22, 23], [[21, 1, 2, 3, 4], [-1] * 5, [23, 5, -1, -1, -1]], generated=True),
+        _message("assistant", [21, 22, 23], [[21, 1, 2, 3, 4], [-1] * 5, [23, 5, -1, -1, -1]], generated=True,
+                 encode=encode),
         _message("user", [31, 32]),
-        _message("assistant", [41, 42], [[41, 7, 8], [42, -1, -1]], generated=True),
+        _message("assistant", [41, 42], [[41, 7, 8], [42, -1, -1]], generated=True, encode=encode),
     ]
     t1 = [
         _message("user", [51]),
         _message("assistant", [52, 53]),  # a prompt's own assistant turn: not generated, no rows
-        _message("assistant", [61], [[61, 9, 10, 11, 12]], generated=True),
+        _message("assistant", [61], [[61, 9, 10, 11, 12]], generated=True, encode=encode),
     ]
     return [t0, t1]
 
 
-def test_message_windows_of_the_worker_s_compact_rows_read_as_the_dense_rows():
+def test_message_windows_of_the_worker_s_compact_rows_read_as_the_message_s_own_rows():
     """What the patched rollout code puts in a message, ``rows[i][input_length:total_length]`` of the
-    worker's GeneratedRows (a window of one compact buffer, the worker's left pad and right padding
-    columns included), gives the same flagged tokens and the same compact entry as the dense rows."""
-    dense, windows = _multi_turn_logs(), _multi_turn_logs()
-    for log in windows:
-        for m in log:
-            if "generation_support" in m:
-                rows = m["generation_support"]
-                n = rows.shape[0]
-                # The worker's layout: 4 prompt columns, then the generated tokens' rows, then padding.
-                generated = GeneratedRows.of(_csr(rows), 4, rows.shape[1])
-                m["generation_support"] = generated[4:4 + n]
-                wide = generated[2:4 + n + 3]  # a wider window: no rows outside the generated tokens
-                assert wide.shape == (n + 5, rows.shape[1]) and wide.recorded()[:2].sum() == 0
-                as_sets = lambda t: [sorted(v for v in r if v >= 0) for r in t.tolist()]  # noqa: E731 (rows come sorted)
-                assert as_sets(wide.dense()[2:2 + n]) == as_sets(rows) and (wide.dense()[2 + n:] == -1).all()
-    _nemo_rl_masks(dense), _nemo_rl_masks(windows)
-    assert backfill_support(dense) == backfill_support(windows) == 1
-    assert all(torch.equal(a["token_loss_mask"], b["token_loss_mask"]) for x, y in zip(dense, windows) for a, b in zip(x, y))
-    for a, b in zip(message_log_rows(dense, "generation_support"), message_log_rows(windows, "generation_support")):
-        assert np.array_equal(a.runs, b.runs) and a.data.tobytes() == b.data.tobytes()
+    worker's SampleRows (a window of one compact buffer, the worker's left pad and right padding
+    columns included), gives the same flagged tokens and the same compact entry as the message's
+    rows encoded on their own."""
+    def window(rows, tokens):
+        n = rows.shape[0]
+        # The worker's layout: 4 prompt columns, then the generated tokens' rows, then padding.
+        generated = SampleRows.encode(_csr(rows), tokens, start=4)
+        wide = generated[2:4 + n + 3]  # a wider window: no rows outside the generated tokens
+        recorded = (rows >= 0).any(-1)
+        assert wide.length == n + 5 and wide.recorded().tolist() == [False] * 2 + recorded.tolist() + [False] * 3
+        as_sets = [sorted(v for v in r if v >= 0) for r in rows.tolist()]  # rows decode sorted
+        padded = torch.cat([tokens.new_zeros(2), tokens, tokens.new_zeros(3)])
+        assert _decoded(wide, padded) == [[]] * 2 + as_sets + [[]] * 3
+        return generated[4:4 + n]
+
+    own, windows = _multi_turn_logs(), _multi_turn_logs(encode=window)
+    _nemo_rl_masks(own), _nemo_rl_masks(windows)
+    assert backfill_support(own) == backfill_support(windows) == 1
+    assert all(torch.equal(a["token_loss_mask"], b["token_loss_mask"]) for x, y in zip(own, windows) for a, b in zip(x, y))
+    for a, b in zip(message_log_rows(own, "generation_support"), message_log_rows(windows, "generation_support")):
+        assert np.array_equal(a.runs, b.runs) and a.length == b.length
+        assert [x.tobytes() for x in a.buffers] == [x.tobytes() for x in b.buffers]
     short = _multi_turn_logs()
-    dense = short[0][1]["generation_support"]
-    short[0][1]["generation_support"] = GeneratedRows.of(_csr(dense), 0, dense.shape[1])[0:2]
+    rows = torch.tensor([[21, 1, 2, 3, 4], [-1] * 5, [23, 5, -1, -1, -1]], dtype=torch.int32)
+    short[0][1]["generation_support"] = SampleRows.encode(_csr(rows), short[0][1]["token_ids"])[0:2]
     _nemo_rl_masks(short)
-    with pytest.raises(ValueError, match=r"trajectory 0, message 1: generation_support must be .* got MessageRows of 2 rows"):
+    with pytest.raises(ValueError, match=r"trajectory 0, message 1: generation_support must be the rows of its 3 tokens "
+                                         r"\(SampleRows, one column a token_ids entry\), got SampleRows of 2 columns; "
+                                         r"slice the vLLM worker's rows as generation_logprobs is sliced"):
         backfill_support(short)
+    # The retired dense (n, k) rows in a message: refused by name, with the fix, by both readers.
+    dense = _multi_turn_logs()
+    dense[0][3]["generation_support"] = torch.tensor([[41, 7, 8], [42, -1, -1]], dtype=torch.int32)
+    _nemo_rl_masks(dense)
+    match = (r"trajectory 0, message 3: generation_support must be the rows of its 2 tokens \(SampleRows, one column a "
+             r"token_ids entry\), got Tensor; slice the vLLM worker's rows as generation_logprobs is sliced")
+    with pytest.raises(ValueError, match=match):
+        backfill_support(dense)
+    with pytest.raises(ValueError, match=match):
+        message_log_rows(dense, "generation_support")
 
 
 def test_flagged_tokens_leave_the_loss_and_each_sample_keeps_its_response_rows_only():
@@ -142,19 +165,21 @@ def test_flagged_tokens_leave_the_loss_and_each_sample_keeps_its_response_rows_o
     # One compact entry a sample: the recorded rows at their columns in the flattened log
     # (llm_message_utils.py:118-135 concatenates the messages in order).
     entries = message_log_rows(logs, "generation_support")
-    assert entries[0].columns.tolist() == [3, 5, 8, 9] and entries[1].columns.tolist() == [3]
+    assert entries[0].columns().tolist() == [3, 5, 8, 9] and entries[1].columns().tolist() == [3]
+    assert [e.length for e in entries] == [10, 4]
+    assert entries[0].recorded().tolist() == [False] * 3 + [True, False, True] + [False] * 2 + [True, True]
     ids = torch.zeros(2, 10, dtype=torch.int64)
     for i, log in enumerate(logs):
         flat = torch.cat([m["token_ids"] for m in log])
         ids[i, : flat.numel()] = flat
-    support, token_rows = batch_rows(entries, ids, torch.tensor([10, 4]), key="generation_support")
+    support, token_rows = batch_rows(entries, ids, torch.tensor([10, 4]), name="data['generation_support']",
+                                     unit="data row")
     support = support.decode("cpu", check=True)  # compact until the scorer's device decodes them
     row = lambda r: [t for t in support.values[int(r)].tolist() if t >= 0]  # noqa: E731
     assert [row(r) for r in token_rows[0][token_rows[0] >= 0]] == [[1, 2, 3, 4, 21], [5, 23], [7, 8, 41], [42]]
     assert row(token_rows[1, 3]) == [9, 10, 11, 12, 61]
     # Rows of another sample with the same columns fail the membership check, never rebuilt around the wrong tokens.
-    same = [sample_rows([{"token_ids": torch.tensor([7, t]), "generation_support": torch.tensor([[-1], [t]])}],
-                        "generation_support", where=f"t{t}") for t in (11, 12)]
+    same = [SampleRows.encode(_csr(torch.tensor([[-1], [t]])), torch.tensor([7, t])) for t in (11, 12)]
     swapped = {"input_ids": torch.tensor([[7, 11], [7, 12]]), "input_lengths": torch.tensor([2, 2]),
                "token_mask": torch.tensor([[0, 1], [0, 1]]), "sample_mask": torch.ones(2),
                "generation_support": same[::-1]}
@@ -162,26 +187,26 @@ def test_flagged_tokens_leave_the_loss_and_each_sample_keeps_its_response_rows_o
                                                     r"support row \[12\]"):
         next_token_logprobs(torch.randn(2, 2, 16), swapped)
     # Rows of another sample, or reordered apart from input_ids, are named.
-    with pytest.raises(ValueError, match=r"data\['generation_support'\]\[1\]: row columns \[3\]\.\.\. must increase "
-                                         r"and lie below the data row's input_lengths 3"):
-        batch_rows(entries, ids, torch.tensor([10, 3]), key="generation_support")
+    with pytest.raises(ValueError, match=r"data\['generation_support'\]\[1\] \(data row 1\): row columns from 3 to 3 "
+                                         r"in 1 runs must increase and lie below the sample's 3 token columns \(3 tokens, "
+                                         r"a batch of 10 columns\): the rows belong to another sample"):
+        batch_rows(entries, ids, torch.tensor([10, 3]), name="data['generation_support']", unit="data row")
 
 
 @pytest.mark.parametrize("lengths", [[3, 3], [3, 2], [2, 2**40], [0, 2], [2, -1]])
 def test_input_lengths_past_the_width_are_named_before_the_rows_are_placed(lengths):
     """batch_rows placed the compact rows by input_lengths before the width check: a length past
     input_ids' width, with rows recorded past it, was a raw IndexError. The width check now runs
-    first, for either row form."""
+    first, whatever the rows key holds."""
     # Three tokens recorded a sample; input_ids cut to two columns.
-    entries = [sample_rows([{"token_ids": torch.tensor([7, t, 5]), "generation_support": torch.tensor([[-1], [t], [5]])}],
-                           "generation_support", where=f"t{t}") for t in (11, 12)]
+    entries = [SampleRows.encode(_csr(torch.tensor([[-1], [t], [5]])), torch.tensor([7, t, 5])) for t in (11, 12)]
     data = {"input_ids": torch.tensor([[7, 11], [7, 12]]), "input_lengths": torch.tensor(lengths),
             "token_mask": torch.tensor([[0, 1], [0, 1]]), "sample_mask": torch.ones(2), "generation_support": entries}
     row = next(i for i, n in enumerate(lengths) if not 1 <= n <= 2)
     match = rf"data\['input_lengths'\]: data row {row} has input_lengths {lengths[row]}, outside \[1, 2\] \(the width of input_ids\)"
     with pytest.raises(ValueError, match=match):
         next_token_logprobs(torch.randn(2, 2, 16), data)
-    data["generation_support"] = torch.tensor([[[-1], [11]], [[-1], [12]]], dtype=torch.int32)  # the dense form
+    data["generation_support"] = torch.tensor([[[-1], [11]], [[-1], [12]]], dtype=torch.int32)  # not even rows
     with pytest.raises(ValueError, match=match):
         next_token_logprobs(torch.randn(2, 2, 16), data)
 
@@ -196,61 +221,77 @@ def test_backfill_refuses_a_generated_message_without_rows_or_with_misshaped_row
     logs = _multi_turn_logs()
     logs[0][3]["generation_support"] = logs[0][3]["generation_support"][:1]
     _nemo_rl_masks(logs)
-    with pytest.raises(ValueError, match=r"trajectory 0, message 3: generation_support must be integer rows "
-                                         r"\(num_tokens=2, k\), one per token_ids entry, got torch.int32 \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"trajectory 0, message 3: generation_support must be the rows of its 2 tokens "
+                                         r"\(SampleRows, one column a token_ids entry\), got SampleRows of 1 columns; "
+                                         r"slice the vLLM worker's rows as generation_logprobs is sliced "
+                                         r"\(\[i\]\[input_length:total_length\]\)"):
         backfill_support(logs)
 
 
-def test_dense_rows_and_tokens_that_would_shrink_or_be_cut_are_refused_by_name():
-    """A dense generated message's rows once read every entry >= 0 as a member wherever it sat:
-    ``[5, -25536, -1]`` (token 40000 wrapped by int16) became {5} (and a row of only such entries a
-    flagged token, silently out of the loss), ``[5, -1, 1]`` became {1, 5}; ids past int32 wrapped and
-    float tokens were cut. Both readers of the rows (backfill_support, then sample_rows where the log is
-    flattened) now hold them to docs/design.md §2: -1 only as a trailing pad, integer ids."""
-    where = r"trajectory 0, message 1: generation_support: row 1"
+def test_rows_and_tokens_that_would_shrink_or_be_cut_are_refused_where_they_are_encoded():
+    """Dense rows once read every entry >= 0 as a member wherever it sat: ``[5, -25536, -1]`` (token
+    40000 wrapped by int16) became {5} (and a row of only such entries a flagged token, silently out
+    of the loss), ``[5, -1, 1]`` became {1, 5}; ids past int32 wrapped and float tokens were cut. The
+    rows are encoded once, where they are recorded (the vLLM worker's ``SampleRows.encode``), and held
+    there to docs/design.md §2: -1 only as a trailing pad, integer ids, each recorded row holding its
+    token; the error names the request and the row."""
+    where = "W.generate, request 0"
     bad = [
-        (torch.tensor([[21, 1, -1], [5, -25536, -1]], dtype=torch.int16), rf"{where} holds an id below -1 .*\[5, -25536, -1\]"),
-        (torch.tensor([[21, 1, -1], [-25536, -1, -1]], dtype=torch.int16), rf"{where} holds an id below -1"),
-        (torch.tensor([[21, 1, -1], [5, -1, 1]]), rf"{where} has a member after -1 padding .*\[5, -1, 1\]"),
-        (torch.tensor([[21, 1, -1], [5, 2**32 + 3, -1]]), rf"{where} holds an id >= vocab_size=2147483647"),
+        (torch.tensor([[21, 1, -1], [5, -25536, -1]], dtype=torch.int16),
+         rf"{where}: row 1 holds an id below -1 .*\[5, -25536, -1\]"),
+        (torch.tensor([[21, 1, -1], [-25536, -1, -1]], dtype=torch.int16), rf"{where}: row 1 holds an id below -1"),
+        (torch.tensor([[21, 1, -1], [5, -1, 1]]), rf"{where}: row 1 has a member after -1 padding .*\[5, -1, 1\]"),
+        (torch.tensor([[21, 1, -1], [5, 2**32 + 3, -1]]), rf"{where}: row 1 holds an id >= vocab_size=2147483647"),
     ]
     for rows, match in bad:
-        log = [_message("user", [11, 12]), _message("assistant", [21, 5], generated=True)]
-        log[1]["generation_support"] = rows
-        _nemo_rl_masks([log])
         with pytest.raises(ValueError, match=match):
-            backfill_support([log])
-        with pytest.raises(ValueError, match=match):
-            message_log_rows([log], "generation_support")
-    floats = [_message("user", [11]), _message("assistant", [21, 5], [[21, 1], [5, -1]], generated=True)]
-    floats[1]["token_ids"] = torch.tensor([21.0, 5.0])
-    with pytest.raises(ValueError, match=r"trajectory 0: sampled_ids of dtype torch.float32; expected integer token ids"):
-        message_log_rows([floats], "generation_support")
+            SampleRows.encode(PackedTensor(rows, [0, 2]), torch.tensor([21, 5]), start=2, where=where)
+    rows = PackedTensor(torch.tensor([[21, 1], [5, -1]]), [0, 2])
+    with pytest.raises(ValueError, match=rf"{where}: sampled_ids of dtype torch.float32; expected integer token ids"):
+        SampleRows.encode(rows, torch.tensor([21.0, 5.0]), where=where)
+    with pytest.raises(ValueError, match=rf"{where}: 2 support rows for 3 sampled tokens; one row a token"):
+        SampleRows.encode(rows, torch.tensor([21, 5, 7]), where=where)
+    # A recorded row without its token, named by its row among the rows given (the generated token),
+    # also past a row that could not be recorded.
+    with pytest.raises(SupportAlignmentError, match=rf"{where}: .*row 1: sampled token 6 is not a member of its "
+                                                    rf"support row \[5\]"):
+        SampleRows.encode(rows, torch.tensor([21, 6]), where=where)
+    flagged_first = PackedTensor(torch.tensor([[-1, -1], [21, 1], [5, -1]]), [0, 3])
+    with pytest.raises(SupportAlignmentError, match=rf"{where}: .*row 2: sampled token 6 is not a member of its "
+                                                    rf"support row \[5\]"):
+        SampleRows.encode(flagged_first, torch.tensor([7, 21, 6]), start=4, where=where)
 
 
-def test_batch_rows_checks_run_counts_and_their_dtype_before_it_makes_a_column():
+def test_batch_rows_checks_runs_and_their_dtype_before_it_makes_a_column():
     """Run counts sized the columns before anything checked them: a run of 2**31 - 1 columns over a buffer
-    of one row asked for 16 GiB, and float runs were cut to integers. A count now must match the rows its
-    buffer holds (held to the buffer's bytes) before a column is made, and runs must be integers."""
+    of one row asked for 16 GiB, and float runs were cut to integers. A run must fit the rows its buffer
+    holds (held to the buffer's bytes) and the sample's columns before a column is made, and runs must be
+    integers."""
     import tracemalloc
 
-    entry = sample_rows([{"token_ids": torch.tensor([3, 4]), "generation_support": torch.tensor([[3, 9], [4, -1]])}],
-                        "generation_support", where="t")
+    entry = SampleRows.encode(_csr(torch.tensor([[3, 9], [4, -1]])), torch.tensor([3, 4]))
     ids, lengths = torch.tensor([[3, 4]]), torch.tensor([2])
-    batch_rows([entry], ids, lengths, key="k")  # the entry as written
+    kw = dict(name="data['k']", unit="data row")
+    batch_rows([entry], ids, lengths, **kw)  # the entry as written
     for count in (10**7, 2**31 - 1):
-        runs = np.array([[0, count]], np.int64)
+        runs = np.array([[0, 0, count]], np.int64)
         tracemalloc.start()
         try:
-            with pytest.raises(ValueError, match=rf"data\['k'\]\[0\]: 2 rows for {count} columns; a corrupted entry"):
-                batch_rows([SampleRows(runs, entry.data)], ids, lengths, key="k")
+            with pytest.raises(ValueError, match=r"data\['k'\]\[0\] \(data row 0\): "):
+                batch_rows([SampleRows(entry.buffers, runs, count)], ids, lengths, **kw)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
         assert peak < 1 << 20, peak  # no column made: 10**7 of them took 80 MB
-    for runs in (entry.runs.astype(np.float64), np.array([[0.0, 2.5]]), entry.runs.astype(np.float32) + 0.25):
-        with pytest.raises(ValueError, match=rf"data\['k'\]\[0\]: runs of dtype {runs.dtype}; expected integer"):
-            batch_rows([SampleRows(runs, entry.data)], ids, lengths, key="k")
+    # Runs naming more rows than the buffer holds, inside the sample's columns.
+    wide_ids, wide_lengths = torch.tensor([[3, 4, 5]]), torch.tensor([3])
+    with pytest.raises(ValueError, match=r"data\['k'\]\[0\] \(data row 0\): runs name rows up to 2 of buffers "
+                                         r"holding 2; a corrupted entry"):
+        batch_rows([SampleRows(entry.buffers, np.array([[0, 0, 3]], np.int32), 3)], wide_ids, wide_lengths, **kw)
+    for runs in (entry.runs.astype(np.float64), np.array([[0.0, 0.0, 2.5]]), entry.runs.astype(np.float32) + 0.25):
+        with pytest.raises(ValueError, match=rf"data\['k'\]\[0\] \(data row 0\): runs of dtype {runs.dtype}, shape "
+                                             rf".*; expected \(n, 3\) integer"):
+            batch_rows([SampleRows(entry.buffers, runs, 2)], ids, lengths, **kw)
 
 
 def test_pads_and_carrying_into_the_policy_batches():
@@ -259,22 +300,19 @@ def test_pads_and_carrying_into_the_policy_batches():
     assert with_support_pad(None) == {"generation_support": -1}
     with pytest.raises(ValueError, match=r"pad_value_dict\['generation_support'\]=0: support rows are padded with -1"):
         with_support_pad({"generation_support": 0})
-    flat = {"token_ids": torch.zeros(2, 6, dtype=torch.int64), "generation_support": torch.full((2, 6, K), -1)}
-    train = {"input_ids": flat["token_ids"]}
-    carry_support(train, flat)
-    assert train["generation_support"] is flat["generation_support"]
+    ids = torch.zeros(2, 6, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"flattened rollout batch has no 'generation_support'"):
-        carry_support({"input_ids": flat["token_ids"]}, {"token_ids": flat["token_ids"]})
-    with pytest.raises(ValueError, match=r"flattened generation_support has shape \(2, 5, 5\); expected a list of "
-                                         r"SampleRows \(one a sample\) or \(B, S, k\) over input_ids \(2, 6\)"):
-        carry_support(train, {"generation_support": torch.full((2, 5, K), -1)})
-    # The compact form: one SampleRows a sample, nothing else.
-    entries = [sample_rows([{"token_ids": torch.tensor([3, 4]), "generation_support": torch.tensor([[3, 9], [4, -1]])}],
-                           "generation_support", where="t") for _ in range(2)]
+        carry_support({"input_ids": ids}, {"token_ids": ids})
+    # One SampleRows a sample, nothing else: the retired dense (B, S, k) rows are refused by name.
+    entries = [SampleRows.encode(_csr(torch.tensor([[3, 9], [4, -1]])), torch.tensor([3, 4]), length=6) for _ in range(2)]
+    train = {"input_ids": ids}
     carry_support(train, {"generation_support": entries})
     assert train["generation_support"] is entries
-    with pytest.raises(ValueError, match=r"holds 1 entries for 2 samples; expected one SampleRows a sample"):
-        carry_support(train, {"generation_support": entries[:1]})
+    refused = ((torch.full((2, 6, K), -1), "Tensor"), (torch.full((2, 5, K), -1), "Tensor"), (entries[:1], "1 entries"))
+    for given, got in refused:
+        with pytest.raises(ValueError, match=rf"flattened generation_support holds {got} for 2 samples; expected a list "
+                                             rf"of one SampleRows a sample \(what the flattening wrapper writes\)"):
+            carry_support({"input_ids": ids}, {"generation_support": given})
 
 
 # ------------------------------------------------------------------------------ install_data_path
@@ -333,7 +371,7 @@ def test_install_data_path_wraps_each_boundary_once_and_refuses_an_unpatched_tre
     grpo.add_grpo_token_loss_masks_and_generation_logprobs(logs)
     assert logs[0][1]["token_loss_mask"].tolist() == [1, 0, 1] and "generation_support" not in logs[0][0]
     target = {"input_ids": torch.zeros(1, 3)}
-    grpo._preserve_router_replay_routed_experts(target, {"generation_support": torch.zeros(1, 3, K)}, {})
+    grpo._preserve_router_replay_routed_experts(target, {"generation_support": [SampleRows.none(3)]}, {})
     assert grpo.calls == [{"token_ids": 0, "generation_support": -1}, "routes"] and "generation_support" in target
     (tmp_path / "u").mkdir()
     _, _, unpatched = _stand_ins(tmp_path / "u", patched=False)
@@ -472,18 +510,22 @@ def test_the_vllm_worker_asks_for_the_support_and_returns_rows_that_reproduce_th
     worker = worker_cls(cfg, llm)
     result = worker.generate(data)
     assert llm.params[-1].logprobs == 2 * top_k and "generate" not in vars(llm)  # the recorder is gone again
-    entries = result["generation_support"]  # one compact entry a sample crosses Ray (sample_rows.GeneratedRows)
-    assert isinstance(entries, list) and all(isinstance(e, GeneratedRows) for e in entries)
+    entries = result["generation_support"]  # one compact entry a sample crosses Ray, encoded once (SampleRows)
+    assert isinstance(entries, list) and all(isinstance(e, SampleRows) for e in entries)
     # Sliced by column as the patched rollout code slices it: a window of the same compact buffer.
     windows = [e[0:9] for e in entries]
-    assert all(isinstance(w, MessageRows) and w.shape == (9, 2 * top_k - 1) for w in windows)
-    assert all(torch.equal(w.recorded(), (w.dense() >= 0).any(-1)) for w in windows)
-    rows = torch.stack([w.dense() for w in windows])
-    assert rows.shape == (2, 9, 2 * top_k - 1) and rows.dtype == torch.int32
-    assert (rows[0, :3] == -1).all() and (rows[0, 7:] == -1).all() and (rows[1, :5] == -1).all()
-    token_mask = (rows >= 0).any(-1).float()
+    assert all(isinstance(w, SampleRows) and w.length == 9 and w.buffers[0] is e.buffers[0]
+               for w, e in zip(windows, entries))
+    recorded = torch.stack([w.recorded() for w in windows])
+    assert recorded.tolist() == [[False] * 3 + [True] * 4 + [False] * 2, [False] * 5 + [True] * 2 + [False] * 2]
+    decoded = [_decoded(w, result["output_ids"][i]) for i, w in enumerate(windows)]
+    assert all(bool(r) == bool(m) for d, row in zip(decoded, recorded) for r, m in zip(d, row.tolist()))
+    # Rows as wide as 2 top_k - 1 (ties past top_k) are read whole, each holding its token.
+    assert all(len(r) <= 2 * top_k - 1 for d in decoded for r in d)
+    assert all(int(result["output_ids"][i, c]) in r for i, d in enumerate(decoded) for c, r in enumerate(d) if r)
+    token_mask = recorded.float()
     batch = {"input_ids": result["output_ids"], "input_lengths": torch.tensor([7, 7]), "token_mask": token_mask,
-             "sample_mask": torch.ones(2), "generation_support": rows}
+             "sample_mask": torch.ones(2), "generation_support": windows}
     scores = next_token_logprobs(logits / TEMPERATURE, batch)
     active = token_mask[:, 1:] != 0
     torch.testing.assert_close(scores.logprobs[active], result["logprobs"][:, 1:][active], atol=1e-5, rtol=0)
@@ -646,7 +688,7 @@ def test_the_launchers_check_prints_what_replay_asks_and_starts_nothing(tmp_path
     out = capsys.readouterr().out
     assert [c[0] for c in calls] == ["register_omegaconf_resolvers", "load_config"]  # no Ray, no setup
     assert "vLLM is asked logprobs=81 per token (max_logprobs=81, logprobs_mode=processed_logprobs" in out
-    assert "generation_support rows int32 (B, S, 80): supports up to 80 ids read whole" in out
+    assert "generation_support one compact SampleRows a sample: supports up to 80 ids read whole" in out
     assert "validation (grpo.val_period=10) samples with the same top_k / top_p" in out
     assert "no cluster was started (--check)" in out
     calls.clear()
@@ -684,7 +726,7 @@ def test_the_plug_acts_on_replay_runs_only_and_can_be_removed(tmp_path):
             grpo._preserve_router_replay_routed_experts({"input_ids": torch.zeros(1, 3)}, {}, {})
     logs = _multi_turn_logs()  # rows in a batch are still checked outside a run
     logs[0][3]["generation_support"] = logs[0][3]["generation_support"][:1]
-    with pytest.raises(ValueError, match=r"trajectory 0, message 3: generation_support must be integer rows"):
+    with pytest.raises(ValueError, match=r"trajectory 0, message 3: generation_support must be the rows of its 2 tokens"):
         grpo.add_grpo_token_loss_masks_and_generation_logprobs(logs)
     done.remove()
     assert (grpo.add_grpo_token_loss_masks_and_generation_logprobs, grpo._preserve_router_replay_routed_experts,
@@ -702,7 +744,7 @@ def _rank_result(num_prompts, rows=True):
     out = {"output_ids": torch.zeros(num_prompts, 4, dtype=torch.int64), "generation_lengths": torch.ones(num_prompts),
            "unpadded_sequence_lengths": torch.ones(num_prompts), "logprobs": torch.zeros(num_prompts, 4)}
     if rows:
-        out["generation_support"] = torch.full((num_prompts, 4, K), -1, dtype=torch.int32)
+        out["generation_support"] = [SampleRows.none(4) for _ in range(num_prompts)]
     return out
 
 
@@ -763,11 +805,13 @@ def test_the_vllm_worker_takes_the_sampling_mask_where_the_engine_returns_it():
     worker_cls = type("W", (workers.ReplayVllmMixin, _NemoRLVllmWorker), {})
     result = worker_cls({"temperature": TEMPERATURE, "top_p": 0.9, "top_k": top_k}, llm).generate(data)
     assert llm.params[-1].logprobs == 0  # NeMo-RL's own request, unchanged
-    rows = torch.stack([e[0 : result["output_ids"].shape[1]].dense() for e in result["generation_support"]])
-    assert rows.shape[-1] == top_k + 16
-    token_mask = (rows >= 0).any(-1).float()
+    windows = [e[0 : result["output_ids"].shape[1]] for e in result["generation_support"]]
+    decoded = [_decoded(w, result["output_ids"][i]) for i, w in enumerate(windows)]
+    assert all(len(r) <= top_k + 16 for d in decoded for r in d)  # the mask path's rows: top_k + 16 tied ids whole
+    assert all(int(result["output_ids"][i, c]) in r for i, d in enumerate(decoded) for c, r in enumerate(d) if r)
+    token_mask = torch.stack([w.recorded() for w in windows]).float()
     batch = {"input_ids": result["output_ids"], "input_lengths": torch.tensor([7, 7]), "token_mask": token_mask,
-             "sample_mask": torch.ones(2), "generation_support": rows}
+             "sample_mask": torch.ones(2), "generation_support": windows}
     scores = next_token_logprobs(logits / TEMPERATURE, batch)
     active = token_mask[:, 1:] != 0
     assert int(active.sum()) == 6

@@ -24,24 +24,25 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from nemo_replay.integrations.nemo_rl.sample_rows import SampleRows
+from nemo_replay.support.rows import SampleRows
 from tests.integrations.nemo_rl.batches import (
     TEMPERATURE,
     VOCAB,
+    WIDTH,
     ClippedPGStyleLoss,
     LossInputType,
-    compact_rows,
     cp_chunks,
+    encode_rows,
     make_batch,
     make_logits,
     packed_layout,
     packed_local_logits,
     per_sequence_data,
     reference_next_token_logprobs,
-    sorted_rows,
     vocab_shard,
     with_loss_inputs,
 )
@@ -107,13 +108,15 @@ def _policy_logprobs(local, data, cfg, cu, loss_fn):
     return out, total / cp  # LossPostProcessor's cp_normalize (train.py:574-582)
 
 
-def _phase_policy(out, g, data, raw32):
+def _phase_policy(out, g, data, raw32, rows):
     from nemo_replay.integrations.nemo_rl import next_token_logprobs
 
     lengths = data["input_lengths"].tolist()
-    data64 = with_loss_inputs(data, raw32 / TEMPERATURE)
+    data64 = with_loss_inputs(data, raw32 / TEMPERATURE, rows)
+    # The same rows captured at a fixed width (SampleRows.encode(width=k)): decoded as wide.
+    wide64 = {**data64, "generation_support": encode_rows(rows, data["input_ids"], data["input_lengths"], width=WIDTH)}
     scaled64 = (raw32.double() / TEMPERATURE).requires_grad_()
-    ref = reference_next_token_logprobs(scaled64, data64)
+    ref = reference_next_token_logprobs(scaled64, data64, rows)
     gvt = (data64["token_mask"][:, 1:] * data64["sample_mask"][:, None]).sum()
     ref_loss, _ = ClippedPGStyleLoss()(data=data64, global_valid_seqs=None, global_valid_toks=gvt, next_token_logprobs=ref)
     ref_loss.backward()
@@ -129,14 +132,13 @@ def _phase_policy(out, g, data, raw32):
                 local32, data64, vocab_parallel_rank=tr, vocab_parallel_group=tg, context_parallel_group=cg,
                 cu_seqlens_padded=None if cu is None else torch.tensor(cu),
             )
-            # The compact rows the data path ships (one SampleRows a sample, members ascending), through the
-            # same hooks, against the dense rows in that order.
-            compact, dense = (next_token_logprobs(
+            # The ragged rows the vLLM worker ships, against the same rows captured at a fixed width (decoded
+            # as wide), through the same hooks.
+            ragged, wide = (next_token_logprobs(
                 local32, d, vocab_parallel_rank=tr, vocab_parallel_group=tg, context_parallel_group=cg,
                 cu_seqlens_padded=None if cu is None else torch.tensor(cu),
-            ) for d in (compact_rows(data64), sorted_rows(data64)))
-            lp_compact, _ = _policy_logprobs(local32, compact_rows(data64), cfg, cu, ClippedPGStyleLoss())
-            lp_sorted, _ = _policy_logprobs(local32, sorted_rows(data64), cfg, cu, ClippedPGStyleLoss())
+            ) for d in (data64, wide64))
+            lp_wide, _ = _policy_logprobs(local32, wide64, cfg, cu, ClippedPGStyleLoss())
         # Gradients in float64 through the same hooks.
         local64, _ = _local(scaled64.detach(), lengths, cfg)
         local64.requires_grad_()
@@ -147,12 +149,12 @@ def _phase_policy(out, g, data, raw32):
             logprobs32=lp32.detach(), logprobs64=lp64.detach(), loss=float(loss.detach()) * cfg[4],
             grad=local64.grad, want_grad=want_grad, ref_loss=float(ref_loss.detach()),
             whole=(whole.logprobs, whole.valid_mask, whole.fallback_mask),
-            compact=(compact.logprobs, compact.valid_mask, compact.fallback_mask), logprobs_compact=lp_compact,
-            dense=(dense.logprobs, dense.valid_mask, dense.fallback_mask), logprobs_sorted=lp_sorted,
+            ragged=(ragged.logprobs, ragged.valid_mask, ragged.fallback_mask),
+            wide=(wide.logprobs, wide.valid_mask, wide.fallback_mask), logprobs_wide=lp_wide,
         )
 
 
-def _phase_reference(out, g, data):
+def _phase_reference(out, g, data, rows):
     from nemo_replay.integrations.nemo_rl import ReplayLogprobsPostProcessor, reference_pass
 
     lengths = data["input_lengths"].tolist()
@@ -173,11 +175,11 @@ def _phase_reference(out, g, data):
             assert float(zero) == 0.0
         out[f"reference_{name}"] = results
     out["reference_want"] = {
-        full: reference_next_token_logprobs(ref_scaled.double(), data, full_vocab=full) for full in (False, True)
+        full: reference_next_token_logprobs(ref_scaled.double(), data, rows, full_vocab=full) for full in (False, True)
     }
 
 
-def _phase_dtensor(out, rank, data, raw32):
+def _phase_dtensor(out, rank, data, raw32, rows):
     """automodel v2: TP=2 DTensor logits (Shard(-1) over a 'tp' mesh dimension), unpacked and packed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -196,7 +198,7 @@ def _phase_dtensor(out, rank, data, raw32):
     # (huggingface/common.py:199-215, 118-127); cu_seqlens from the real lengths (286).
     lengths = data["input_lengths"].tolist()
     cu = torch.tensor([0] + torch.cumsum(torch.tensor(lengths), 0).tolist(), dtype=torch.int32)
-    data64 = with_loss_inputs(data, scaled)
+    data64 = with_loss_inputs(data, scaled, rows)
     scaled64 = (raw32.double() / TEMPERATURE).requires_grad_()
     row = torch.cat([scaled64[i, :L] for i, L in enumerate(lengths)] + [torch.zeros(5, scaled.shape[-1], dtype=torch.float64)])
     leaf = vocab_shard(row[None].detach(), 2, tr).contiguous().requires_grad_()
@@ -206,7 +208,7 @@ def _phase_dtensor(out, rank, data, raw32):
     loss_post = ReplayAutomodelLossPostProcessor(ClippedPGStyleLoss(), {}, cp_size=1, enable_seq_packing=True)
     loss, _ = loss_post(packed, data64, inputs, torch.tensor(float(B)), gvt)
     loss.backward()
-    ref = reference_next_token_logprobs(scaled64, data64)
+    ref = reference_next_token_logprobs(scaled64, data64, rows)
     ref_loss, _ = ClippedPGStyleLoss()(data=data64, global_valid_seqs=None, global_valid_toks=gvt, next_token_logprobs=ref)
     ref_loss.backward()
     want = torch.cat([scaled64.grad[i, :L] for i, L in enumerate(lengths)] + [torch.zeros(5, scaled.shape[-1], dtype=torch.float64)])
@@ -232,18 +234,18 @@ def _phase_shards(out, g, raw32):
     out["shards"] = [(s.start, s.end, s.vocab_size) for s in (megatron, dtensor)]
 
 
-def _phase_one_cp_rank_fails(out, g, data, raw32):
+def _phase_one_cp_rank_fails(out, g, data, raw32, rows):
     """validate=False and an id >= V in a row only one CP rank scores: the memory-safety guard fires on
     that rank alone, and every rank of the CP group raises its error (else the other waits in the gather)."""
     from nemo_replay.integrations.nemo_rl import next_token_logprobs
 
-    rows = data["generation_support"].clone()
-    active = _active_with_row(data)
+    rows = rows.clone()
+    active = _active_with_row(data, rows)
     i, c = (int(v) for v in torch.nonzero(active)[0])  # next-token column c scores input_ids column c + 1
     token = int(data["input_ids"][i, c + 1])
     slot = next(j for j, t in enumerate(rows[i, c + 1].tolist()) if t != token)
     rows[i, c + 1, slot] = VOCAB + 36
-    bad = {**data, "generation_support": rows}
+    bad = {**data, "generation_support": encode_rows(rows, data["input_ids"], data["input_lengths"])}
     cfg = _configs(g)["cp2"]
     local, cu = _local(raw32 / TEMPERATURE, data["input_lengths"].tolist(), cfg)
     try:
@@ -255,12 +257,12 @@ def _phase_one_cp_rank_fails(out, g, data, raw32):
 
 def _worker(rank, world_size):
     g = _groups(rank)
-    data, raw32, sampler = make_batch(seed=0)
-    out = {"data": data, "sampler": sampler}
-    _phase_one_cp_rank_fails(out, g, data, raw32)
-    _phase_policy(out, g, data, raw32)
-    _phase_reference(out, g, data)
-    _phase_dtensor(out, rank, data, raw32)
+    data, raw32, sampler, rows = make_batch(seed=0)
+    out = {"data": data, "sampler": sampler, "rows": rows}
+    _phase_one_cp_rank_fails(out, g, data, raw32, rows)
+    _phase_policy(out, g, data, raw32, rows)
+    _phase_reference(out, g, data, rows)
+    _phase_dtensor(out, rank, data, raw32, rows)
     _phase_shards(out, g, raw32)
     return out
 
@@ -273,10 +275,11 @@ def ranks():
 # ---------------------------------------------------------------------------- assertions
 
 
-def _active_with_row(data):
-    """(B, W - 1) bool: next tokens that are loss-active and carry a recorded row."""
+def _active_with_row(data, rows):
+    """(B, W - 1) bool: next tokens that are loss-active and carry a recorded row (``rows``: the dense
+    (B, W, k) rows of :func:`~tests.integrations.nemo_rl.batches.make_batch`)."""
     nxt = (data["token_mask"][:, 1:] != 0) & (data["sample_mask"][:, None] != 0)
-    return nxt & (data["generation_support"][:, 1:, 0] >= 0)
+    return nxt & (rows[:, 1:, 0] >= 0)
 
 
 def test_a_check_one_cp_rank_fails_raises_the_same_error_on_every_rank(ranks):
@@ -291,7 +294,7 @@ def test_a_check_one_cp_rank_fails_raises_the_same_error_on_every_rank(ranks):
 def test_prepare_fn_reproduces_the_sampler_within_1e5(ranks, config):
     for r in ranks:
         data, got = r["data"], r[config]["logprobs32"]
-        rows = _active_with_row(data)
+        rows = _active_with_row(data, r["rows"])
         sampler = r["sampler"][:, 1:]
         assert rows.sum() > 10
         err = (got[rows].double() - sampler[rows].double()).abs().max()
@@ -306,12 +309,12 @@ def test_prepare_fn_reproduces_the_sampler_within_1e5(ranks, config):
         lp, valid, fallback = r[config]["whole"]
         torch.testing.assert_close(lp, got, atol=1e-6, rtol=0)
         assert torch.equal(valid, rows) and torch.equal(fallback, eos)
-        # Compact rows (one SampleRows a sample) score bit for bit as the dense (B, S, k) rows in the same member
-        # order, whole and per sequence; the order moves only the last bits of the sum.
-        for a, b in zip(r[config]["compact"], r[config]["dense"]):
+        # Ragged rows (the vLLM worker's SampleRows) score bit for bit as the same rows captured at a fixed
+        # width and decoded as wide, whole and per sequence.
+        for a, b in zip(r[config]["ragged"], r[config]["wide"]):
             assert torch.equal(a, b)
-        assert torch.equal(r[config]["logprobs_compact"], r[config]["logprobs_sorted"])
-        torch.testing.assert_close(r[config]["logprobs_compact"], got, atol=1e-6, rtol=0)
+        torch.testing.assert_close(r[config]["ragged"][0], lp, atol=0, rtol=0)
+        assert torch.equal(r[config]["logprobs_wide"], got)
 
 
 @pytest.mark.parametrize("config", ["tp2", "cp2", "tp2cp2"])
@@ -378,33 +381,37 @@ def _prepare(data, logits=None, **kw):
 def test_misaligned_and_malformed_batches_are_refused_naming_the_fix():
     from nemo_replay.support.errors import SupportAlignmentError
 
-    data, raw, _ = make_batch(seed=0)
+    data, raw, _, rows = make_batch(seed=0)
+    ids, lengths = data["input_ids"], data["input_lengths"]
     logits = raw / TEMPERATURE
     lp, same = _prepare(data, logits)
     assert same is data and lp["next_token_logprobs"].shape == (4, data["input_ids"].shape[1] - 1)
     # Rows one column late (aligned like next_token_logprobs instead of like the tokens).
-    late = dict(data, generation_support=torch.roll(data["generation_support"], 1, dims=1))
+    late = dict(data, generation_support=encode_rows(rows, ids, lengths, shift=1))
     with pytest.raises(SupportAlignmentError, match=r"trajectory 0, token position \d+: token \d+ is not a member of "
-                                                    r"its support row .*generation_support must be token-aligned"):
+                                                    r"its support row .*generation_support must be sliced like "
+                                                    r"generation_logprobs"):
         _prepare(late, logits)
-    # A sampled id of -1 is not a member of a row padded with -1.
-    pad = dict(data, input_ids=data["input_ids"].clone(), generation_support=data["generation_support"].clone())
-    col = int(torch.nonzero((data["generation_support"][0, :, 0] >= 0) & (data["token_mask"][0] > 0))[1])
-    pad["generation_support"][0, col, -1] = -1
+    # A sampled id of -1 is not a member of a row padded with -1 (rows captured at a fixed width decode
+    # -1 padded to it): a row shorter than k, its token replaced by -1.
+    col = int(torch.nonzero((rows[0, :, 0] >= 0) & (rows[0, :, -1] < 0) & (data["token_mask"][0] > 0))[0])
+    pad = dict(data, input_ids=ids.clone(), generation_support=encode_rows(rows, ids, lengths, width=WIDTH))
     pad["input_ids"][0, col] = -1
     with pytest.raises(SupportAlignmentError, match=rf"trajectory 0, token position {col}: token -1 "):
         _prepare(pad, logits)
     # A second loss-active token without a row in trajectory 1 breaks the synthetic-EOS rule.
-    two = dict(data, generation_support=data["generation_support"].clone())
-    cols = torch.nonzero(data["generation_support"][1, :, 0] >= 0).flatten()
-    two["generation_support"][1, cols[:2]] = -1
+    two = rows.clone()
+    cols = torch.nonzero(rows[1, :, 0] >= 0).flatten()
+    two[1, cols[:2]] = -1
     with pytest.raises(ValueError, match=r"trajectories \[1\] have \[2\] loss-active positions without a support row"):
-        _prepare(two, logits)
+        _prepare(dict(data, generation_support=encode_rows(two, ids, lengths)), logits)
     cases = [
-        (dict(generation_support=None), r"no 'generation_support' \(support rows: one SampleRows a sample, or token-aligned"),
+        (dict(generation_support=None), r"no 'generation_support' \(support rows: one SampleRows a sample\); replay "
+                                        r"needs it .*launch with python -m nemo_replay.integrations.nemo_rl.run_grpo"),
         (dict(input_lengths=None), r"no 'input_lengths' \(tokens per row \[B\]\)"),
-        (dict(generation_support=data["generation_support"].to(torch.uint8)), r"is torch.uint8, which cannot hold the -1"),
-        (dict(generation_support=data["generation_support"][:, :-1]), r"or an integer \(B=4, S=\d+, k\) tensor, token-aligned"),
+        # The dense token-aligned (B, S, k) rows are retired: a tensor where SampleRows are expected.
+        (dict(generation_support=rows), r"data\['generation_support'\] must be a list of 4 SampleRows, one a data row "
+                                        r".*got Tensor"),
         (dict(input_lengths=data["input_lengths"] + 40), r"data row 0 has input_lengths \d+, outside \[1, \d+\]"),
         (dict(token_mask=data["token_mask"][:2]), r"data dict shapes disagree"),
     ]
@@ -412,22 +419,26 @@ def test_misaligned_and_malformed_batches_are_refused_naming_the_fix():
         bad = {k: v for k, v in {**data, **change}.items() if v is not None}
         with pytest.raises(ValueError, match=match):
             _prepare(bad, logits)
-    # The compact form: a list of one SampleRows a data row, each with its own sample's rows.
-    entries = compact_rows(data)["generation_support"]
-    flipped = SampleRows(entries[1].runs, entries[1].data.copy())
-    flipped.data[-1] ^= 1
-    late = SampleRows(entries[0].runs + [[40, 0]], entries[0].data)
+    # A list of one SampleRows a data row, each with its own sample's rows.
+    entries = data["generation_support"]
+    flipped = SampleRows((entries[1].buffers[0].copy(),), entries[1].runs, entries[1].length)
+    flipped.buffers[0][-1] ^= 1
+    past = SampleRows(entries[0].buffers, np.concatenate([entries[0].runs, [[40, 0, 1]]]).astype(np.int32),
+                      entries[0].length)
     compact_cases = [
-        (entries[:3], r"must be a list of 4 SampleRows, one per data row .* got a list of 3"),
-        ([entries[0], None, *entries[2:]], r"data\['generation_support'\]\[1\] is a NoneType, expected SampleRows"),
-        ([late, *entries[1:]], r"\[0\]: row columns .* must increase and lie below the data row's input_lengths"),
-        ([SampleRows(entries[0].runs[:, :1], entries[0].data), *entries[1:]], r"\[0\]: runs of shape .* expected \(n, 2\)"),
+        (entries[:3], r"data\['generation_support'\] must be a list of 4 SampleRows, one a data row .* got a list of 3"),
+        ([entries[0], None, *entries[2:]], r"data\['generation_support'\]\[1\] \(data row 1\) is a NoneType, "
+                                           r"expected SampleRows"),
+        ([past, *entries[1:]], r"\[0\] \(data row 0\): row columns .* must increase and lie below the sample's \d+ "
+                               r"token columns"),
+        ([SampleRows(entries[0].buffers, entries[0].runs[:, :1], entries[0].length), *entries[1:]],
+         r"\[0\] \(data row 0\): runs of dtype int32, shape \(\d+, 1\); expected \(n, 3\) integer"),
         ([entries[0], flipped, *entries[2:]], r"\[1\] \(data row 1\): compact support: the buffer's CRC-32 does not match"),
-        ([entries[1], entries[0], *entries[2:]], r"\[0\]: row columns .* the rows belong to another sample"),
+        ([entries[1], entries[0], *entries[2:]], r"\[0\] \(data row 0\): row columns .* the rows belong to another sample"),
     ]
-    for rows, match in compact_cases:
+    for given, match in compact_cases:
         with pytest.raises(ValueError, match=match):
-            _prepare({**data, "generation_support": rows}, logits)
+            _prepare({**data, "generation_support": given}, logits)
     with pytest.raises(ValueError, match=r"logits hold 3 rows for 4 data rows"):
         _prepare(data, logits[:3])
     loss = ClippedPGStyleLoss()
@@ -441,7 +452,7 @@ def test_misaligned_and_malformed_batches_are_refused_naming_the_fix():
 def test_packed_and_parallel_arguments_are_checked():
     from nemo_replay.integrations.nemo_rl import next_token_logprobs
 
-    data, raw, _ = make_batch(seed=0)
+    data, raw, _, _ = make_batch(seed=0)
     lengths = data["input_lengths"].tolist()
     cu = packed_layout(lengths, 1)
     local = packed_local_logits(raw / TEMPERATURE, lengths, cu, 1, 0)
@@ -483,7 +494,7 @@ def test_post_processors_refuse_the_paths_that_skip_replay():
     with pytest.raises(ValueError, match=r"sequence_packing.enabled is true but no cu_seqlens_padded came"):
         post({"input_ids": torch.zeros(1, 4, dtype=torch.int64)}, None, None)
     # CP-local logits without their CP group: the logits cover fewer positions than the tokens.
-    data, raw, _ = make_batch(seed=0)
+    data, raw, _, _ = make_batch(seed=0)
     half = cp_chunks(raw / TEMPERATURE, 2, 0, 1)[:, : raw.shape[1] // 2]
     with pytest.raises(ValueError, match=r"logits are CP-local and context_parallel_group is missing"):
         _prepare(data, half)
@@ -525,9 +536,9 @@ def test_post_processors_subclass_nemo_rls_classes_when_it_is_importable(tmp_pat
         assert post.prepare_fn.func is replay.replay_prepare_fn
         # Called as NeMo-RL calls it: the loss's metrics carry this micro-batch's replay parts, drained once.
         from tests.integrations.nemo_rl.batches import TEMPERATURE, ClippedPGStyleLoss, make_batch, with_loss_inputs
-        data, raw, _ = make_batch()
+        data, raw, _, rows = make_batch()
         scaled = raw / TEMPERATURE
-        data = with_loss_inputs(data, scaled)
+        data = with_loss_inputs(data, scaled, rows)
         post = replay.ReplayLossPostProcessor(ClippedPGStyleLoss(), {"sequence_packing": {"enabled": False}})
         fn = post(data, global_valid_toks=(data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum())
         loss, metrics = fn(scaled)
@@ -556,8 +567,10 @@ def test_post_processors_subclass_nemo_rls_classes_when_it_is_importable(tmp_pat
 
 def test_vllm_outputs_become_generation_support_that_reproduces_the_engine():
     """The vLLM worker's layout (vllm_worker.py:951-991: prompt at [0, input_len), generated
-    tokens from input_len, right-padded to padded_input_length + max generated length)."""
-    from nemo_replay.integrations.nemo_rl import generation_support_from_vllm, next_token_logprobs, vllm_support_request
+    tokens from input_len, right-padded to padded_input_length + max generated length): each
+    completion's rows encoded once, as replay's worker encodes them, in the columns of its
+    ``logprobs``."""
+    from nemo_replay.integrations.nemo_rl import completion_supports, next_token_logprobs, vllm_support_request
     from tests.rollout.engines.engine_outputs import vllm_offline_output, vllm_steps
 
     top_k = 6
@@ -577,16 +590,22 @@ def test_vllm_outputs_become_generation_support_that_reproduces_the_engine():
         completions.append(vllm_offline_output(steps, top_k + 1, mask=(i == 1)))
         ids[i, : len(p)] = p
         ids[i, len(p) : len(p) + n] = torch.tensor([s.token for s in steps])
-    got = generation_support_from_vllm(completions, [3, 5], total, width=top_k, vocab_size=64)
-    assert got.rows.shape == (2, total, top_k) and got.rows.dtype == torch.int32
-    assert (got.rows[0, :3] == -1).all() and (got.rows[1, :5] == -1).all() and (got.rows[0, 7:] == -1).all()
-    assert not got.flagged.any()
-    token_mask = (got.rows[:, :, 0] >= 0).float()
+    rows, engine_lp = [], torch.zeros(2, total)
+    for i, start, got in completion_supports(completions, [3, 5], total, width=top_k, vocab_size=64):
+        assert not got.flagged.any()
+        rows.append(SampleRows.encode(got.support, torch.as_tensor(list(completions[i].token_ids)), start=start,
+                                      where=f"request {i}")[0:total])  # sliced as logprobs is
+        engine_lp[i, start : start + got.support.num_rows] = got.logprobs
+    # A row at every generated column, none on the prompt or the padding.
+    for r, p, n in zip(rows, prompts, gen):
+        assert r.length == total
+        assert r.recorded().tolist() == [False] * len(p) + [True] * n + [False] * (total - len(p) - n)
+    token_mask = torch.stack([r.recorded() for r in rows]).float()
     data = {"input_ids": ids, "input_lengths": torch.tensor([7, 7]), "token_mask": token_mask,
-            "sample_mask": torch.ones(2), "generation_support": got.rows}
+            "sample_mask": torch.ones(2), "generation_support": rows}
     scores = next_token_logprobs(logits / TEMPERATURE, data)
     active = token_mask[:, 1:] != 0
-    torch.testing.assert_close(scores.logprobs[active], got.logprobs[:, 1:][active], atol=1e-5, rtol=0)
+    torch.testing.assert_close(scores.logprobs[active], engine_lp[:, 1:][active], atol=1e-5, rtol=0)
     assert scores.valid_mask[active].all() and active.sum() == sum(gen)
     with pytest.raises(ValueError, match=r"request 0: 3 prompt tokens \+ 4 generated tokens do not fit total_length=6"):
-        generation_support_from_vllm(completions, [3, 5], 6, width=top_k)
+        list(completion_supports(completions, [3, 5], 6, width=top_k))

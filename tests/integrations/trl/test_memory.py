@@ -42,6 +42,7 @@ def measure(variants=("hidden", "logits", "trl")) -> dict:
     from nemo_replay.integrations.trl import ReplayGRPOTrainer, ReplaySettings
     from nemo_replay.integrations.trl.records import CompletionRecord
     from nemo_replay.support.packed import PackedTensor
+    from nemo_replay.support.rows import SampleRows
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -70,7 +71,8 @@ def measure(variants=("hidden", "logits", "trl")) -> dict:
         for t in tokens:
             others = torch.randperm(V - 2, generator=g)[:K].add(2)
             rows.append(torch.cat([t[None], others[others != t][: K - 1]]))
-        records.append(CompletionRecord(tokens, torch.zeros(C), PackedTensor(torch.stack(rows).to(torch.int32), [0, C])))
+        rows = PackedTensor(torch.stack(rows).to(torch.int32), [0, C])
+        records.append(CompletionRecord(tokens, torch.zeros(C), SampleRows.encode(rows, tokens, vocab_size=V, width=K)))
     model.train()
     libc = ctypes.CDLL("libc.so.6")
 

@@ -1,17 +1,19 @@
 """TRL's per-completion records keep their rows compact while they wait in TRL's buffer
-(``KeptRows``, support/codec.py) and give the scorer the same channels as plain rows, the rows
+(``SampleRows``, support/rows.py, the sampled ids dropped) and give the scorer the captured rows,
 still compact (codec ``CompactRows``: the scorer decodes them on its device).
 TRL-independent, like the module it tests."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from nemo_replay.integrations.trl.records import KeptRows, completion_channels, records_from_capture
+from nemo_replay.integrations.trl.records import completion_channels, records_from_capture
 from nemo_replay.support.codec import CompactRows
 from nemo_replay.rollout.capture.hf import CapturedSupport
 from nemo_replay.rollout.capture.sampler import sample
 from nemo_replay.support.packed import PackedTensor
+from nemo_replay.support.rows import SampleRows
 
 
 def _capture(top_k, lengths, V=2000, seed=0):
@@ -23,30 +25,33 @@ def _capture(top_k, lengths, V=2000, seed=0):
     return CapturedSupport(support, r.logprobs, torch.tensor(lengths)), r.ids, V
 
 
-def test_compact_records_give_the_scorer_the_rows_plain_records_give():
+def test_compact_records_give_the_scorer_the_captured_rows():
     lengths = [60, 40, 80]  # each buffer has a 92-byte header (76 + its offsets): a few tokens gain little
     captured, ids, V = _capture(16, lengths)
     completions = [c.tolist() for c in ids.split(lengths)]
-    plain = records_from_capture(completions, captured)
     compact = records_from_capture(completions, captured, vocab_size=V)
-    assert all(isinstance(r.support, KeptRows) for r in compact)
-    assert all(isinstance(r.support, PackedTensor) for r in plain)
-    held = sum(r.support.data.numel() for r in compact)
-    assert held < sum(r.support.to_padded().values.numel() * 4 for r in plain) / 3  # int32 rows of 16 against the buffer
+    assert all(isinstance(r.support, SampleRows) and r.support.width == 16 for r in compact)
+    held = sum(r.support.nbytes for r in compact)
+    assert held < captured.support.values.numel() * 4 / 3  # int32 rows of 16 against the buffers
     C = max(lengths)
     completion_ids = torch.zeros(3, C, dtype=torch.int64)
     mask = torch.zeros(3, C, dtype=torch.bool)
     for i, c in enumerate(completions):
         completion_ids[i, : len(c)] = torch.tensor(c)
         mask[i, : len(c)] = True
-    a, b = completion_channels(plain, completion_ids, mask), completion_channels(compact, completion_ids, mask)
+    b = completion_channels(compact, completion_ids, mask)
     assert isinstance(b.support, CompactRows)  # handed to the scorer compact
-    decoded = b.support.decode("cpu")
-    assert decoded.values.shape == a.support.to_padded().values.shape  # the captured width kept
-    as_sets = lambda s: [sorted(t for t in row.tolist() if t >= 0) for row in s.values]  # noqa: E731
-    assert as_sets(a.support) == as_sets(decoded)  # the same sets (compact rows come back ids ascending)
-    for x, y in zip([*a.channels[:4], a.rollout_logprobs], [*b.channels[:4], b.rollout_logprobs]):
-        assert torch.equal(x, y)
+    decoded = b.support.decode("cpu", check=True)
+    assert decoded.values.shape[1] == 16  # the captured width kept
+    # Reference: the captured row of token j of completion i, as a set, at the channel's row id.
+    start = torch.tensor([0, *lengths]).cumsum(0)
+    for i, n in enumerate(lengths):
+        for j in range(n):
+            want = sorted(t for t in captured.support.values[int(start[i]) + j].tolist() if t >= 0)
+            got = decoded.values[int(b.channels.row_ids[i, j])]
+            assert sorted(t for t in got.tolist() if t >= 0) == want
+        assert bool((b.channels.row_ids[i, n:] == -1).all())
+    assert torch.equal(b.channels.sampled_ids, completion_ids) and torch.equal(b.channels.loss_mask, mask)
     # The scorer decodes the compact rows at its entry: the same scores, bit for bit, as from the rows they decode to.
     from nemo_replay.scoring.entry import score_positions
 
@@ -54,3 +59,9 @@ def test_compact_records_give_the_scorer_the_rows_plain_records_give():
     got = score_positions(logits, b.channels, b.support)
     want = score_positions(logits, b.channels, decoded)
     assert got.valid_mask.any() and torch.equal(got.logprobs, want.logprobs)
+
+
+def test_records_need_the_vocabulary():
+    captured, ids, V = _capture(8, [5])
+    with pytest.raises(ValueError, match="vocab_size must be the model's vocabulary size"):
+        records_from_capture([ids.tolist()], captured, vocab_size=None)

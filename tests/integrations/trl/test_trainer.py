@@ -218,8 +218,18 @@ def test_a_support_tied_at_the_kth_value_is_read_whole_with_the_requested_logpro
     requested = vllm_row_width(top_k, 20) + 1  # what ReplayGRPOTrainer asks colocated vLLM for at top_k = 4
     assert requested == 20
     (record,) = read(requested)
-    rows = record.support.rows(record.token_ids)  # the compact form a record keeps, decoded
-    assert sorted(int(t) for t in rows.all_ids.tolist() if t >= 0) == [10, 11, 12, 13, 14, 15]
+    rows = _decoded(record)  # the compact form a record keeps, decoded
+    assert sorted(int(t) for t in rows.values.reshape(-1).tolist() if t >= 0) == [10, 11, 12, 13, 14, 15]
+
+
+def _decoded(record):
+    """A record's rows decoded as the scorer decodes them, one row a completion token."""
+    from nemo_replay.support.rows import batch_rows
+
+    n = record.token_ids.numel()
+    rows, row_ids = batch_rows([record.support], record.token_ids[None], torch.tensor([n]), name="records")
+    assert torch.equal(row_ids[0], torch.arange(n))
+    return rows.decode("cpu", check=True)
 
 
 @pytest.mark.parametrize(
@@ -461,5 +471,5 @@ def test_colocated_vllm_is_asked_for_flat_logprobs_and_trl_reads_them_as_the_dic
     completions = [[s.token for s in steps]]
     a = records_from_vllm(completions, lp_d, ids_d, width=None, vocab_size=48, sampling_params=params)
     b = records_from_vllm(completions, lp_f, ids_f, width=None, vocab_size=48, sampling_params=params)
-    assert torch.equal(a[0].rows().to_padded().values, b[0].rows().to_padded().values)
-    assert [sorted(t for t in r if t >= 0) for r in a[0].rows().to_padded().values.tolist()] == [s.mask for s in steps]
+    assert torch.equal(_decoded(a[0]).values, _decoded(b[0]).values)
+    assert [sorted(t for t in r if t >= 0) for r in _decoded(a[0]).values.tolist()] == [s.mask for s in steps]

@@ -9,8 +9,9 @@ Each fixture follows verl's source (paths relative to the ``verl`` package of th
   (:930, ``utils/model.py:240``), ``rollout_log_probs`` zero-padded (:773-776), the keys of
   ``_postprocess`` (:1064-1091); ``uid`` per sample (``trainer/ppo/ray_trainer.py:1481-1483``),
   ``meta_info["temperature"]`` the rollout temperature (:1479);
-- ``generation_support [B, response_length, K]``, int32, -1 padded (the channel the rollout
-  side adds beside ``routed_experts``, docs/design.md §9.3);
+- ``generation_support``, one compact buffer a sample in ``non_tensor_batch`` (the channel
+  replay's agent loop adds beside ``routed_experts``, ``ReplayAgentLoopWorker._postprocess``,
+  docs/design.md §9.3): the sampler's rows, each with the token sampled from it;
 - the engine's batch: ``DataProto.to_tensordict`` then ``left_right_2_no_padding``
   (``ray_trainer.py:1283-1296`` old-policy recompute, :1266-1279 reference, :1327-1366 update),
   with the keys ``TrainingWorker.infer_batch`` / ``train_batch`` inject
@@ -19,12 +20,12 @@ Each fixture follows verl's source (paths relative to the ``verl`` package of th
 The sampler draws every response token the way an engine with top-k does (docs/design.md §1):
 ``z / T``, the k best ids ranked, a draw from the softmax over them, float64; it records the row
 and ``log q``. A tool turn inserts observation tokens that nobody sampled: no row, out of
-``response_mask``. :func:`reference_scores` is the naive float64 replay of a batch.
+``response_mask``. :func:`reference_scores` is the naive float64 replay of a batch, over its rows
+read back as ``[B, response_length, K]`` (:func:`support_rows`).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
 
@@ -108,11 +109,12 @@ def sample_rollouts(model64, prompts, new_tokens, *, seed: int, observations=Non
 
 def make_batch(rollouts: list[Rollout], *, k: int = TOP_K, temperature: float = TEMPERATURE,
                flagged: tuple = ()):
-    """The ``DataProto`` verl's agent loop hands the trainer, plus ``generation_support``.
+    """The ``DataProto`` verl's agent loop hands the trainer, plus ``generation_support`` as replay's
+    agent loop writes it: one compact buffer a sample (:func:`encode_column`).
 
     Args:
         flagged: (sample, response position) pairs whose support the rollout could not record:
-            row all -1 and out of ``response_mask`` (the channel's contract).
+            an empty row, out of ``response_mask`` (the channel's contract).
     """
     from verl import DataProto
     from verl.utils.model import compute_position_id_with_mask
@@ -149,33 +151,61 @@ def make_batch(rollouts: list[Rollout], *, k: int = TOP_K, temperature: float = 
         "attention_mask": attention_mask,
         "position_ids": compute_position_id_with_mask(attention_mask),
         "rollout_log_probs": rollout_log_probs,
-        "generation_support": support,
     }
-    uid = np.array([f"uid-{i}" for i in range(B)], dtype=object)
-    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}, meta_info={"temperature": temperature})
+    non_tensors = {
+        "uid": np.array([f"uid-{i}" for i in range(B)], dtype=object),
+        "generation_support": encode_column(support, responses, [len(r.response) for r in rollouts]),
+    }
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={"temperature": temperature})
 
 
-def sorted_rows(batch):
-    """``batch`` (a copy) with each support row's members ascending, -1 padding last: the order compact rows decode in."""
-    out = copy.deepcopy(batch)
-    rows = out.batch["generation_support"]
-    big = torch.iinfo(rows.dtype).max
-    ordered = torch.where(rows < 0, big, rows).sort(-1).values
-    out.batch["generation_support"] = torch.where(ordered == big, -1, ordered)
-    return out
+def encode_column(rows: torch.Tensor, sampled: torch.Tensor, lengths) -> np.ndarray:
+    """The ``generation_support`` column replay's agent loop writes (agent_loop.py ``_postprocess``): sample i's
+    first ``lengths[i]`` rows in one compact buffer, each row with the token sampled from it.
 
-
-def compact_rows(batch):
-    """``batch`` (a copy) carrying ``generation_support`` as replay's agent loop writes it: one compact buffer a
-    sample in ``non_tensor_batch`` (agent_loop.py ``ReplayAgentLoopWorker._postprocess``)."""
+    Args:
+        rows: (B, R, K) int32, -1 padded (an all -1 row records nothing). sampled: (B, R) int64, the token
+            sampled from each row (``responses`` for an honest batch). lengths: B ints, at most R.
+    """
     from nemo_replay.integrations.verl.response_rows import encode_response_rows, object_column
 
-    out = copy.deepcopy(batch)
-    rows = out.batch.pop("generation_support")
-    lengths = out.batch["attention_mask"][:, PROMPT_LENGTH:].sum(1).tolist()
-    buffers = [encode_response_rows(rows[i, :R], out.batch["responses"][i, :R].tolist()) for i, R in enumerate(lengths)]
-    out.non_tensor_batch["generation_support"] = object_column(buffers)
+    return object_column([encode_response_rows(rows[i, :n], sampled[i, :n].tolist()) for i, n in enumerate(lengths)])
+
+
+def response_lengths(batch) -> list:
+    """Each sample's response length ``R_i`` (its real response tokens, right padding excluded)."""
+    return batch.batch["attention_mask"][:, PROMPT_LENGTH:].sum(1).tolist()
+
+
+def support_rows(batch, k: int = TOP_K) -> torch.Tensor:
+    """(B, response_length, k) int32: ``batch``'s compact column read back, row j of sample i at ``[i, j]``, -1
+    padded (members ascending, the order the codec keeps), for the reference and the tests' edits."""
+    from nemo_replay.integrations.verl.response_rows import decode_response_rows
+
+    responses = batch.batch["responses"]
+    column = batch.non_tensor_batch["generation_support"]
+    out = torch.full((*responses.shape, k), -1, dtype=torch.int32)
+    for i, n in enumerate(response_lengths(batch)):
+        rows = decode_response_rows(column[i], responses[i, :n].tolist(), k, where=f"sample {i}")
+        out[i, :n] = rows.to_padded(k).values
     return out
+
+
+def edit_rows(batch, edit, lengths=None) -> None:
+    """Re-encode ``batch``'s column after ``edit(rows, sampled)`` on its (B, R, K) rows and (B, R) sampled
+    tokens, in place: each row keeps the token it was sampled with while ``responses`` stay, so a moved row
+    is one that drifted from its token (what the engines must name). ``lengths``: the rows kept a sample
+    (default: its response length)."""
+    rows, sampled = support_rows(batch), batch.batch["responses"].clone()
+    edit(rows, sampled)
+    lengths = response_lengths(batch) if lengths is None else lengths
+    batch.non_tensor_batch["generation_support"] = encode_column(rows, sampled, lengths)
+
+
+def swap_rows(rows: torch.Tensor, sampled: torch.Tensor) -> None:
+    """For :func:`edit_rows`: response position 1's row (and its token) swapped between samples 0 and 3."""
+    rows[[0, 3], 1] = rows[[3, 0], 1]
+    sampled[[0, 3], 1] = sampled[[3, 0], 1]
 
 
 def engine_batch(batch, *, calculate_entropy: bool, micro_batch_size: int = 2, dynamic_bsz: bool = False,
@@ -227,8 +257,9 @@ def response_view(nested, td) -> torch.Tensor:
 
 
 def reference_scores(model64, tb, temperature: float = TEMPERATURE) -> dict:
-    """Naive float64 replay of a batch's tensors ``tb`` (``DataProto.batch`` or a dict of them):
-    per sample, the whole sequence through the model, then :func:`reference_from_logits`.
+    """Naive float64 replay of a batch's tensors ``tb`` (a dict of ``DataProto.batch``'s, with
+    ``generation_support`` the (B, response_length, K) rows of :func:`support_rows`): per sample,
+    the whole sequence through the model, then :func:`reference_from_logits`.
     Differentiable w.r.t. ``model64``'s parameters.
     """
     logits = []
@@ -243,6 +274,8 @@ def reference_from_logits(logits: list, tb, temperature: float = TEMPERATURE) ->
 
     Args:
         logits: per sample, ``[L_i, V]`` logits of its real tokens (prompt then response).
+        tb: the batch's tensors, ``generation_support`` among them as (B, response_length, K) rows
+            (:func:`support_rows`).
 
     Returns [B, response_length] tensors: ``log_probs`` and ``entropy`` (support distribution;
     0 where the token has no row or is out of ``response_mask``), ``full_vocab`` (verl's

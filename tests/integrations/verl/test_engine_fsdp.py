@@ -12,8 +12,9 @@ from ``cpu_platform.py``: verl's platform registry gets a CPU entry, and the Uly
 exchange that verl keeps inside its flash-attention wrapper runs around an exact attention.
 
 Batches are sampled with top-k from the same tiny model (``engine_batches.py``, each field
-cited to verl's source), with a tool turn (observation tokens without rows, out of the loss)
-and a position whose support could not be recorded. Checked:
+cited to verl's source), their rows one compact buffer a sample as replay's agent loop writes
+them, with a tool turn (observation tokens without rows, out of the loss) and a position whose
+support could not be recorded. Checked:
 
 - the replayed old-policy log-probs equal the sampler's log q within 1e-5, where verl's own
   engine (same weights, same batch) is off by the normalisation gap, which the replay engine
@@ -24,8 +25,9 @@ and a position whose support could not be recorded. Checked:
 - verl's ``ppo_loss`` on top, unchanged: first-step ratio 1 against the sampler;
 - Ulysses SP = 2 equals SP = 1 and the sampler, values and gradients; vocab-sharded DTensor
   logits (an uneven split over two ranks) score in place as the whole vocabulary does;
-- bad input: a batch without ``generation_support``, a width mismatch, a row swapped between
-  samples or shifted by one position, fused kernels -- each a ValueError naming what, where
+- bad input: a batch without ``generation_support``, a buffer short of its response's rows, a
+  row swapped between samples or shifted by one position, the retired tensor forms (dense
+  ``[B, R, K]``, nested ``(B, R_i, K)``), fused kernels -- each a ValueError naming what, where
   and the fix, and the same error on every rank when only one rank's batch is bad;
 - the coordinate channel against verl's own roll / pad / Ulysses slice, exhaustively.
 """
@@ -85,8 +87,9 @@ def _policy_pass(engine, batch, *, rmpad: bool, dynamic: bool, seed: int):
 
 
 def _nest_responses(td) -> None:
-    """The TransferQueue trainer's layout: prompts, responses, their masks and rows nested per sample
-    (``trainer/ppo/v1/trainer_base.py`` reads them back with ``response_from_nested``)."""
+    """The TransferQueue trainer's layout: prompts, responses and their masks nested per sample
+    (``trainer/ppo/v1/trainer_base.py`` reads them back with ``response_from_nested``); the rows, one
+    compact buffer a sample, are per sample already."""
     P = td["prompts"].shape[1]
     lengths = td["attention_mask"][:, P:].sum(1).tolist()
     real_prompt = td["attention_mask"][:, :P].bool()
@@ -94,18 +97,19 @@ def _nest_responses(td) -> None:
     def nest(parts):
         return torch.nested.as_nested_tensor(parts, layout=torch.jagged)
 
-    rows = td["generation_support"]
     td["prompts"] = nest([td["prompts"][i][real_prompt[i]] for i in range(len(lengths))])
     td["responses"] = nest([td["responses"][i, :n] for i, n in enumerate(lengths)])
     td["response_mask"] = nest([td["response_mask"][i, :n] for i, n in enumerate(lengths)])
-    if isinstance(rows, torch.Tensor):  # compact rows (one buffer a sample) are per sample already
-        td["generation_support"] = nest([rows[i, :n] for i, n in enumerate(lengths)])
 
 
-def _infer(engine, batch, nested: bool = False, **kw):
+def _infer(engine, batch, nested: bool = False, edit=None, **kw):
+    """``infer_batch`` on ``batch``'s engine batch (nested as the TransferQueue trainer's with ``nested``,
+    then ``edit(td)``), read back as ``[B, response_length]``."""
     td = eb.engine_batch(batch, calculate_entropy=True, **kw)
     if nested:
         _nest_responses(td)
+    if edit is not None:
+        edit(td)
     with engine.eval_mode():
         out = engine.infer_batch(td)["model_output"]
     view = {k: eb.response_view(v, td) for k, v in out.items()}
@@ -149,7 +153,7 @@ def _single_rank(rank, world_size, model_dir):
 
     model64 = eb.load_float64(model_dir)
     batch = eb.sampled_batch(model64)
-    res = {"batch": {k: v.clone() for k, v in batch.batch.items()}}
+    res = {"batch": {**{k: v.clone() for k, v in batch.batch.items()}, "generation_support": eb.support_rows(batch)}}
 
     # The lookup verl's TrainingWorker does (engine_workers.py:136), with and without the vendor key.
     os.environ["VERL_ENGINE_VENDOR"] = VENDOR
@@ -166,10 +170,6 @@ def _single_rank(rank, world_size, model_dir):
     res["replay_dynamic"] = _infer(replay, batch, dynamic_bsz=True, max_token_len=12)
     res["own"] = _infer(own, batch)
     res["replay_nested"] = _infer(replay, batch, nested=True)
-    # Compact rows (one buffer a sample in non_tensor_batch), against the dense rows in the same member order.
-    for name, kw in (("", {}), ("_dynamic", dict(dynamic_bsz=True, max_token_len=12)), ("_nested", dict(nested=True))):
-        res["compact" + name] = _infer(replay, eb.compact_rows(batch), **kw)
-        res["sorted" + name] = _infer(replay, eb.sorted_rows(batch), **kw)
 
     # The policy pass: forward and backward, remove-padding on and off, fixed and dynamic micro-batches.
     res["policy_rmpad"] = _policy_pass(replay, batch, rmpad=True, dynamic=True, seed=5)
@@ -193,27 +193,37 @@ def _single_rank(rank, world_size, model_dir):
         res[name] = {k: _metric_values(v) for k, v in out["metrics"].items() if k.startswith(("actor/", "replay/"))}
 
     # Bad input.
-    def bad(edit, **kw):
+    def bad(change, **kw):
         b = eb.sampled_batch(model64)
-        edit(b)
+        change(b)
         return _error(lambda: _infer(replay, b, **kw))
 
     def drop(b):
-        b.batch = b.batch.exclude("generation_support")
+        b.non_tensor_batch.pop("generation_support")
 
-    def narrow(b):
-        b.batch["generation_support"] = b.batch["generation_support"][:, :-1].clone()
+    def short(b):  # the rows of response positions 0..6 only: sample 3 (8 tokens) is a row short
+        cut = [min(n, eb.RESPONSE_LENGTH - 1) for n in eb.response_lengths(b)]
+        eb.edit_rows(b, lambda rows, sampled: None, lengths=cut)
 
-    def swap(b):
-        s = b.batch["generation_support"]
-        s[[0, 3], 1] = s[[3, 0], 1]
+    def shift(rows, sampled):  # every row of sample 3 one position late, with the token sampled from it
+        rows[3, 1:] = rows[3, :-1].clone()
+        sampled[3, 1:] = sampled[3, :-1].clone()
 
-    def shift(b):
-        s = b.batch["generation_support"]
-        s[3, 1:] = s[3, :-1].clone()  # every row of sample 3 one position late
+    def dense(b):  # the retired [B, response_length, K] int32 field
+        b.batch["generation_support"] = eb.support_rows(b)
+        b.non_tensor_batch.pop("generation_support")
+
+    def nested_rows(rows, lengths):  # the retired nested (B, R_i, K) int32 field, beside nested responses
+        def edit(td):
+            td["generation_support"] = torch.nested.as_nested_tensor([rows[i, :n] for i, n in enumerate(lengths)],
+                                                                     layout=torch.jagged)
+        return edit
 
     res["errors"] = {name: bad(fn) for name, fn in
-                     (("missing", drop), ("width", narrow), ("swap", swap), ("shift", shift))}
+                     (("missing", drop), ("rows", short), ("swap", lambda b: eb.edit_rows(b, eb.swap_rows)),
+                      ("shift", lambda b: eb.edit_rows(b, shift)), ("dense", dense))}
+    res["errors"]["nested"] = bad(lambda b: None, nested=True,
+                                  edit=nested_rows(eb.support_rows(batch), eb.response_lengths(batch)))
     res["errors"]["fused"] = _error(lambda: eb.build_engine(replay_cls, model_dir, use_fused_kernels=True,
                                                              initialize=False))
     res["channel_failures"] = _channel_failures(1)
@@ -273,16 +283,15 @@ def test_old_policy_recompute_equals_the_sampler_where_verl_is_off_by_the_gap(si
     assert torch.equal(res["replay_nested"]["log_probs"], replay["log_probs"])
 
 
-def test_compact_rows_score_bit_for_bit_as_the_dense_rows(single):
-    """One compact buffer a sample (what replay's agent loops put in the batch) through verl's own FSDP engine:
-    fixed and dynamic micro-batches and nested responses give the dense rows' scores, bit for bit."""
+def test_a_tensor_support_field_is_refused_with_the_fix(single):
+    """The dense ``[B, R, K]`` and nested ``(B, R_i, K)`` int32 fields are retired (replay's agent loops write one
+    compact buffer a sample): through verl's own FSDP engine each is a ValueError naming what it got and the fix."""
     res, _ = single
-    for name in ("", "_dynamic", "_nested"):
-        compact, dense = res["compact" + name], res["sorted" + name]
-        assert set(compact) == set(dense) and compact
-        for key in compact:
-            assert torch.equal(compact[key], dense[key]), (name, key)
-        assert (compact["log_probs"] - res["replay"]["log_probs"]).abs().max() < 1e-6  # member order: last bits only
+    for name, shape in (("dense", "(4, 8, 5)"), ("nested", "(4, j")):
+        kind, msg = res["errors"][name]
+        assert kind == "ValueError", (name, msg)
+        assert f"batch['generation_support'] is a {shape}" in msg and "tensor" in msg, msg
+        assert "one compact buffer a sample (encode_response_rows)" in msg and "agent loops (configs/verl/)" in msg, msg
 
 
 def test_forward_matches_naive_float64_reference(single):
@@ -331,8 +340,9 @@ def test_bad_input_is_named(single):
     errors = res["errors"]
     kind, msg = errors["missing"]
     assert kind == "ValueError" and "'generation_support'" in msg and "VERL_ENGINE_VENDOR" in msg
-    kind, msg = errors["width"]
-    assert kind == "ValueError" and "[4, 8, K]" in msg and "(4, 7, 5)" in msg.replace("torch.Size", "")
+    kind, msg = errors["rows"]
+    assert kind == "ValueError" and "batch['generation_support'] holds 7 rows for sample 3, whose response has 8 " \
+        "tokens: one row per response token" in msg, msg
     b = res["batch"]
     tokens, rows = b["responses"], b["generation_support"]
     # the swap: sample 0's token at position 1 is not in sample 3's row 1 (distinct ids there)
@@ -367,8 +377,7 @@ def _sp_ranks(rank, world_size, model_dir, bad_rank):
     # Only one rank's batch is bad: every rank raises the same error.
     bad = eb.sampled_batch(model64)
     if rank == bad_rank:
-        s = bad.batch["generation_support"]
-        s[[0, 3], 1] = s[[3, 0], 1]
+        eb.edit_rows(bad, eb.swap_rows)
     res["error"] = _error(lambda: _infer(engine, bad))
     with engine.eval_mode():  # sets verl's Ulysses group, as every pass does
         res["channel_failures"] = _channel_failures(2)
@@ -486,7 +495,8 @@ def test_a_batch_missing_keys_or_responses_or_with_a_misshapen_mask_is_named():
     """verl's batch check once raised KeyError for a batch without response_mask / attention_mask,
     ``RuntimeError: step must be nonzero`` when every response was empty, and a broadcasting
     error for a (B, R + 1) mask. Batches built as verl builds them (``engine_batches.make_batch``,
-    then ``engine_batch``: ``left_right_2_no_padding``), dense (the legacy trainer's) and nested."""
+    then ``engine_batch``: ``left_right_2_no_padding``), dense (the legacy trainer's) and nested; a tensor
+    support field (the retired dense and nested int32 forms) is refused with the fix."""
     from nemo_replay.integrations.verl.engine import check_replay_batch
 
     rollouts = [eb.Rollout([11, 23], [30, 31, 32], [[30, 33], [31, 34], [32, 35]], [-0.1, -0.2, -0.3]),
@@ -507,3 +517,16 @@ def test_a_batch_missing_keys_or_responses_or_with_a_misshapen_mask_is_named():
         check_replay_batch(wide, vocab_size=100)
     empty = eb.make_batch([eb.Rollout([11, 23]), eb.Rollout([42])], k=2)
     check_replay_batch(empty.to_tensordict(), vocab_size=100)  # no response token: nothing to check, no error
+    # The retired tensor forms, dense [B, R, K] beside dense responses and nested (B, R_i, K) beside nested ones:
+    # each refused with what it is and the fix (the compact rows of the same batch check clean).
+    rows, lengths = eb.support_rows(batch, k=2), eb.response_lengths(batch)
+    nested_responses = nested.clone()
+    _nest_responses(nested_responses)
+    check_replay_batch(nested_responses, vocab_size=100)
+    nested_rows = torch.nested.as_nested_tensor([rows[i, :n] for i, n in enumerate(lengths)], layout=torch.jagged)
+    fix = r"tensor; replay's agent loops write one compact buffer a sample \(encode_response_rows\).*\(configs/verl/\)"
+    for td, field, shape in ((dense, rows, rf"\({B}, {R}, 2\)"), (nested_responses, nested_rows, rf"\({B}, j\d+, 2\)")):
+        retired = td.clone()
+        retired["generation_support"] = field
+        with pytest.raises(ValueError, match=rf"batch\['generation_support'\] is a {shape} {fix}"):
+            check_replay_batch(retired, vocab_size=100)

@@ -96,8 +96,7 @@ def _score_case(ps, model64, swap: bool = False) -> dict:
 
     batch = eb.sampled_batch(model64)
     if swap:
-        s = batch.batch["generation_support"]
-        s[[0, 3], 1] = s[[3, 0], 1]
+        eb.edit_rows(batch, eb.swap_rows)
     td = eb.engine_batch(batch, calculate_entropy=True)
     input_ids = td["input_ids"]
     b = input_ids.size(0)
@@ -124,7 +123,7 @@ def _score_case(ps, model64, swap: bool = False) -> dict:
 
     # the naive float64 reference, and its gradient packed by the same packer onto this rank's shard
     leaves = [z.clone().requires_grad_() for z in per_seq]
-    ref = eb.reference_from_logits(leaves, batch.batch)
+    ref = eb.reference_from_logits(leaves, {**batch.batch, "generation_support": eb.support_rows(batch)})
     ((w * ref["log_probs"]).sum() + (u * ref["entropy"]).sum()).backward()
     ref_grad = torch.nested.nested_tensor_from_jagged(torch.cat([z.grad for z in leaves]), input_ids.offsets())
     ref_grad = preprocess_thd_engine(ref_grad, pre_process=True)[0][..., tp_rank * v_local:(tp_rank + 1) * v_local]

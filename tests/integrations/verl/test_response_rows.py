@@ -56,7 +56,10 @@ def test_the_column_keeps_one_buffer_a_sample_even_at_equal_lengths():
     assert column.shape == (3,) and all(b is bufs[0] for b in column)
     again = pickle.loads(pickle.dumps(column))  # what Ray does to it
     assert buffers_of(again)[2].tobytes() == bufs[0].tobytes() and buffers_of(list(again)) == list(again)
-    assert buffers_of(torch.zeros(3, 8, 6)) is None  # the dense form is the caller's
+    # a tensor field (the retired dense [B, R, K] form) is refused with the fix
+    with pytest.raises(ValueError, match=r"batch\[.generation_support.\] is a \(3, 8, 6\) tensor; replay's agent loops write one "
+                                         r"compact buffer a sample \(encode_response_rows\).*configs/verl/"):
+        buffers_of(torch.zeros(3, 8, 6, dtype=torch.int32))
 
 
 def test_compact_rows_place_each_sample_and_skip_a_maskless_padding_copy():
@@ -66,7 +69,8 @@ def test_compact_rows_place_each_sample_and_skip_a_maskless_padding_copy():
     mask = tokens >= 0
     mask[2] = False  # verl's V1 padding sample: a copy of sample 0 cut to one token, out of the loss
     rows, row_ids = compact_rows([encode_response_rows(r0, t0), encode_response_rows(r1, t1),
-                                  encode_response_rows(r0, t0)], torch.tensor([5, 3, 1]), mask, key="generation_support")
+                                  encode_response_rows(r0, t0)], tokens, torch.tensor([5, 3, 1]), mask,
+                                 key="generation_support")
     assert rows.num_rows == 8 and rows.cu_seqlens.tolist() == [0, 5, 8, 8]  # one trajectory a sample
     assert row_ids.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, -1, -1], [-1] * 5]
     out = dense_from_compact(rows, row_ids)
@@ -92,11 +96,11 @@ def test_malformed_buffers_are_named():
         decode_response_rows(rows, tokens, 6, where="where")
     tokens_t = torch.tensor([tokens])
     with pytest.raises(ValueError, match=r"\[0\] is object \(2, 3\); expected a 1-D uint8 buffer .*object_column"):
-        compact_rows([np.empty((2, 3), object)], torch.tensor([6]), tokens_t >= 0, key="generation_support")
+        compact_rows([np.empty((2, 3), object)], tokens_t, torch.tensor([6]), tokens_t >= 0, key="generation_support")
     with pytest.raises(ValueError, match=r"holds 6 rows for sample 0, whose response has 4 tokens"):
-        compact_rows([buf], torch.tensor([4]), tokens_t >= 0, key="generation_support")
+        compact_rows([buf], tokens_t, torch.tensor([4]), tokens_t >= 0, key="generation_support")
     with pytest.raises(ValueError, match=r"generation_support'\]\[0\] \(sample 0\): compact support: the buffer's CRC-32"):
-        compact_rows([flipped], torch.tensor([6]), tokens_t >= 0, key="generation_support")
+        compact_rows([flipped], tokens_t, torch.tensor([6]), tokens_t >= 0, key="generation_support")
     wrong = list(tokens)
     wrong[1] = next(t for t in range(5000) if t not in rows[1])
     # Rows that drifted from their tokens fail by name (the engine's whole-batch check), never rebuilt around the

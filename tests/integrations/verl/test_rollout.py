@@ -422,7 +422,7 @@ def decoded_rows(column, responses, mask, width: int = TOP_K) -> torch.Tensor:
     buffers = buffers_of(column)
     assert all(isinstance(b, np.ndarray) and b.dtype == np.uint8 and b.ndim == 1 for b in buffers)
     lengths = torch.tensor([header_of(b).rows for b in buffers])
-    rows = dense_from_compact(*compact_rows(buffers, lengths, mask != 0, key=SUPPORT_KEY))
+    rows = dense_from_compact(*compact_rows(buffers, responses, lengths, mask != 0, key=SUPPORT_KEY))
     return torch.nn.functional.pad(rows, (0, width - rows.shape[2]), value=PAD_ID)
 
 
