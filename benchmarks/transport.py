@@ -16,7 +16,7 @@ Row sets (``top_k = 64``):
 Forms, in bytes per token: ``fixed int32`` (``k`` int32 ids, -1 padded: the in-memory
 ``PackedTensor``), ``base64 int32`` (the same in the JSON envelopes of the wire),
 ``ids+count int32`` (the members and a count per token: prime-rl's form), ``codec``
-(``support/codec.py``, the sampled ids dropped, headers included), and the ``limit``:
+(``support/codec/``, the sampled ids dropped, headers included), and the ``limit``:
 per row ``log2 C(V - 1, n - 1)`` bits for the ids plus the length's entropy over the set.
 Then encode and decode rates, decoding a micro-batch (on the host, and at the scorer's entry
 from one buffer a sample) against the scorer's forward over the same rows (logits mode,

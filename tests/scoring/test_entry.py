@@ -130,15 +130,14 @@ def test_corrupted_compact_rows_stop_the_scorer_by_name_whatever_validate_says(c
     named by its label through the scorer's one flag, with validate on or off."""
     import struct
 
-    from nemo_replay.support import codec
-    from nemo_replay.support.codec import CodecError, CompactRows
+    from nemo_replay.support.codec import CodecError, CompactRows, header
 
     _, buffers, _ = _compact(case, drop=False)
-    head = list(codec._HEAD.unpack(buffers[1][:codec._HEAD.size].tobytes()))
+    head = list(header.HEAD.unpack(buffers[1][:header.HEAD.size].tobytes()))
     head[9] -= 1  # the row width: the widest row now decodes past it
     head[10] = 0
-    bad = np.concatenate([np.frombuffer(codec._HEAD.pack(*head), np.uint8), buffers[1][codec._HEAD.size:]])
-    bad[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(bad)), np.uint8)
+    bad = np.concatenate([np.frombuffer(header.HEAD.pack(*head), np.uint8), buffers[1][header.HEAD.size:]])
+    bad[header.CRC_AT:header.CRC_AT + 4] = np.frombuffer(struct.pack("<I", header.crc(bad)), np.uint8)
     rows = CompactRows([buffers[0], bad, buffers[2]], labels=["completion 0", "completion 1", "completion 2"])
     for validate in (True, False):
         with pytest.raises(CodecError, match=r"completion 1: compact support: row \d+ decodes to \d+ ids, past the "

@@ -542,7 +542,7 @@ class GenerateServer:
         reply = {
             "output_ids": tokens[T:n].clone(),
             "logprobs": torch.cat(out_lps),
-            # Compact rows (support/codec.py): the response carries the sampled ids the codec drops.
+            # Compact rows (support/codec/): the response carries the sampled ids the codec drops.
             "support": support_to_wire(_join_supports(parts), vocab_size=self.vocab_size, sampled_ids=tokens[T:n]),
             "finish_reason": finish,
             "routes": None,

@@ -1,5 +1,5 @@
 """TRL's per-completion records keep their rows compact while they wait in TRL's buffer
-(``KeptRows``, support/codec.py) and give the scorer the same channels as plain rows, the rows
+(``KeptRows``, support/codec/) and give the scorer the same channels as plain rows, the rows
 still compact (codec ``CompactRows``: the scorer decodes them on its device).
 TRL-independent, like the module it tests."""
 

@@ -47,7 +47,7 @@ def local_generation(prompt, params, seed):
 
 
 def rows_of(support) -> list:
-    """Each row as a sorted list: compact rows travel sorted (support/codec.py), the sampler's ranked."""
+    """Each row as a sorted list: compact rows travel sorted (support/codec/), the sampler's ranked."""
     if isinstance(support, torch.Tensor):
         return [sorted(t for t in r.tolist() if t >= 0) for r in support]
     return [sorted(support.row(j).tolist()) for j in range(support.num_rows)]

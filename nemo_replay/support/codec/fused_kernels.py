@@ -1,4 +1,4 @@
-"""The two Triton kernels of the fused compact decode (:mod:`nemo_replay.support.fused` says what
+"""The two Triton kernels of the fused compact decode (:mod:`nemo_replay.support.codec.fused` says what
 they compute and how they are checked). Imported only where Triton is: this module imports it.
 
 Pointers: ``table`` (buffers, COLS) int64, the codec's per-buffer table; ``ones_len`` (rows + 1,)
@@ -50,7 +50,7 @@ def _floor_log2(q):
 
 # Sizes vary from batch to batch, and so does the alignment of ``table`` (the first multiple of 8
 # bytes past the batch's streams) and of ``sampled`` (the caller's view). Neither is specialised
-# on, so one compiled kernel a ``HAS_SAMPLED`` serves every batch: the one codec._fused_passes
+# on, so one compiled kernel a ``HAS_SAMPLED`` serves every batch: the one fused.known_batch_passes
 # checks. The other pointers are fresh allocations, always aligned.
 @triton.jit(do_not_specialize=["table", "sampled", "n_raw", "R", "B", "search_steps"])
 def rows_kernel(table, ones_len, raw, n_raw, sampled, scan, info, flags, R, B, search_steps,
