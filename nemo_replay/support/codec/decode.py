@@ -12,12 +12,8 @@ import numpy as np
 import torch
 
 from nemo_replay.support.checked import record_checked
-from nemo_replay.support.codec.header import CodecError
-from nemo_replay.support.codec.parse import Batch, parse_buffers
-from nemo_replay.support.codec_table import (  # the per-buffer table's columns (codec_table.py)
-    AT as _AT, COLUMNS as _COLUMNS, DROP as _DROP, END_ROW as _END_ROW, FIRST_ROW as _FIRST_ROW, GAP_LOW as _GAP_LOW,
-    GAP_UNARY as _GAP_UNARY, IDS as _IDS, LB as _LB, LEN_LOW as _LEN_LOW, LEN_UNARY as _LEN_UNARY, MASK as _MASK,
-    MAX_V as _MAX_V, NEVER as _NEVER, ROWS as _ROWS, SIZE as _SIZE, UNIVERSE as _UNIVERSE, V as _V, WIDTH as _WIDTH)
+from nemo_replay.support.codec.header import GAP_LOW, GAP_UNARY, LEN_UNARY, MAX_V, CodecError
+from nemo_replay.support.codec.parse import COL, NEVER, UNARY, Batch, parse_buffers
 from nemo_replay.support.dtypes import is_integer
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.nonzero import nonzero_static
@@ -65,7 +61,7 @@ def set_bits(section: torch.Tensor, total: int) -> torch.Tensor:
 
 def _read_unary(ones: torch.Tensor, columns: torch.Tensor, total: int):
     """The ``total`` unary values of one stream kind from its :func:`set_bits` ``ones``;
-    ``columns``: (buffers, 7) the kind's :func:`unary_columns`.
+    ``columns``: (buffers, UNARY.count) the kind's :class:`~nemo_replay.support.codec.parse.UnaryColumns`.
 
     Returns ``(values (total,), count flag (buffers,), padding flag (buffers,))``. A value is the
     distance between consecutive set bits, in bounds whatever the bits hold. The count flag: a
@@ -73,10 +69,11 @@ def _read_unary(ones: torch.Tensor, columns: torch.Tensor, total: int):
     each stream's end are as many as the counts up to it); the padding flag: its last set bit is
     not in its last byte.
     """
-    after, last = ones.index_select(0, columns[:, 0]), ones.index_select(0, columns[:, 1])
+    after, last = ones.index_select(0, columns[:, UNARY.after]), ones.index_select(0, columns[:, UNARY.last])
     prev = torch.cat([ones.new_full((1,), -1), ones[:-1]])  # its last slot spare, for empty streams
-    prev.scatter_(0, columns[:, 2], columns[:, 3])
-    return (ones - prev - 1)[:total], (after < columns[:, 4]) | (last >= columns[:, 5]), last < columns[:, 6]
+    prev.scatter_(0, columns[:, UNARY.first], columns[:, UNARY.bit_before])
+    count_flag = (after < columns[:, UNARY.end]) | (last >= columns[:, UNARY.last_below])
+    return (ones - prev - 1)[:total], count_flag, last < columns[:, UNARY.last_from]
 
 
 def _windows(raw: torch.Tensor) -> torch.Tensor:
@@ -161,20 +158,20 @@ def decode_steps(batch: Batch, sampled: Optional[torch.Tensor], device, *, lengt
     to garbage inside its tensors, flagged.
     """
     raw, t, cu = batch.split(host_to(batch.blob, device))
-    dev, windows, k = raw.device, _windows(raw), batch.kinds
+    dev, windows = raw.device, _windows(raw)
     R, I = batch.rows, batch.ids
-    buf_row = _segments(t[:, _ROWS], R)
-    per_row = t[:, :_ROWS].index_select(0, buf_row)  # what each row takes from its buffer
-    lb, V, drop, universe = per_row[:, _LB], per_row[:, _V], per_row[:, _DROP], per_row[:, _UNIVERSE]
+    buf_row = _segments(t[:, COL.rows], R)
+    per_row = t[:, :COL.per_row].index_select(0, buf_row)  # what each row takes from its buffer
+    lb, V, drop, universe = per_row[:, COL.lb], per_row[:, COL.vocab], per_row[:, COL.drop], per_row[:, COL.universe]
     flags, details = {}, {}
 
     # Lengths: unary high parts, then lb low bits a row, back to back.
-    high, flags["length count"], flags["length padding"] = _read_unary(set_bits(raw[k[0]:k[1]], R),
-                                                                           t[:, _LEN_UNARY:_GAP_UNARY], R)
-    in_buf = torch.arange(R, device=dev) - per_row[:, _FIRST_ROW]
+    high, flags["length count"], flags["length padding"] = _read_unary(set_bits(batch.section(raw, LEN_UNARY), R),
+                                                                           t[:, COL.len_ones:COL.len_ones + UNARY.count], R)
+    in_buf = torch.arange(R, device=dev) - per_row[:, COL.first_row]
     # Clamped where no row reaches (lengths <= V < 2**31): a corrupted stream's value cannot overflow.
-    lengths = (high.clamp_(max=_MAX_V) << lb) | _read_fields(windows, per_row[:, _LEN_LOW] + in_buf * lb, lb, per_row[:, _MASK])
-    flags["row width"] = (lengths > per_row[:, _WIDTH]) | (lengths < 0)  # < 0: set bits missing from the stream
+    lengths = (high.clamp_(max=MAX_V) << lb) | _read_fields(windows, per_row[:, COL.len_low_bit] + in_buf * lb, lb, per_row[:, COL.mask])
+    flags["row width"] = (lengths > per_row[:, COL.width]) | (lengths < 0)  # < 0: set bits missing from the stream
     details["row width"] = lengths
     lengths = lengths.clamp(min=0)
     if lengths_only:
@@ -183,9 +180,9 @@ def decode_steps(batch: Batch, sampled: Optional[torch.Tensor], device, *, lengt
                         details)
     m = lengths - drop * (lengths > 0)
     row_start = _exclusive(m)  # each row's first coded id, then their total
-    first_row, end_row = t[:, _FIRST_ROW], t[:, _END_ROW]  # a buffer's first row, the row after its last
+    first_row, end_row = t[:, COL.first_row], t[:, COL.end_row]  # a buffer's first row, the row after its last
     coded_sum = row_start.index_select(0, end_row) - row_start.index_select(0, first_row)
-    flags["id count"] = coded_sum != t[:, _IDS]
+    flags["id count"] = coded_sum != t[:, COL.ids]
     details["id count"] = coded_sum
     row_start = row_start.clamp(max=I)
 
@@ -201,19 +198,19 @@ def decode_steps(batch: Batch, sampled: Optional[torch.Tensor], device, *, lengt
     b = _rice(universe, m)
     low = _exclusive(m * b)
     low_bits = low.index_select(0, end_row) - low.index_select(0, first_row)
-    flags["gap low size"] = (low_bits + 7) // 8 != t[:, _SIZE + 3]
+    flags["gap low size"] = (low_bits + 7) // 8 != t[:, COL.size + GAP_LOW]
     details["gap low size"] = low_bits
-    low_at = per_row[:, _GAP_LOW] + low[:-1] - low.index_select(0, per_row[:, _FIRST_ROW]) - row_start[:-1] * b
-    far = torch.full_like(m, _NEVER) if sampled is None else torch.where(drop > 0, sampled, _NEVER)
+    low_at = per_row[:, COL.gap_low_bit] + low[:-1] - low.index_select(0, per_row[:, COL.first_row]) - row_start[:-1] * b
+    far = torch.full_like(m, NEVER) if sampled is None else torch.where(drop > 0, sampled, NEVER)
     # One gather of what each id needs from its row: b, its mask, its low bits' origin, its first id, the dropped token.
     per_id = torch.stack([b, (1 << b) - 1, low_at, row_start[:-1], far], 1).index_select(0, row_of)
     b_id, j = per_id[:, 0], torch.arange(I, device=dev)
-    high, flags["gap count"], flags["gap padding"] = _read_unary(set_bits(raw[k[2]:k[3]], I),
-                                                                         t[:, _GAP_UNARY:_COLUMNS], I)
+    high, flags["gap count"], flags["gap padding"] = _read_unary(set_bits(batch.section(raw, GAP_UNARY), I),
+                                                                         t[:, COL.gap_ones:COL.gap_ones + UNARY.count], I)
     # Each id's step from the one before (its gap + 1), clamped where no gap reaches (U < 2**31), so
     # that no sum overflows: a corrupted row still rises, its last id past U.
-    steps = (high.clamp_(max=_MAX_V) << b_id) + _read_fields(windows, per_id[:, 2] + j * b_id, b_id, per_id[:, 1]) + 1
-    steps = _exclusive(steps.clamp_(max=_MAX_V + 1))
+    steps = (high.clamp_(max=MAX_V) << b_id) + _read_fields(windows, per_id[:, 2] + j * b_id, b_id, per_id[:, 1]) + 1
+    steps = _exclusive(steps.clamp_(max=MAX_V + 1))
     coded = steps[1:] - steps.index_select(0, row_start[:-1]).index_select(0, row_of) - 1
 
     # Ids rise within a row once the counts hold (every gap >= 0): a row's first and last bound it.
@@ -239,9 +236,9 @@ _PER_ROW = ("row width", "id range", "sampled range")  # the other flags are one
 
 
 def _stream_facts(batch: Batch, i: int, kind: int) -> tuple:
-    """Buffer ``i``'s unary stream ``kind`` (0: lengths, 2: gaps), read on the host: its set bits and
+    """Buffer ``i``'s unary stream ``kind`` (``LEN_UNARY`` or ``GAP_UNARY``), read on the host: its set bits and
     how many bits run past the last one."""
-    at, size = int(batch.table[i, _AT + kind]), int(batch.table[i, _SIZE + kind])
+    at, size = int(batch.table[i, COL.at + kind]), int(batch.table[i, COL.size + kind])
     ones = np.flatnonzero(np.unpackbits(batch.raw[at:at + size]))
     return ones.size, 8 * size - 1 - (int(ones[-1]) if ones.size else -1)
 
@@ -250,25 +247,25 @@ def _raise_named(d: Decoded, name: str, labels: Sequence[str]) -> None:
     """Name the first failure of check ``name`` (host reads: the failure path only)."""
     t = d.batch.table
     j = int(torch.nonzero(d.flags[name].cpu())[0])
-    i = int(np.repeat(np.arange(len(t)), t[:, _ROWS])[j]) if name in _PER_ROW else j  # the row's buffer
-    row = j - int(t[i, _FIRST_ROW])
+    i = int(np.repeat(np.arange(len(t)), t[:, COL.rows])[j]) if name in _PER_ROW else j  # the row's buffer
+    row = j - int(t[i, COL.first_row])
     if name in ("length count", "length padding", "gap count", "gap padding"):
-        what, kind, count = ("length", 0, t[i, _ROWS]) if name.startswith("length") else ("gap", 2, t[i, _IDS])
+        what, kind, count = ("length", LEN_UNARY, t[i, COL.rows]) if name.startswith("length") else ("gap", GAP_UNARY, t[i, COL.ids])
         pop, past = _stream_facts(d.batch, i, kind)
         msg = (f"the {what} stream holds {pop} values, the header says {int(count)}" if name.endswith("count") else
                f"the {what} stream runs {past} bits past its last value")
     elif name == "row width":
-        msg = f"row {row} decodes to {int(d.details['row width'][j])} ids, past the header's row width {int(t[i, _WIDTH])}"
+        msg = f"row {row} decodes to {int(d.details['row width'][j])} ids, past the header's row width {int(t[i, COL.width])}"
     elif name == "id count":
-        msg = f"the lengths give {int(d.details['id count'][i])} ids, the header says {int(t[i, _IDS])}"
+        msg = f"the lengths give {int(d.details['id count'][i])} ids, the header says {int(t[i, COL.ids])}"
     elif name == "gap low size":
         need = -(-int(d.details["gap low size"][i]) // 8)
-        msg = f"the gap low-bit stream holds {int(t[i, _SIZE + 3])} bytes where its fields need {need}"
+        msg = f"the gap low-bit stream holds {int(t[i, COL.size + GAP_LOW])} bytes where its fields need {need}"
     elif name == "id range":
         msg = f"row {row} decodes id {int(d.details['id range'][j])}, past the {int(d.universe[j])} ids it is coded among"
     else:  # sampled range
         raise CodecError(f"{labels[i] + ': ' if labels else ''}compact support: sampled token {int(d.sampled[j])} of "
-                         f"row {row} is outside [0, {int(t[i, _V])})")
+                         f"row {row} is outside [0, {int(t[i, COL.vocab])})")
     raise CodecError(f"{labels[i] + ': ' if labels else ''}compact support: {msg}; a corrupted buffer")
 
 
@@ -321,7 +318,7 @@ def decode_batch(
     sampled = sampled_arg(sampled_ids, batch.rows, batch.dropped, device)
     d = decode_steps(batch, sampled, device)
     check_flags(d, labels)
-    kept = torch.from_numpy(batch.table[:, _DROP] == 0).to(device)
+    kept = torch.from_numpy(batch.table[:, COL.drop] == 0).to(device)
     starts = _exclusive(d.lengths)
     members = d.place(starts[:-1], int(starts[-1]))
     if sampled is not None and bool(kept.any()):

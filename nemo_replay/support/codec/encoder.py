@@ -10,8 +10,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from nemo_replay.support.codec.header import CRC_AT, DROPPED, HEAD, MAGIC, VERSION, rice_parameter
-from nemo_replay.support.codec_table import MAX_V as _MAX_V
+from nemo_replay.support.codec.header import CRC_AT, DROPPED, HEAD, MAGIC, MAX_V, VERSION, rice_parameter
 from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport, is_support
@@ -72,7 +71,7 @@ def encode_support(
         ValueError naming the row: an id outside ``[0, V)``, an id twice in a row, a non-empty
         row without its sampled token.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= _MAX_V:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= MAX_V:
         raise ValueError(f"encode_support: vocab_size={vocab_size!r}, expected an int in [1, 2**31 - 1]")
     ids, offsets, cu = _rows(support, "encode_support")
     n = offsets.size - 1

@@ -42,6 +42,7 @@ import torch
 
 from nemo_replay.support.codec.decode import decode_steps, host_to, set_bits
 from nemo_replay.support.codec.encoder import encode_support
+from nemo_replay.support.codec.header import GAP_UNARY, LEN_UNARY
 from nemo_replay.support.codec.parse import Batch, parse_buffers
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -87,7 +88,7 @@ def decode_fixed(raw: torch.Tensor, table: torch.Tensor, ones_len: torch.Tensor,
 
     Args:
         raw: the batch's streams by kind, uint8, 8 zero bytes at the end.
-        table: (buffers, codec_table.COLUMNS) int64, the per-buffer table.
+        table: (buffers, COL.count) int64, the per-buffer table (:class:`~nemo_replay.support.codec.parse.TableColumns`).
         ones_len, ones_gap: (rows + 1,) and (ids + 1,) int64, where the set bits of the length and
             gap unary streams lie (:func:`~nemo_replay.support.codec.decode.set_bits`).
         sampled: (rows,) int64, or None.
@@ -122,8 +123,8 @@ def decode_fused(batch: Batch, sampled: Optional[torch.Tensor], device: torch.de
     """What :func:`decode_steps` and :meth:`Decoded.place` give, fixed-width, by the two kernels of
     this module: ``(values (rows, width) int32, flags (9,) int32, cu)``, no host read."""
     raw, t, cu = batch.split(host_to(batch.blob, device))
-    k = batch.kinds
-    ones_len, ones_gap = set_bits(raw[k[0]:k[1]], batch.rows), set_bits(raw[k[2]:k[3]], batch.ids)
+    ones_len = set_bits(batch.section(raw, LEN_UNARY), batch.rows)
+    ones_gap = set_bits(batch.section(raw, GAP_UNARY), batch.ids)
     values, flags = decode_fixed(raw, t, ones_len, ones_gap, sampled, width)
     return values, flags, cu
 

@@ -12,13 +12,14 @@ from typing import Union
 import numpy as np
 import torch
 
-from nemo_replay.support.codec_table import MAX_V as _MAX_V
-
 MAGIC = b"NRSC"
 VERSION = 1
-HEAD = struct.Struct("<4sBBBBIQQQII4Q")
-DROPPED = 1
+HEAD = struct.Struct("<4sBBBBIQQQII4Q")  # the header's fields, in the layout's order
+DROPPED = 1  # the header's flag: the sampled ids were dropped
 CRC_AT = 40  # the CRC's offset in the header
+MAX_V = 2**31 - 1  # the largest vocabulary a buffer codes: ids and lengths fit int32
+# The four streams, in their order in a buffer (and in the header's sizes): each kind's index.
+LEN_UNARY, LEN_LOW, GAP_UNARY, GAP_LOW = range(4)
 
 
 class CodecError(ValueError):
@@ -55,7 +56,7 @@ def header_of(buf: Union[np.ndarray, bytes, torch.Tensor]) -> Header:
         raise CodecError(f"compact support: magic {magic!r}, expected {MAGIC!r}; not a compact support buffer")
     if version != VERSION:
         raise CodecError(f"compact support: version {version}; this reader knows {VERSION} (upgrade nemo_replay)")
-    if flags & ~DROPPED or lb > 31 or not 1 <= V <= _MAX_V:
+    if flags & ~DROPPED or lb > 31 or not 1 <= V <= MAX_V:
         raise CodecError(f"compact support: header flags {flags}, length parameter {lb}, V {V} out of range; a corrupted buffer")
     need = HEAD.size + 8 * (trajectories + 1) + sum(streams)
     if need != raw.size:

@@ -12,8 +12,7 @@ from nemo_replay.support.checked import record_checked
 from nemo_replay.support.codec import fused as _fused
 from nemo_replay.support.codec.decode import check_flags, decode_steps, host_to, sampled_arg
 from nemo_replay.support.codec.fused import decode_fused, fused_decode_serves
-from nemo_replay.support.codec.parse import parse_buffers
-from nemo_replay.support.codec_table import ROWS as _ROWS
+from nemo_replay.support.codec.parse import COL, parse_buffers
 from nemo_replay.support.packed import PackedTensor
 
 class DecodedRows(PackedTensor):
@@ -82,7 +81,7 @@ class CompactRows:
 
     def rows_of(self, i: int) -> int:
         """The rows buffer ``i`` holds (its header)."""
-        return int(self._batch.table[i, _ROWS])
+        return int(self._batch.table[i, COL.rows])
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
