@@ -22,11 +22,12 @@ reads the values the reference reads, so the two set the same flags; once they a
 rows match bit for bit (tests/support/test_fused_decode.py flips bits of a buffer). A set flag
 is named by rerunning the reference (the failure path only).
 
-:meth:`~nemo_replay.support.codec.CompactRows.decode` uses them on CUDA where Triton imports,
-unless ``NEMO_REPLAY_FUSED_DECODE=0`` (:func:`switched_on`), once they have decoded a known batch there to the
-reference's rows (:func:`known_batch_passes`, once a process and device: a Triton that cannot
-compile them is named in a warning and the reference serves); the reference runs elsewhere. On the CPU the kernels run
-under Triton's interpreter (``TRITON_INTERPRET=1``): that is how the tests check them without
+:meth:`~nemo_replay.support.codec.CompactRows.decode` asks :func:`fused_decode_serves`, the one
+choice of decoder: by default the kernels serve on CUDA where Triton imports, unless
+``NEMO_REPLAY_FUSED_DECODE=0`` (:func:`switched_on`), once they have decoded a known batch there to
+the reference's rows (:func:`known_batch_passes`, once a process and device: a Triton that cannot
+compile them is named in a warning and the reference serves); the reference runs elsewhere. On the
+CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``): that is how the tests check them without
 a GPU, besides compiling them for sm_80 and sm_90.
 """
 
@@ -129,11 +130,20 @@ def decode_fused(batch: Batch, sampled: Optional[torch.Tensor], device: torch.de
     return values, flags, cu
 
 
-def fused_decode_serves(device: torch.device) -> bool:
-    """Whether :meth:`CompactRows.decode` decodes on ``device`` with the fused kernels by default: they
-    are available there (:func:`available`: switched on, CUDA, Triton) and
-    passed their check on that device (:func:`known_batch_passes`)."""
-    return available(device) and known_batch_passes(device)
+def fused_decode_serves(device: torch.device, fused: Optional[bool] = None) -> bool:
+    """The one choice of decoder: whether :meth:`~nemo_replay.support.codec.CompactRows.decode` decodes
+    on ``device`` with the fused kernels (True) or with the reference's array steps (False).
+
+    ``fused`` is the caller's ask. None: the kernels where they are available (:func:`available`:
+    switched on, CUDA, Triton) and passed their check on that device (:func:`known_batch_passes`),
+    the reference elsewhere. True: the kernels (a ValueError without Triton). False: the reference.
+    """
+    if fused is None:
+        return available(device) and known_batch_passes(device)
+    if fused and not importable():
+        raise ValueError("CompactRows.decode(fused=True) needs Triton (pip install triton); pass fused=None to "
+                         "decode with the kernels where they run and the reference elsewhere")
+    return bool(fused)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,9 +9,8 @@ from typing import Optional, Sequence
 import torch
 
 from nemo_replay.support.checked import record_checked
-from nemo_replay.support.codec import fused as _fused
 from nemo_replay.support.codec.decode import check_flags, decode_steps, host_to, sampled_arg
-from nemo_replay.support.codec.fused import decode_fused, fused_decode_serves
+from nemo_replay.support.codec.fused import FLAGS, decode_fused, fused_decode_serves
 from nemo_replay.support.codec.parse import COL, parse_buffers
 from nemo_replay.support.packed import PackedTensor
 
@@ -104,29 +103,29 @@ class CompactRows:
         """
         device = torch.device(device)
         sampled = None if self._sampled is None else host_to(self._sampled, device)
-        R, width = self._batch.rows, self.width_bound
-        if fused is None:
-            fused = fused_decode_serves(device)
-        elif fused and not _fused.importable():
-            raise ValueError("CompactRows.decode(fused=True) needs Triton (pip install triton); pass fused=None to "
-                             "decode with the kernels where they run and the reference elsewhere")
-        if fused:
-            values, flags, cu = decode_fused(self._batch, sampled, device, width)
-            flag, name = flags.any(), functools.partial(self._name_fused, sampled, device, flags)
-        else:
-            d = decode_steps(self._batch, sampled, device)
-            values, cu = d.place(None, R * width, width).reshape(R, width), d.cu
-            flag, name = d.any_flag(), functools.partial(check_flags, d, self.labels)
-        out = DecodedRows(values, cu.to(torch.int32), flag, name)
+        decode = self._decode_fused if fused_decode_serves(device, fused) else self._decode_reference
+        values, cu, flag, name_failure = decode(sampled, device, self.width_bound)
+        out = DecodedRows(values, cu.to(torch.int32), flag, name_failure)
         record_checked(out, self._batch.vocab_size)  # what the decode guarantees once its flag reads clear
         if check:
             out.check()
         return out
 
+    def _decode_fused(self, sampled: Optional[torch.Tensor], device: torch.device, width: int) -> tuple:
+        """The fused kernels' decode: ``(values (rows, width) int32, cu, flag (0-d bool), name_failure)``."""
+        values, flags, cu = decode_fused(self._batch, sampled, device, width)
+        return values, cu, flags.any(), functools.partial(self._name_fused, sampled, device, flags)
+
+    def _decode_reference(self, sampled: Optional[torch.Tensor], device: torch.device, width: int) -> tuple:
+        """The reference's array steps, placed at ``width``: what :meth:`_decode_fused` returns."""
+        d, rows = decode_steps(self._batch, sampled, device), self._batch.rows
+        values = d.place(None, rows * width, width).reshape(rows, width)
+        return values, d.cu, d.any_flag(), functools.partial(check_flags, d, self.labels)
+
     def _name_fused(self, sampled: Optional[torch.Tensor], device: torch.device, flags: torch.Tensor) -> None:
         """Name what the fused decode flagged by rerunning the reference, which sets the same flags."""
         check_flags(decode_steps(self._batch, sampled, device), self.labels)
-        names = [name for name, bad in zip(_fused.FLAGS, flags.tolist()) if bad]
+        names = [name for name, bad in zip(FLAGS, flags.tolist()) if bad]
         raise RuntimeError(f"compact support: the fused decode flagged {names}, the reference decode finds every check "
                            f"holds; decode with the reference (NEMO_REPLAY_FUSED_DECODE=0) and report this batch")
 
