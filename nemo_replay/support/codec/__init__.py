@@ -58,7 +58,17 @@ in its row).
 Worked example, ``V = 10``, one row ``{2, 5, 7}`` whose sampled token is 5: ``{2, 7}`` shift
 to ``{2, 6}`` in ``U = 9``; ``m = 2``, ``b = floor(log2(7 / 3)) = 1``; gaps ``2, 3`` ->
 unary ``(1, 1)``, low bits ``0, 1``.
+
+The modules, in the order a buffer meets them: :mod:`~nemo_replay.support.codec.header` (magic,
+version, the header, :class:`CodecError`), :mod:`~nemo_replay.support.codec.encoder`,
+:mod:`~nemo_replay.support.codec.parse` (the host's checks, and the per-buffer table with its
+columns by name), :mod:`~nemo_replay.support.codec.decode` (the reference's array steps, and the
+decodes that name what failed), :mod:`~nemo_replay.support.codec.fused` with
+:mod:`~nemo_replay.support.codec.fused_kernels` (the same decode in two Triton kernels, and the
+one choice between them and the reference), :mod:`~nemo_replay.support.codec.rows`
+(:class:`CompactRows`, :class:`DecodedRows`).
 """
+
 from nemo_replay.support.codec.decode import decode_batch, decode_support, row_lengths
 from nemo_replay.support.codec.encoder import encode_kept, encode_support
 from nemo_replay.support.codec.fused import fused_decode_serves
@@ -72,5 +82,5 @@ __all__ = [
 ]
 
 # Importable by name as before, and outside ``__all__`` as before: the header's record
-# (:func:`header_of`) and whether the fused kernels serve a device by default (benchmarks/gpu.py).
+# (:func:`header_of`) and the one choice of decoder (benchmarks/gpu.py reports it).
 _OUTSIDE_ALL = (Header, fused_decode_serves)

@@ -5,7 +5,7 @@ flags at once and name what failed (the layout and the checks: :mod:`nemo_replay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -20,6 +20,7 @@ from nemo_replay.support.nonzero import nonzero_static
 from nemo_replay.support.ragged import RaggedSupport
 from nemo_replay.support.validate import describe_row
 
+
 # ---------------------------------------------------------------------------- decode: array steps, any device
 def _exclusive(t: torch.Tensor) -> torch.Tensor:
     """Exclusive prefix sums with the total appended: ``(n + 1,)``."""
@@ -33,7 +34,7 @@ def _segments(sizes: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _rice(universe: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """:func:`rice_parameter` as torch operations."""
+    """:func:`~nemo_replay.support.codec.rice_parameter` as torch operations."""
     q = torch.clamp((universe - m) // (m + 1), min=1)
     return torch.frexp(q.to(torch.float64))[1].to(torch.int64) - 1  # exact: q < 2**53
 
@@ -98,10 +99,11 @@ def _read_fields(windows: torch.Tensor, bit: torch.Tensor, widths: torch.Tensor,
 class Decoded:
     """One batch's decode, every index in bounds, and its data-dependent checks as device flags.
 
-    cu: the batch's trajectory offsets on the device; lengths, buf_row, universe (rows,): each row's length, buffer and the ids it is coded among;
-    row_of, col, ids (coded ids,): each coded id's row, column and id; put (rows,): the column
-    of a dropped sampled token (-1 where none goes in); sampled (rows,) or None; flags: check
-    name -> (buffers,) or (rows,) bool; details: what the error of a failed check names.
+    cu: the batch's trajectory offsets on the device; lengths, buf_row, universe (rows,): each row's
+    length, buffer and the ids it is coded among; row_of, col, ids (coded ids,): each coded id's row,
+    column and id; put (rows,): the column of a dropped sampled token (-1 where none goes in);
+    sampled (rows,) or None; flags: check name -> (buffers,) or (rows,) bool, in the decode's order;
+    details: what the error of a failed check names.
     """
 
     batch: Batch
@@ -149,86 +151,162 @@ def host_to(t: Union[np.ndarray, torch.Tensor], device: torch.device) -> torch.T
 
 
 def decode_steps(batch: Batch, sampled: Optional[torch.Tensor], device, *, lengths_only: bool = False) -> Decoded:
-    """The array steps of the module doc over every buffer of ``batch`` at once, on ``device``
-    (``lengths_only``: the rows' lengths and their checks, no id decoded).
+    """The array steps of :mod:`nemo_replay.support.codec`'s doc over every buffer of ``batch`` at once,
+    on ``device`` (``lengths_only``: the rows' lengths and their checks, no id decoded).
 
     One copy to the device (the streams and the table); sizes come from the headers (host), so
     nothing here waits for the device: the checks that depend on the bits are flags
     (``Decoded.flags``), and every index is clamped into its tensor, so a corrupted batch decodes
-    to garbage inside its tensors, flagged.
+    to garbage inside its tensors, flagged. The steps below run in this order, each recording its
+    checks in ``a.flags``: the order :meth:`Decoded.failed` names them in.
     """
     raw, t, cu = batch.split(host_to(batch.blob, device))
-    dev, windows = raw.device, _windows(raw)
-    R, I = batch.rows, batch.ids
-    buf_row = _segments(t[:, COL.rows], R)
+    windows = _windows(raw)
+    buf_row = _segments(t[:, COL.rows], batch.rows)
     per_row = t[:, :COL.per_row].index_select(0, buf_row)  # what each row takes from its buffer
-    lb, V, drop, universe = per_row[:, COL.lb], per_row[:, COL.vocab], per_row[:, COL.drop], per_row[:, COL.universe]
-    flags, details = {}, {}
-
-    # Lengths: unary high parts, then lb low bits a row, back to back.
-    high, flags["length count"], flags["length padding"] = _read_unary(set_bits(batch.section(raw, LEN_UNARY), R),
-                                                                           t[:, COL.len_ones:COL.len_ones + UNARY.count], R)
-    in_buf = torch.arange(R, device=dev) - per_row[:, COL.first_row]
-    # Clamped where no row reaches (lengths <= V < 2**31): a corrupted stream's value cannot overflow.
-    lengths = (high.clamp_(max=MAX_V) << lb) | _read_fields(windows, per_row[:, COL.len_low_bit] + in_buf * lb, lb, per_row[:, COL.mask])
-    flags["row width"] = (lengths > per_row[:, COL.width]) | (lengths < 0)  # < 0: set bits missing from the stream
-    details["row width"] = lengths
-    lengths = lengths.clamp(min=0)
+    a = _Arrays(batch=batch, raw=raw, windows=windows, table=t, per_row=per_row, lb=per_row[:, COL.lb],
+                vocab=per_row[:, COL.vocab], drop=per_row[:, COL.drop], universe=per_row[:, COL.universe],
+                first_row=t[:, COL.first_row], end_row=t[:, COL.end_row])
+    lengths = _lengths(a)
     if lengths_only:
         none = lengths.new_zeros(0)
-        return Decoded(batch, cu, lengths, buf_row, universe, none, none, none, torch.full_like(lengths, -1), None, flags,
-                        details)
-    m = lengths - drop * (lengths > 0)
-    row_start = _exclusive(m)  # each row's first coded id, then their total
-    first_row, end_row = t[:, COL.first_row], t[:, COL.end_row]  # a buffer's first row, the row after its last
-    coded_sum = row_start.index_select(0, end_row) - row_start.index_select(0, first_row)
-    flags["id count"] = coded_sum != t[:, COL.ids]
-    details["id count"] = coded_sum
-    row_start = row_start.clamp(max=I)
+        return Decoded(batch=batch, cu=cu, lengths=lengths, buf_row=buf_row, universe=a.universe, row_of=none, col=none,
+                       ids=none, put=torch.full_like(lengths, -1), sampled=None, flags=a.flags, details=a.details)
+    m, row_start, row_of = _rows_of_ids(a, lengths)
+    per_id = _per_id(a, m, row_start, row_of, sampled)
+    coded, j = _coded_ids(a, per_id, row_start, row_of)
+    _id_range(a, coded, m, row_start)
+    col, ids, put = _sampled_back(a, coded, j - per_id[:, _ID.first], m, lengths, row_of, per_id, sampled)
+    return Decoded(batch=batch, cu=cu, lengths=lengths, buf_row=buf_row, universe=a.universe, row_of=row_of, col=col,
+                   ids=ids, put=put, sampled=sampled, flags=a.flags, details=a.details)
 
+
+@dataclass
+class _Arrays:
+    """What the steps of :func:`decode_steps` share, on the device: the batch, its streams by kind
+    (``raw``) and their 4-byte windows, its table (``(buffers, COL.count)``) and two of its columns by
+    name (a buffer's first row, the row after its last), each row's columns of its buffer (``per_row``:
+    ``(rows, COL.per_row)``) and four of them by name; ``flags`` and ``details`` take each check's flag
+    and what its error names, as the steps run."""
+
+    batch: Batch
+    raw: torch.Tensor
+    windows: torch.Tensor
+    table: torch.Tensor
+    per_row: torch.Tensor
+    lb: torch.Tensor
+    vocab: torch.Tensor
+    drop: torch.Tensor
+    universe: torch.Tensor
+    first_row: torch.Tensor
+    end_row: torch.Tensor
+    flags: dict = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+
+class _IdColumns:
+    """The columns of ``per_id`` (:func:`_per_id`), by name: what each coded id takes from its row."""
+
+    __slots__ = ()
+    b, mask, low_at, first, far = range(5)  # Rice parameter, 2**b - 1, low bits' origin, first id, dropped token
+
+
+_ID = _IdColumns()
+
+
+def _lengths(a: _Arrays) -> torch.Tensor:
+    """(rows,) int64, each row's length: unary high parts, then ``lb`` low bits a row, back to back.
+    Checks: ``length count``, ``length padding``, ``row width``."""
+    R, t, dev = a.batch.rows, a.table, a.raw.device
+    ones = set_bits(a.batch.section(a.raw, LEN_UNARY), R)
+    high, a.flags["length count"], a.flags["length padding"] = _read_unary(
+        ones, t[:, COL.len_ones:COL.len_ones + UNARY.count], R)
+    in_buf = torch.arange(R, device=dev) - a.per_row[:, COL.first_row]
+    # Clamped where no row reaches (lengths <= V < 2**31): a corrupted stream's value cannot overflow.
+    low = _read_fields(a.windows, a.per_row[:, COL.len_low_bit] + in_buf * a.lb, a.lb, a.per_row[:, COL.mask])
+    lengths = (high.clamp_(max=MAX_V) << a.lb) | low
+    a.flags["row width"] = (lengths > a.per_row[:, COL.width]) | (lengths < 0)  # < 0: set bits missing from the stream
+    a.details["row width"] = lengths
+    return lengths.clamp(min=0)
+
+
+def _rows_of_ids(a: _Arrays, lengths: torch.Tensor) -> tuple:
+    """``(m (rows,), row_start (rows + 1,), row_of (ids,))``: the ids each row codes, where each row's
+    first coded id lies (then their total, clamped to the header's), each coded id's row.
+    Check: ``id count``."""
+    I, t, dev = a.batch.ids, a.table, a.raw.device
+    m = lengths - a.drop * (lengths > 0)
+    row_start = _exclusive(m)  # each row's first coded id, then their total
+    coded_sum = row_start.index_select(0, a.end_row) - row_start.index_select(0, a.first_row)
+    a.flags["id count"] = coded_sum != t[:, COL.ids]
+    a.details["id count"] = coded_sum
+    row_start = row_start.clamp(max=I)
     # Each coded id's row: every row marks the id it starts at (the last of the rows starting there
     # owns it: the ones before are empty), and a running maximum carries the mark; in bounds
     # whatever the lengths say.
     marks = torch.zeros(I + 1, dtype=torch.int64, device=dev)
-    marks.scatter_reduce_(0, row_start[:-1], torch.arange(R, device=dev), "amax")
+    marks.scatter_reduce_(0, row_start[:-1], torch.arange(a.batch.rows, device=dev), "amax")
     row_of = torch.cummax(marks[:I], 0).values if I else marks[:0]
+    return m, row_start, row_of
 
-    # A row's gaps share its Rice parameter b; their low bits run from the row's first one, in a
-    # buffer's stream that starts on a byte.
-    b = _rice(universe, m)
+
+def _per_id(a: _Arrays, m: torch.Tensor, row_start: torch.Tensor, row_of: torch.Tensor,
+            sampled: Optional[torch.Tensor]) -> torch.Tensor:
+    """(ids, 5) int64, what each coded id needs from its row (:class:`_IdColumns`), in one gather.
+
+    A row's gaps share its Rice parameter b; their low bits run from the row's first one, in a
+    buffer's stream that starts on a byte. Check: ``gap low size``.
+    """
+    b = _rice(a.universe, m)
     low = _exclusive(m * b)
-    low_bits = low.index_select(0, end_row) - low.index_select(0, first_row)
-    flags["gap low size"] = (low_bits + 7) // 8 != t[:, COL.size + GAP_LOW]
-    details["gap low size"] = low_bits
-    low_at = per_row[:, COL.gap_low_bit] + low[:-1] - low.index_select(0, per_row[:, COL.first_row]) - row_start[:-1] * b
-    far = torch.full_like(m, NEVER) if sampled is None else torch.where(drop > 0, sampled, NEVER)
-    # One gather of what each id needs from its row: b, its mask, its low bits' origin, its first id, the dropped token.
-    per_id = torch.stack([b, (1 << b) - 1, low_at, row_start[:-1], far], 1).index_select(0, row_of)
-    b_id, j = per_id[:, 0], torch.arange(I, device=dev)
-    high, flags["gap count"], flags["gap padding"] = _read_unary(set_bits(batch.section(raw, GAP_UNARY), I),
-                                                                         t[:, COL.gap_ones:COL.gap_ones + UNARY.count], I)
+    low_bits = low.index_select(0, a.end_row) - low.index_select(0, a.first_row)
+    a.flags["gap low size"] = (low_bits + 7) // 8 != a.table[:, COL.size + GAP_LOW]
+    a.details["gap low size"] = low_bits
+    low_at = (a.per_row[:, COL.gap_low_bit] + low[:-1] - low.index_select(0, a.per_row[:, COL.first_row])
+              - row_start[:-1] * b)
+    far = torch.full_like(m, NEVER) if sampled is None else torch.where(a.drop > 0, sampled, NEVER)
+    columns = {_ID.b: b, _ID.mask: (1 << b) - 1, _ID.low_at: low_at, _ID.first: row_start[:-1], _ID.far: far}
+    return torch.stack([columns[c] for c in range(len(columns))], 1).index_select(0, row_of)
+
+
+def _coded_ids(a: _Arrays, per_id: torch.Tensor, row_start: torch.Tensor, row_of: torch.Tensor) -> tuple:
+    """``(coded (ids,), j (ids,))``: each coded id (before the dropped token goes back), and its index.
+    Checks: ``gap count``, ``gap padding``."""
+    I = a.batch.ids
+    b_id, j = per_id[:, _ID.b], torch.arange(I, device=a.raw.device)
+    ones = set_bits(a.batch.section(a.raw, GAP_UNARY), I)
+    high, a.flags["gap count"], a.flags["gap padding"] = _read_unary(
+        ones, a.table[:, COL.gap_ones:COL.gap_ones + UNARY.count], I)
     # Each id's step from the one before (its gap + 1), clamped where no gap reaches (U < 2**31), so
     # that no sum overflows: a corrupted row still rises, its last id past U.
-    steps = (high.clamp_(max=MAX_V) << b_id) + _read_fields(windows, per_id[:, 2] + j * b_id, b_id, per_id[:, 1]) + 1
+    low = _read_fields(a.windows, per_id[:, _ID.low_at] + j * b_id, b_id, per_id[:, _ID.mask])
+    steps = (high.clamp_(max=MAX_V) << b_id) + low + 1
     steps = _exclusive(steps.clamp_(max=MAX_V + 1))
-    coded = steps[1:] - steps.index_select(0, row_start[:-1]).index_select(0, row_of) - 1
+    return steps[1:] - steps.index_select(0, row_start[:-1]).index_select(0, row_of) - 1, j
 
-    # Ids rise within a row once the counts hold (every gap >= 0): a row's first and last bound it.
+
+def _id_range(a: _Arrays, coded: torch.Tensor, m: torch.Tensor, row_start: torch.Tensor) -> None:
+    """Check ``id range``: ids rise within a row once the counts hold (every gap >= 0), so a row's
+    first and last id bound it."""
+    I = a.batch.ids
     ends = torch.stack([row_start[:-1], row_start[1:] - 1], 1).clamp(0, max(I - 1, 0))
     ends = coded.index_select(0, ends.reshape(-1)).reshape(-1, 2) if I else ends
-    flags["id range"] = (m > 0) & ((ends[:, 0] < 0) | (ends[:, 1] >= universe))
-    details["id range"] = torch.where(ends[:, 0] < 0, ends[:, 0], ends[:, 1])
+    a.flags["id range"] = (m > 0) & ((ends[:, 0] < 0) | (ends[:, 1] >= a.universe))
+    a.details["id range"] = torch.where(ends[:, 0] < 0, ends[:, 0], ends[:, 1])
 
-    # The sampled token goes back into a row that dropped it, at its sorted place.
-    col = j - per_id[:, 3]
+
+def _sampled_back(a: _Arrays, coded: torch.Tensor, col: torch.Tensor, m: torch.Tensor, lengths: torch.Tensor,
+                  row_of: torch.Tensor, per_id: torch.Tensor, sampled: Optional[torch.Tensor]) -> tuple:
+    """``(col, ids, put)`` (:class:`Decoded`): the sampled token goes back into a row that dropped it,
+    at its sorted place (the ids past it one up, one column on). Check: ``sampled range``."""
     put = torch.full_like(lengths, -1)
     if sampled is not None:
-        flags["sampled range"] = (sampled < 0) | (sampled >= V)
-        above = coded >= per_id[:, 4]
+        a.flags["sampled range"] = (sampled < 0) | (sampled >= a.vocab)
+        above = coded >= per_id[:, _ID.far]
         coded, col = coded + above, col + above
         below = m - torch.zeros_like(m).index_add_(0, row_of, above.to(torch.int64))
-        put = torch.where((drop > 0) & (lengths > 0), below, -1)
-    return Decoded(batch, cu, lengths, buf_row, universe, row_of, col, coded, put, sampled, flags, details)
+        put = torch.where((a.drop > 0) & (lengths > 0), below, -1)
+    return col, coded, put
 
 
 # ---------------------------------------------------------------------------- decode: named errors
@@ -236,8 +314,8 @@ _PER_ROW = ("row width", "id range", "sampled range")  # the other flags are one
 
 
 def _stream_facts(batch: Batch, i: int, kind: int) -> tuple:
-    """Buffer ``i``'s unary stream ``kind`` (``LEN_UNARY`` or ``GAP_UNARY``), read on the host: its set bits and
-    how many bits run past the last one."""
+    """Buffer ``i``'s unary stream ``kind`` (``LEN_UNARY`` or ``GAP_UNARY``), read on the host: its set
+    bits and how many bits run past the last one."""
     at, size = int(batch.table[i, COL.at + kind]), int(batch.table[i, COL.size + kind])
     ones = np.flatnonzero(np.unpackbits(batch.raw[at:at + size]))
     return ones.size, 8 * size - 1 - (int(ones[-1]) if ones.size else -1)
@@ -250,7 +328,8 @@ def _raise_named(d: Decoded, name: str, labels: Sequence[str]) -> None:
     i = int(np.repeat(np.arange(len(t)), t[:, COL.rows])[j]) if name in _PER_ROW else j  # the row's buffer
     row = j - int(t[i, COL.first_row])
     if name in ("length count", "length padding", "gap count", "gap padding"):
-        what, kind, count = ("length", LEN_UNARY, t[i, COL.rows]) if name.startswith("length") else ("gap", GAP_UNARY, t[i, COL.ids])
+        lengths = name.startswith("length")
+        what, kind, count = ("length", LEN_UNARY, t[i, COL.rows]) if lengths else ("gap", GAP_UNARY, t[i, COL.ids])
         pop, past = _stream_facts(d.batch, i, kind)
         msg = (f"the {what} stream holds {pop} values, the header says {int(count)}" if name.endswith("count") else
                f"the {what} stream runs {past} bits past its last value")
@@ -302,7 +381,7 @@ def decode_batch(
     """The rows of several buffers, back to back (their trajectories in order), decoded at once.
 
     Args:
-        buffers: what :func:`encode_support` wrote, one or more.
+        buffers: what :func:`~nemo_replay.support.codec.encode_support` wrote, one or more.
         sampled_ids: (rows,) the sampled tokens of every row, in order; required when an encoder
             dropped them; given for rows coded with them, each non-empty row must hold its own.
         vocab_size: when given, every buffer's ``V`` must equal it.
@@ -310,8 +389,9 @@ def decode_batch(
         labels: one name per buffer, prefixed to its errors.
 
     Raises:
-        CodecError (a ValueError) for a buffer that is not one the encoder wrote (module doc);
-        SupportAlignmentError (a ValueError) for a sampled token missing from its row.
+        CodecError (a ValueError) for a buffer that is not one the encoder wrote
+        (:mod:`nemo_replay.support.codec`); SupportAlignmentError (a ValueError) for a sampled token
+        missing from its row.
     """
     device = torch.device("cpu") if device is None else torch.device(device)
     batch = parse_buffers(buffers, vocab_size, labels)
@@ -358,7 +438,8 @@ def decode_support(
     vocab_size: Optional[int] = None,
     device=None,
 ) -> RaggedSupport:
-    """A batch's rows back from :func:`encode_support`'s buffer (sorted ids, record of a passed check).
+    """A batch's rows back from :func:`~nemo_replay.support.codec.encode_support`'s buffer (sorted ids,
+    record of a passed check).
 
     Args:
         sampled_ids: (rows,) the sampled tokens, required when the encoder dropped them; given
@@ -367,8 +448,9 @@ def decode_support(
         device: where the decode runs and the rows go (default CPU).
 
     Raises:
-        CodecError (a ValueError) for a buffer that is not one the encoder wrote (module doc);
-        SupportAlignmentError (a ValueError) for a sampled token missing from its row.
+        CodecError (a ValueError) for a buffer that is not one the encoder wrote
+        (:mod:`nemo_replay.support.codec`); SupportAlignmentError (a ValueError) for a sampled token
+        missing from its row.
     """
     return decode_batch([buf], sampled_ids=sampled_ids, vocab_size=vocab_size, device=device)
 

@@ -59,7 +59,7 @@ def encode_support(
     vocab_size: int,
     sampled_ids: Optional[torch.Tensor] = None,
 ) -> np.ndarray:
-    """The rows of ``support`` as one uint8 buffer (module doc).
+    """The rows of ``support`` as one uint8 buffer (the layout: :mod:`nemo_replay.support.codec`).
 
     Args:
         support: the batch's rows (fixed-width rows are read as their members).
@@ -74,36 +74,61 @@ def encode_support(
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= MAX_V:
         raise ValueError(f"encode_support: vocab_size={vocab_size!r}, expected an int in [1, 2**31 - 1]")
     ids, offsets, cu = _rows(support, "encode_support")
-    n = offsets.size - 1
     lengths = np.diff(offsets)
-    row_of = np.repeat(np.arange(n, dtype=np.int64), lengths)
+    row_of = np.repeat(np.arange(offsets.size - 1, dtype=np.int64), lengths)
+    ids = _sorted_sets(ids, row_of, vocab_size)
+    coded, universe = ids, vocab_size
+    if sampled_ids is not None:
+        coded, row_of = _drop_sampled(ids, row_of, lengths, sampled_ids)
+        universe = vocab_size - 1
+    lb, streams = _streams(coded, row_of, lengths, universe)
+    n = lengths.size
+    fields = [MAGIC, VERSION, DROPPED if sampled_ids is not None else 0, lb, 0, vocab_size, n, int(coded.size),
+              cu.size - 1, int(lengths.max()) if n else 0, 0, *(s.size for s in streams)]
+    out = np.concatenate([np.frombuffer(HEAD.pack(*fields), np.uint8), cu.astype("<i8").view(np.uint8), *streams])
+    out[CRC_AT:CRC_AT + 4] = np.frombuffer(struct.pack("<I", zlib.crc32(out)), np.uint8)
+    return out
+
+
+def _sorted_sets(ids: np.ndarray, row_of: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``ids`` (each row's, rows back to back; ``row_of`` their rows) sorted within each row; ValueError
+    naming the row for an id outside ``[0, V)`` or an id twice in a row."""
     j = first_outside(ids, vocab_size)
     if j is not None:
         raise ValueError(f"encode_support: row {int(row_of[j])} holds id {int(ids[j])}, outside [0, {vocab_size})")
     key = row_of * vocab_size + ids
     if key.size > 1 and not bool(np.all(key[1:] > key[:-1])):
-        order = np.argsort(key, kind="stable")
+        order = np.argsort(key, kind="stable")  # rows stay in place: row_of is the same after the sort
         ids, key = ids[order], key[order]
         if bool(np.any(key[1:] == key[:-1])):
             j = int(np.flatnonzero(key[1:] == key[:-1])[0])
             raise ValueError(f"encode_support: row {int(row_of[j])} holds id {int(ids[j])} twice; a support is a set")
-    universe = vocab_size
-    coded = ids
-    if sampled_ids is not None:
-        sampled = _sampled_ids(sampled_ids, "encode_support").cpu().numpy().astype(np.int64)
-        if sampled.shape != (n,):
-            raise ValueError(f"encode_support: sampled_ids has shape {sampled.shape}, expected ({n},): one per row")
-        is_sampled = ids == sampled[row_of]
-        hits = np.bincount(row_of[is_sampled], minlength=n)
-        missing = (lengths > 0) & (hits == 0)
-        if missing.any():
-            r = int(np.flatnonzero(missing)[0])
-            raise ValueError(f"encode_support: row {r} does not hold its sampled token {int(sampled[r])}; only rows "
-                             f"that hold their sampled token can drop it")
-        keep = ~is_sampled
-        coded = ids[keep] - (ids[keep] > sampled[row_of[keep]])
-        row_of = row_of[keep]
-        universe = vocab_size - 1
+    return ids
+
+
+def _drop_sampled(ids: np.ndarray, row_of: np.ndarray, lengths: np.ndarray, sampled_ids) -> tuple:
+    """``(coded, row_of)``: the sorted ``ids`` without each row's sampled token, the ids above it one
+    lower (:mod:`nemo_replay.support.codec`), and their rows; ValueError for a wrong shape or a
+    non-empty row without it."""
+    n = lengths.size
+    sampled = _sampled_ids(sampled_ids, "encode_support").cpu().numpy().astype(np.int64)
+    if sampled.shape != (n,):
+        raise ValueError(f"encode_support: sampled_ids has shape {sampled.shape}, expected ({n},): one per row")
+    is_sampled = ids == sampled[row_of]
+    hits = np.bincount(row_of[is_sampled], minlength=n)
+    missing = (lengths > 0) & (hits == 0)
+    if missing.any():
+        r = int(np.flatnonzero(missing)[0])
+        raise ValueError(f"encode_support: row {r} does not hold its sampled token {int(sampled[r])}; only rows "
+                         f"that hold their sampled token can drop it")
+    keep = ~is_sampled
+    return ids[keep] - (ids[keep] > sampled[row_of[keep]]), row_of[keep]
+
+
+def _streams(coded: np.ndarray, row_of: np.ndarray, lengths: np.ndarray, universe: int) -> tuple:
+    """``(lb, the four streams)``: the lengths Rice coded with one parameter ``lb``, the gaps between
+    each row's ``coded`` ids (``row_of`` their rows) with the row's parameter for ``universe``."""
+    n = lengths.size
     m = np.bincount(row_of, minlength=n).astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(m)[:-1]]) if n else np.zeros(0, np.int64)
     prev = np.empty_like(coded)
@@ -113,13 +138,8 @@ def encode_support(
     gaps = coded - prev - 1
     b = rice_parameter(np.int64(universe), m)[row_of] if coded.size else np.zeros(0, np.int64)
     lb = max(0, int(lengths.mean()).bit_length() - 2) if n else 0  # about log2(0.7 x the mean length)
-    streams = (_unary(lengths >> lb), _fields(lengths & ((1 << lb) - 1), np.full(n, lb, np.int64)),
-               _unary(gaps >> b), _fields(gaps & ((np.int64(1) << b) - 1), b))
-    fields = [MAGIC, VERSION, DROPPED if sampled_ids is not None else 0, lb, 0, vocab_size, n, int(coded.size),
-              cu.size - 1, int(lengths.max()) if n else 0, 0, *(s.size for s in streams)]
-    out = np.concatenate([np.frombuffer(HEAD.pack(*fields), np.uint8), cu.astype("<i8").view(np.uint8), *streams])
-    out[CRC_AT:CRC_AT + 4] = np.frombuffer(struct.pack("<I", zlib.crc32(out)), np.uint8)
-    return out
+    return lb, (_unary(lengths >> lb), _fields(lengths & ((1 << lb) - 1), np.full(n, lb, np.int64)),
+                _unary(gaps >> b), _fields(gaps & ((np.int64(1) << b) - 1), b))
 
 
 def encode_kept(support: Union[RaggedSupport, PackedTensor], sampled_ids: Optional[torch.Tensor] = None, *,

@@ -89,7 +89,8 @@ def decode_fixed(raw: torch.Tensor, table: torch.Tensor, ones_len: torch.Tensor,
 
     Args:
         raw: the batch's streams by kind, uint8, 8 zero bytes at the end.
-        table: (buffers, COL.count) int64, the per-buffer table (:class:`~nemo_replay.support.codec.parse.TableColumns`).
+        table: (buffers, COL.count) int64, the per-buffer table
+            (:class:`~nemo_replay.support.codec.parse.TableColumns`).
         ones_len, ones_gap: (rows + 1,) and (ids + 1,) int64, where the set bits of the length and
             gap unary streams lie (:func:`~nemo_replay.support.codec.decode.set_bits`).
         sampled: (rows,) int64, or None.
@@ -121,8 +122,9 @@ def decode_fixed(raw: torch.Tensor, table: torch.Tensor, ones_len: torch.Tensor,
 
 
 def decode_fused(batch: Batch, sampled: Optional[torch.Tensor], device: torch.device, width: int):
-    """What :func:`decode_steps` and :meth:`Decoded.place` give, fixed-width, by the two kernels of
-    this module: ``(values (rows, width) int32, flags (9,) int32, cu)``, no host read."""
+    """What the reference gives (:func:`~nemo_replay.support.codec.decode.decode_steps`, placed
+    fixed-width by :meth:`~nemo_replay.support.codec.decode.Decoded.place`), by the two kernels of this
+    module: ``(values (rows, width) int32, flags (9,) int32, cu)``, no host read."""
     raw, t, cu = batch.split(host_to(batch.blob, device))
     ones_len = set_bits(batch.section(raw, LEN_UNARY), batch.rows)
     ones_gap = set_bits(batch.section(raw, GAP_UNARY), batch.ids)

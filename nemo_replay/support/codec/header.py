@@ -41,7 +41,8 @@ class Header:
 
 
 def rice_parameter(universe: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """``floor(log2((U - m) // (m + 1)))``, 0 where that quotient is below 2 (module doc); int64."""
+    """``floor(log2((U - m) // (m + 1)))``, 0 where that quotient is below 2
+    (:mod:`nemo_replay.support.codec`); int64."""
     q = np.maximum((universe - m) // (m + 1), 1).astype(np.int64)
     return (np.frexp(q.astype(np.float64))[1] - 1).astype(np.int64)  # exact: q < 2**53
 

@@ -29,13 +29,14 @@ class DecodedRows(PackedTensor):
     """
 
     def __init__(self, values: torch.Tensor, cu_seqlens: torch.Tensor, decode_flag: torch.Tensor, name_failure):
-        # The offsets were checked on the host (:func:`parse_buffers`): PackedTensor's own check would read the device.
+        # The offsets were checked on the host (parse_buffers): PackedTensor's own check would read the device.
         self.values, self.cu_seqlens = values, cu_seqlens
         self._name_failure = name_failure
         self.decode_flag: Optional[torch.Tensor] = decode_flag
 
     def raise_decode_error(self) -> None:
-        """Raise the named :class:`CodecError` of the first failed check (host reads: the failure path)."""
+        """Raise the named :class:`~nemo_replay.support.codec.CodecError` of the first failed check
+        (host reads: the failure path)."""
         self._name_failure()
 
     def check(self) -> None:
@@ -54,7 +55,7 @@ class CompactRows:
     trajectory offsets): the rest is the decode's device flag.
 
     Args:
-        buffers: what :func:`encode_support` wrote, one or more.
+        buffers: what :func:`~nemo_replay.support.codec.encode_support` wrote, one or more.
         sampled_ids: (rows,) every row's sampled token, needed when an encoder dropped them.
         labels: one name per buffer for its errors (for example the caller's sample).
         width: decode to at least this many columns (rows captured at a fixed width score bit for
