@@ -44,7 +44,8 @@ from typing import Any, Mapping, Optional, Union
 import aiohttp
 import torch
 
-from nemo_replay.rollout.transport.wire import WireError, dumps, loads, routes_from_wire, support_from_wire
+from nemo_replay.rollout.transport.binary import BINARY_TYPE, JSON_TYPE, dumps_body, loads_body
+from nemo_replay.rollout.transport.wire import WireError, routes_from_wire, support_from_wire
 from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
@@ -148,6 +149,8 @@ class GenerateClient:
         vocab_size: when given, support ids are checked against it.
         session: an ``aiohttp.ClientSession`` to use (not closed by the client).
         token: bearer token; None reads ``NEMO_REPLAY_GENERATE_TOKEN`` (unset: none).
+        binary: ask for binary responses and, once the server has answered one, send binary
+            requests (module doc, "Body forms"); False: JSON both ways.
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class GenerateClient:
         vocab_size: Optional[int] = None,
         session: Optional[aiohttp.ClientSession] = None,
         token: Optional[str] = None,
+        binary: bool = True,
     ):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url={base_url!r}: expected an http(s) URL such as 'http://127.0.0.1:8000'")
@@ -172,7 +176,7 @@ class GenerateClient:
                 f"and a timeout > 0"
             )
         token = os.environ.get(_TOKEN_ENV) if token is None else token
-        self._headers = {"Content-Type": "application/json"}
+        self._headers = {"Accept": f"{BINARY_TYPE}, {JSON_TYPE};q=0.5" if binary else JSON_TYPE}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self.base_url = base_url.rstrip("/")
@@ -184,6 +188,8 @@ class GenerateClient:
         self._session = session
         self._own_session = session is None
         self.num_retries = 0  # retries made over the client's lifetime (diagnostics)
+        self.binary = binary
+        self.binary_requests = False  # set once the server answered a binary body: it reads them too
 
     async def __aenter__(self) -> "GenerateClient":
         return self
@@ -214,8 +220,9 @@ class GenerateClient:
             parse: optional ``body -> result`` check of a decoded body; a ``ValueError`` from
                 it is raised at once (a valid body that fails validation would fail again).
         """
-        data = dumps(payload)
         url = f"{self.base_url}/{path.lstrip('/')}"
+        bodies: dict = {}  # form -> (bytes, media type), each encoded once
+        self._body(payload, bodies, self.binary and self.binary_requests)  # a payload that cannot travel raises here
         last: Optional[BaseException] = None
         retry_after = 0.0
         for attempt in range(self.max_attempts):
@@ -224,27 +231,46 @@ class GenerateClient:
                 await asyncio.sleep(self._delay(attempt - 1, retry_after))
             retry_after = 0.0
             try:
-                async with self._get_session().post(url, data=data, headers=self._headers, timeout=self.timeout) as resp:
-                    raw = await resp.read()
-                    if resp.status in RETRY_STATUSES:
-                        last = GenerateRequestError(f"{url} answered HTTP {resp.status}: {raw[:200]!r}")
-                        retry_after = _seconds(resp.headers.get("Retry-After"))
-                    elif resp.status >= 400:
-                        raise GenerateRequestError(
-                            f"{url} answered HTTP {resp.status}: {raw[:500]!r} (not retried: it would fail again)"
-                        )
-                    else:
-                        body = loads(raw)
-                        if parse is None:
-                            return body
-                        try:
-                            return parse(body)
-                        except ValueError as exc:
-                            raise GenerateRequestError(f"{url}: the response failed validation (not retried): {exc}") from exc
+                status, headers, raw, sent_binary = await self._exchange(url, payload, bodies)
+                if status == 415 and sent_binary:
+                    # The server no longer reads this binary form (module doc): JSON from now on, at once.
+                    logger.warning("%s: answered 415 to a binary body (%r); sending JSON bodies from now on", url, raw[:200])
+                    self.binary_requests = False
+                    status, headers, raw, _ = await self._exchange(url, payload, bodies)
+                if status in RETRY_STATUSES:
+                    last = GenerateRequestError(f"{url} answered HTTP {status}: {raw[:200]!r}")
+                    retry_after = _seconds(headers.get("Retry-After"))
+                elif status >= 400:
+                    raise GenerateRequestError(f"{url} answered HTTP {status}: {raw[:500]!r} (not retried: it would fail again)")
+                else:
+                    content_type = headers.get("Content-Type", "").split(";")[0].strip().lower()
+                    body = loads_body(raw, content_type)
+                    if self.binary and content_type == BINARY_TYPE:
+                        self.binary_requests = True
+                    if parse is None:
+                        return body
+                    try:
+                        return parse(body)
+                    except ValueError as exc:
+                        raise GenerateRequestError(f"{url}: the response failed validation (not retried): {exc}") from exc
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, WireError) as exc:
                 last = exc  # the connection failed, or the body was cut or corrupted in transit
             logger.warning("%s: attempt %d of %d failed: %s", url, attempt + 1, self.max_attempts, last)
         raise GenerateRequestError(f"{url}: all {self.max_attempts} attempts failed; last error: {last}") from last
+
+    @staticmethod
+    def _body(payload: Any, bodies: dict, binary: bool) -> tuple[bytes, str]:
+        if binary not in bodies:
+            bodies[binary] = dumps_body(payload, binary)
+        return bodies[binary]
+
+    async def _exchange(self, url: str, payload: Any, bodies: dict) -> tuple[int, Any, bytes, bool]:
+        """One POST of ``payload`` in the form the server reads; (status, headers, body, sent binary)."""
+        binary = self.binary and self.binary_requests
+        data, media_type = self._body(payload, bodies, binary)
+        headers = {**self._headers, "Content-Type": media_type}
+        async with self._get_session().post(url, data=data, headers=headers, timeout=self.timeout) as resp:
+            return resp.status, resp.headers, await resp.read(), binary
 
     async def generate(
         self,

@@ -265,8 +265,9 @@ def test_a_list_input_ids_over_the_value_cap_is_a_413_before_parsing():
     assert reply["error"] == (
         f"request body holds up to {1_500_000 + 11} JSON values outside array envelopes, over the server's "
         f"max_json_values={MAX_JSON_VALUES} (input_ids as a JSON list is limited to about {MAX_JSON_VALUES} "
-        f'tokens); send input_ids as an int32 array envelope {{"data": <base64>, "shape": [T], "dtype": "int32"}} '
-        f"(GenerateClient and wire.dumps of a tensor do), which may fill the body limit of {32 << 20} bytes"
+        f"tokens); send input_ids as an int32 array, a binary body's part or the envelope "
+        f'{{"data": <base64>, "shape": [T], "dtype": "int32"}} in JSON (GenerateClient and wire.dumps of a tensor do), '
+        f"which may fill the body limit of {32 << 20} bytes"
     )
     assert all(statuses == [b"HTTP/1.1 200 OK", b"HTTP/1.1 401 Unauthorized"] for _, statuses in waits)
     print(f"413 after {answered_in:.2f} s; small requests waited at most {max(w for w, _ in waits):.3f} s; "
@@ -291,16 +292,16 @@ def test_a_large_body_decodes_off_the_event_loop(monkeypatch):
     # answered. On the event loop (before the fix) that could never happen: the hold ran its
     # full 5 s, and the test's own coroutines, on the same loop, stood still with it.
     released, held_for = threading.Event(), []
-    real_loads = server_module.loads
+    real_loads = server_module.loads_body
 
-    def slow_loads(raw):
+    def slow_loads(raw, content_type):
         if len(raw) > 1 << 20:
             t0 = time.monotonic()
             released.wait(5)
             held_for.append(time.monotonic() - t0)
-        return real_loads(raw)
+        return real_loads(raw, content_type)
 
-    monkeypatch.setattr(server_module, "loads", slow_loads)
+    monkeypatch.setattr(server_module, "loads_body", slow_loads)
     big = dumps({"input_ids": torch.randint(0, V, (1_000_000,), dtype=torch.int32), "sampling_params": OK["sampling_params"]})
 
     async def run(server):
