@@ -189,7 +189,9 @@ class GenerateClient:
         self._own_session = session is None
         self.num_retries = 0  # retries made over the client's lifetime (diagnostics)
         self.binary = binary
-        self.binary_requests = False  # set once the server answered a binary body: it reads them too
+        # Whether requests go binary: None until the server answers a binary body (then True: it reads
+        # them too); False for good once it answered 415 to one.
+        self.binary_requests: Optional[bool] = None
 
     async def __aenter__(self) -> "GenerateClient":
         return self
@@ -222,7 +224,7 @@ class GenerateClient:
         """
         url = f"{self.base_url}/{path.lstrip('/')}"
         bodies: dict = {}  # form -> (bytes, media type), each encoded once
-        self._body(payload, bodies, self.binary and self.binary_requests)  # a payload that cannot travel raises here
+        self._body(payload, bodies, self.binary and bool(self.binary_requests))  # a payload that cannot travel raises here
         last: Optional[BaseException] = None
         retry_after = 0.0
         for attempt in range(self.max_attempts):
@@ -245,7 +247,7 @@ class GenerateClient:
                 else:
                     content_type = headers.get("Content-Type", "").split(";")[0].strip().lower()
                     body = loads_body(raw, content_type)
-                    if self.binary and content_type == BINARY_TYPE:
+                    if self.binary and content_type == BINARY_TYPE and self.binary_requests is None:
                         self.binary_requests = True
                     if parse is None:
                         return body
@@ -266,7 +268,7 @@ class GenerateClient:
 
     async def _exchange(self, url: str, payload: Any, bodies: dict) -> tuple[int, Any, bytes, bool]:
         """One POST of ``payload`` in the form the server reads; (status, headers, body, sent binary)."""
-        binary = self.binary and self.binary_requests
+        binary = self.binary and bool(self.binary_requests)
         data, media_type = self._body(payload, bodies, binary)
         headers = {**self._headers, "Content-Type": media_type}
         async with self._get_session().post(url, data=data, headers=headers, timeout=self.timeout) as resp:

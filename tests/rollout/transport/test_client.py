@@ -266,3 +266,68 @@ def test_the_client_applies_the_adapters_value_checks(fault, match):
 
     err, retries = asyncio.run(go())
     assert retries == 0 and isinstance(err.__cause__, WireError) and __import__("re").search(match, str(err.__cause__)), err.__cause__
+
+
+def media_types(seen: list, *, old_server: bool = False, refuse_binary: bool = False):
+    """Notes (request type, answer type) of each request. ``old_server``: the server as it was before
+    binary bodies, which read every body as JSON and answered JSON whatever the Accept header named;
+    ``refuse_binary``: a server that answers a binary body 415 (one that no longer reads this form)."""
+
+    @web.middleware
+    async def middleware(request, handler):
+        sent = request.content_type
+        if sent == BINARY_TYPE and (old_server or refuse_binary):
+            status, error = (400, "wire decode: body is not valid JSON") if old_server else (415, "format not read")
+            resp = web.json_response({"error": error}, status=status)
+        else:
+            if old_server:
+                request = request.clone(headers={k: v for k, v in request.headers.items() if k.lower() != "accept"})
+            resp = await handler(request)
+        seen.append((sent, resp.content_type))
+        return resp
+
+    return middleware
+
+
+async def three_requests(middleware, **client_kwargs):
+    async with GenerateServer(logits_fn, vocab_size=V, eos_id=EOS, middlewares=[middleware]) as server:
+        async with GenerateClient(server.url, vocab_size=V, backoff_s=0.01, **client_kwargs) as client:
+            results = [await client.generate([5, 6, 7], sampling_params=PARAMS, seed=seed) for seed in (3, 4, 5)]
+            return results, client
+
+
+def assert_generated(results):
+    for result, seed in zip(results, (3, 4, 5)):
+        ids, lps, rows = local_generation([5, 6, 7], PARAMS, seed)
+        assert torch.equal(result.output_ids, ids) and torch.equal(result.logprobs.view(torch.int32), lps.view(torch.int32))
+        assert rows_of(result.support) == rows_of(rows)
+
+
+def test_binary_both_ways_once_the_server_has_answered_binary():
+    seen = []
+    results, client = asyncio.run(three_requests(media_types(seen)))
+    assert seen == [(JSON_TYPE, BINARY_TYPE)] + [(BINARY_TYPE, BINARY_TYPE)] * 2  # the first request cannot know
+    assert client.binary_requests is True and client.num_retries == 0
+    assert_generated(results)
+
+
+def test_a_json_client_sends_and_reads_json():
+    seen = []
+    results, client = asyncio.run(three_requests(media_types(seen), binary=False))
+    assert seen == [(JSON_TYPE, JSON_TYPE)] * 3 and client.num_retries == 0
+    assert_generated(results)
+
+
+def test_a_new_client_against_an_old_server_sends_and_reads_json():
+    seen = []
+    results, client = asyncio.run(three_requests(media_types(seen, old_server=True)))
+    assert seen == [(JSON_TYPE, JSON_TYPE)] * 3 and client.binary_requests is None and client.num_retries == 0
+    assert_generated(results)
+
+
+def test_a_415_to_a_binary_request_sends_it_again_as_json_at_once_and_for_good():
+    seen = []
+    results, client = asyncio.run(three_requests(media_types(seen, refuse_binary=True)))
+    assert seen == [(JSON_TYPE, BINARY_TYPE), (BINARY_TYPE, JSON_TYPE), (JSON_TYPE, BINARY_TYPE), (JSON_TYPE, BINARY_TYPE)]
+    assert client.binary_requests is False and client.num_retries == 0
+    assert_generated(results)
