@@ -1,6 +1,15 @@
 """Async client for a generate endpoint that returns captured support and routes (docs/design.md §7).
 
-Request body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
+Bodies take one of two forms (docs/transport.md): JSON with base64 array envelopes
+(:mod:`~nemo_replay.rollout.transport.wire`, ``application/json``), or binary, a JSON head and
+the arrays' raw little-endian bytes (:mod:`~nemo_replay.rollout.transport.binary`,
+``application/vnd.nemo-replay.wire``). The client asks for binary answers (``Accept``), reads
+each answer by its ``Content-Type``, and sends binary requests once the server has answered
+one in binary (it reads them too); until then, and against a server from before the binary
+form (which answers JSON), it sends JSON. A 415 to a binary request sends it again as JSON at
+once, within the same attempt, and JSON from then on. ``binary=False``: JSON both ways.
+
+Request body::
 
     {"input_ids": <int32 [T]> | [int, ...],         # the whole conversation so far
      "sampling_params": {"temperature": 1.0, "top_k": 64, "top_p": 1.0, "min_p": 0.0,
@@ -8,21 +17,21 @@ Request body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
      "routes_start": 37 | null,                     # return routes from this token on
      "seed": 0 | null}
 
-Response body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
+Response body::
 
-    {"output_ids":  <int64 [n]>,
+    {"output_ids":  <int32 [n]> | <int64 [n]>,     # int64 from older servers or V past 2**31
      "logprobs":    <float32 [n]>,                  # processed log-probs of output_ids
      "support":     {"codec": "nrsc-1", "data": <uint8>}    # compact rows, sampled ids dropped
                     | {"rows": <int32 [n, k]>} | {"member_ids": ..., "row_offsets": ...},  # older servers
-     "routes":      <int [m, layers, topk]> | null, # tokens [routes_start, routes_start + m)
-     "routes_start": int | null,
+     "routes":      <int [m, layers, topk]> | null, # tokens [routes_start, routes_start + m);
+     "routes_start": int | null,                    #   both absent (null) when no routes are sent
      "finish_reason": "stop" | "length"}
 
 Retries. Only what can succeed on a second try is retried, with exponential backoff
 (with jitter, at least the server's ``Retry-After``): connection errors and bodies cut
 short in transit, timeouts, HTTP 429 (the server is full), 502, 503 and 504 (a proxy or
 a server not ready), and bodies the wire codec cannot decode -- truncated or corrupted
-in transit, as a proxy cutting a body short leaves them. Every other answer raises at
+in transit, as a proxy cutting a body short leaves them (either form). Every other answer raises at
 once: a 4xx is the caller's mistake, a 500 or 501 the server's, and a response that
 decodes but fails validation (a sampled token outside its row) would fail again.
 

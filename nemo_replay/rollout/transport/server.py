@@ -2,7 +2,9 @@
 
 It runs a torch next-token model through :func:`nemo_replay.capture.sample` and answers
 the request/response schema of :mod:`nemo_replay.rollout.transport.client`. It is the reference
-endpoint for tests and single-host generation: it binds loopback addresses only.
+endpoint for tests and single-host generation: it binds loopback addresses only. It reads a
+request body by its ``Content-Type`` (:data:`~.binary.BINARY_TYPE`: the binary form; any other:
+JSON) and answers binary when ``Accept`` names that type, JSON otherwise (docs/transport.md).
 
     async with GenerateServer(logits_fn, vocab_size=V, routes_fn=routes_fn, eos_id=2) as server:
         async with GenerateClient(server.url) as client:
@@ -42,17 +44,20 @@ Hardening, in the order a request meets it:
    arrive within ``body_timeout_s`` (408 and the connection closed).
 4. **Decoding**, in a worker thread for bodies over 64 KiB, so the event loop keeps
    answering other requests. ``json`` turns every value into a Python object (a JSON-list
-   ``input_ids`` took 8x its bytes of server memory, measured), so a body may hold at most
-   ``max_json_values`` JSON values outside its array envelopes (:data:`MAX_JSON_VALUES`, 65,536: a list-form
-   ``input_ids`` of about 65,000 tokens), counted from its separators before it is parsed;
-   past that a 413 names the limit and the envelope form, whose arrays decode straight
-   into their buffers (``GenerateClient`` sends ``input_ids`` as an int32 envelope) and
-   are bounded only by ``max_body_bytes`` (16 MiB: about 3 million tokens). Memory per
-   request is then a small multiple of its body: the body, its decoded arrays (at most
-   3/4 of it) and the int64 conversation buffer -- about 3.7x the body for a long prompt --
-   plus the generated rows, at most ``max_new_tokens_cap`` of them. (The thread holds the
-   GIL inside ``json`` and base64 calls; the value cap and the wire's 4 MiB base64 chunks
-   keep each such call to milliseconds.)
+   ``input_ids`` took 8x its bytes of server memory, measured), so a body (a binary body's
+   head) may hold at most ``max_json_values`` JSON values outside its array envelopes
+   (:data:`MAX_JSON_VALUES`, 65,536: a list-form ``input_ids`` of about 65,000 tokens),
+   counted from its separators before it is parsed; past that a 413 names the limit and the
+   array forms, which decode straight into their buffers (``GenerateClient`` sends
+   ``input_ids`` as an int32 array) and are bounded only by ``max_body_bytes`` (16 MiB:
+   about 3 million tokens as base64, 4 million as a binary part). A binary body's framing
+   is checked before anything is allocated: another version of it is a 415, a head or part
+   past the body's end or bytes after the last part a 400 naming it. Memory per request is
+   then a small multiple of its body: the body, its decoded arrays (at most 3/4 of a JSON
+   body, all of a binary one) and the int64 conversation buffer -- 2.9-3.7x the body for a
+   long prompt, measured -- plus the generated rows, at most ``max_new_tokens_cap`` of them.
+   (The thread holds the GIL inside ``json`` and base64 calls; the value cap and the wire's
+   4 MiB base64 chunks keep each such call to milliseconds.)
 5. **Validation**: every field is checked before use -- no unknown keys; ``input_ids`` ints
    in ``[0, vocab_size)`` (a list of ints or an integer array; ``1.5`` or ``true`` is an
    error, never coerced); ``sampling_params`` a mapping with known keys and typed values
