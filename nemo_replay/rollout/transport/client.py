@@ -159,7 +159,12 @@ class GenerateClient:
         session: an ``aiohttp.ClientSession`` to use (not closed by the client).
         token: bearer token; None reads ``NEMO_REPLAY_GENERATE_TOKEN`` (unset: none).
         binary: ask for binary responses and, once the server has answered one, send binary
-            requests (module doc, "Body forms"); False: JSON both ways.
+            requests (module doc); False: JSON both ways.
+
+    Attributes:
+        binary_requests: None until the server answers a binary body, then True (requests go
+            binary); False for good after a 415 to a binary request.
+        num_retries: retries made over the client's lifetime.
     """
 
     def __init__(
