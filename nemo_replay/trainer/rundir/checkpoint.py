@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 import nemo_replay.trainer.rundir.digests as digests  # the module, not the package: no import circle
-from nemo_replay.scoring.collectives import agree
+from nemo_replay.distributed.groups import agree
 from nemo_replay.trainer.loggers.metrics import current_names, write_atomic
 from nemo_replay.trainer.preemption import start_writer_helpers
 
