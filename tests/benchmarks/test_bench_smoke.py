@@ -145,9 +145,12 @@ def test_the_pickled_nemo_rl_batch_shrinks_with_compact_rows():
 def test_the_capture_benchmark_reads_the_same_supports_on_every_path():
     """benchmarks/capture.py on a short response: every output path (offline dicts and flat,
     completions, chat, generate, the entry-by-entry reader, the sampling mask) reads the supports
-    the response was built from (``measure`` asserts it) and gets a time."""
+    the response was built from (``measure`` asserts it) and gets a time; the server's table (its
+    engine wrapper reading a response off the event loop and on it) gets both gaps."""
     from benchmarks import capture
 
     got = capture.measure(64, 8)
     assert set(got) == {"offline dicts", "offline flat", "completions", "chat", "generate", "entry by entry (before)",
                         "sampling mask"} and all(v > 0 for v in got.values())
+    stall = capture.server_stall(256, 8)
+    assert set(stall) == {"off the loop", "on the loop"} and all(v > 0 for v in stall.values()), stall

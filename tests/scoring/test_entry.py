@@ -1,7 +1,7 @@
 """The scorer's one entry point, ``score_positions``: the support-or-vocabulary choice, the
 context its errors carry, and the channels type every caller builds (docs/design.md §4).
 
-Two gloo ranks failing together through it run in ``test_collectives.py`` (one spawn)."""
+Two gloo ranks failing together through it run in ``tests/distributed/test_groups.py`` (one spawn)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_replay.scoring.entry import ScorerChannels, check_together, flag_device, score_positions
+from nemo_replay.scoring.entry import ScorerChannels, score_positions
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from tests.scoring.batches import make_case
@@ -74,12 +74,6 @@ def test_token_positions_name_the_caller_s_column(case):
     bad = ScorerChannels(sampled, case.row_ids, case.loss_mask, case.trajectory_ids, columns)
     with pytest.raises(SupportAlignmentError, match=rf"trajectory {b}, token position {t + 100}:"):
         score_positions(case.logits, bad, case.support)
-
-
-def test_without_a_group_checks_run_once_and_the_flag_stays_with_the_tensors():
-    calls = []
-    assert check_together(lambda: calls.append(1) or "ok", None, name="worker", device="cpu") == "ok" and calls == [1]
-    assert flag_device(None, torch.device("meta")) == torch.device("meta")
 
 
 def _compact(case, *, drop: bool):
