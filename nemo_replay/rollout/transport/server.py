@@ -253,7 +253,7 @@ def response_body(
         output_ids: (n,) integer, the sampled tokens; sent as int32 (int64 for a vocabulary
             past 2**31), which every reader widens.
         logprobs: (n,) float32, their processed log-probs.
-        support: the n rows, one segment; sent compact (support/codec.py), the sampled ids
+        support: the n rows, one segment; sent compact (support/codec/), the sampled ids
             dropped (the response carries them).
         routes: (m, layers, topk) integer, or None; ``routes_start`` is sent with them, and
             neither field when there are none.
