@@ -100,7 +100,7 @@ def decode_fixed(raw: torch.Tensor, table: torch.Tensor, ones_len: torch.Tensor,
         ``(values (rows, width) int32 -1 padded, flags (len(FLAGS),) int32)`` on the same device,
         with no host read; a flag is set where the reference sets that check's flag (module doc).
     """
-    from nemo_replay.support.codec import fused_kernels as kernels
+    kernels = importlib.import_module("nemo_replay.support.codec.fused_kernels")  # imports Triton: only here
 
     R, I, B, device = ones_len.numel() - 1, ones_gap.numel() - 1, table.shape[0], raw.device
     scan = torch.zeros(R + 1, 2, dtype=torch.int64, device=device)

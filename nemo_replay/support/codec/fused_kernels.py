@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nemo_replay.support.codec import header, parse
-from nemo_replay.support.codec.parse import COL, UNARY
+from nemo_replay.support.codec.header import GAP_LOW as _GAP_LOW_STREAM, MAX_V as _MAX_V
+from nemo_replay.support.codec.parse import COL, NEVER as _NEVER, UNARY
 
 # The table's columns (parse.TableColumns, parse.UnaryColumns), as compile-time constants.
 COLS = tl.constexpr(COL.count)
@@ -22,12 +22,12 @@ LB, V, DROP, WIDTH = tl.constexpr(COL.lb), tl.constexpr(COL.vocab), tl.constexpr
 FIRST_ROW, UNIVERSE, MASK = tl.constexpr(COL.first_row), tl.constexpr(COL.universe), tl.constexpr(COL.mask)
 LEN_LOW, GAP_LOW = tl.constexpr(COL.len_low_bit), tl.constexpr(COL.gap_low_bit)
 IDS, END_ROW = tl.constexpr(COL.ids), tl.constexpr(COL.end_row)
-GAP_LOW_SIZE = tl.constexpr(COL.size + header.GAP_LOW)
+GAP_LOW_SIZE = tl.constexpr(COL.size + _GAP_LOW_STREAM)
 LEN_ONES, GAP_ONES = tl.constexpr(COL.len_ones), tl.constexpr(COL.gap_ones)  # a unary stream's columns: U_ below
 U_AFTER, U_LAST, U_END = tl.constexpr(UNARY.after), tl.constexpr(UNARY.last), tl.constexpr(UNARY.end)
 U_FIRST, U_BIT_BEFORE = tl.constexpr(UNARY.first), tl.constexpr(UNARY.bit_before)
 U_LAST_BELOW, U_LAST_FROM = tl.constexpr(UNARY.last_below), tl.constexpr(UNARY.last_from)
-MAX_V, NEVER = tl.constexpr(header.MAX_V), tl.constexpr(parse.NEVER)
+MAX_V, NEVER = tl.constexpr(_MAX_V), tl.constexpr(_NEVER)
 
 
 @triton.jit
