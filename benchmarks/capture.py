@@ -104,14 +104,14 @@ def measure(n: int, k: int) -> dict:
 
 
 def server_stall(n: int, k: int) -> dict:
-    """verl's vLLM server (``_RecordingVllmEngine``) finishing one ``n``-token response: the longest
+    """verl's vLLM server (``RecordingVllmEngine``) finishing one ``n``-token response: the longest
     gap of a 1 ms ticker on its event loop while the rows are read, off the loop (as it runs) and
     on it (the read called in place, as it ran before)."""
     import asyncio
     import time
     from types import SimpleNamespace
 
-    from nemo_replay.integrations.verl.rollout import RolloutReplay, VllmSupportRecorder, _RecordingVllmEngine
+    from nemo_replay.integrations.verl.rollout import RecordingVllmEngine, RolloutReplay, VllmSupportRecorder
 
     r = response(n, k)
     completion = SimpleNamespace(token_ids=r["sampled"], logprobs=_forms(r)["offline dicts"], sampling_mask=None)
@@ -143,7 +143,7 @@ def server_stall(n: int, k: int) -> dict:
         return max(gaps)
 
     async def off_loop():
-        async for _ in _RecordingVllmEngine(Engine(), recorder, {}).generate(sampling_params=params, request_id="r"):
+        async for _ in RecordingVllmEngine(Engine(), recorder, {}).generate(sampling_params=params, request_id="r"):
             pass
 
     async def on_loop():

@@ -43,11 +43,12 @@ def measure(mib: int, repeats: int) -> dict:
     from lightning.fabric import Fabric
 
     from nemo_replay.trainer.rundir import digests
-    from nemo_replay.trainer.rundir.checkpoint import MANIFEST, _FabricFormat
+    from nemo_replay.trainer.rundir.checkpoint import MANIFEST, state_format
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model, optimizer = _state(mib)
-    fmt = _FabricFormat()
+    fmt = state_format(model)  # the format the trainer's Checkpointer uses for this model
+    assert fmt.name == "fabric", fmt.name
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "ckpt"
         folder.mkdir()

@@ -16,8 +16,13 @@ Row sets (``top_k = 64``):
 Forms, in bytes per token: ``fixed int32`` (``k`` int32 ids, -1 padded: the in-memory
 ``PackedTensor``), ``base64 int32`` (the same in the JSON envelopes of the wire),
 ``ids+count int32`` (the members and a count per token: prime-rl's form), ``codec``
-(``support/codec.py``, the sampled ids dropped, headers included), and the ``limit``:
+(``support/codec/``, the sampled ids dropped, headers included), and the ``limit``:
 per row ``log2 C(V - 1, n - 1)`` bits for the ids plus the length's entropy over the set.
+Then the wire: generate responses of 256 tokens (and one of the whole set) as the server
+writes them, in the JSON body servers sent before (base64 envelopes, int64 ``output_ids``)
+and in the binary body (docs/transport.md): the bytes the rows add to a body, and the whole
+body, against their limits (the rows' limit; for the body, that plus ``log2 V`` bits a token
+id and the 4 bytes of a float32 log-prob).
 Then encode and decode rates, decoding a micro-batch (on the host, and at the scorer's entry
 from one buffer a sample) against the scorer's forward over the same rows (logits mode,
 V = 128k; hidden mode), the forward from compact rows against the one from fixed rows, and the pickle size (what Ray ships) of a NeMo-RL
@@ -38,7 +43,7 @@ import torch
 
 from benchmarks.machine import median_ms
 
-__all__ = ["main", "row_sets", "sizes"]
+__all__ = ["main", "row_sets", "sizes", "wire_sizes"]
 
 K = 64
 V_LARGE = 131072
@@ -129,6 +134,36 @@ def sizes(rows, sampled, V) -> dict:
         "encode tok/s": _rate(lambda: encode_support(support, vocab_size=V, sampled_ids=ids), n),
         "decode tok/s": _rate(lambda: decode_support(buf, sampled_ids=ids), n),
     }
+
+
+def wire_sizes(rows, sampled, V, response_tokens: int = 256) -> dict:
+    """Bytes per token of the generate responses that carry the set, ``response_tokens`` tokens each.
+
+    Each response is ``response_body``'s, as the server writes it, in either body form: ``json``
+    as servers wrote it before (int64 ``output_ids``, null routes), ``binary`` as they write it
+    now. ``rows ...``: the bytes the support adds to a body (the body less the same body
+    without it); ``response ...``: whole bodies. ``rows limit``: the set's limit (module doc);
+    ``response limit``: that plus ``log2 V`` bits a token id and 4 bytes a float32 log-prob.
+    """
+    from nemo_replay.rollout.transport.binary import dumps_binary
+    from nemo_replay.rollout.transport.server import response_body
+    from nemo_replay.rollout.transport.wire import dumps
+
+    n = len(rows)
+    logprobs = -torch.rand(n, generator=torch.Generator().manual_seed(0))
+    got = dict.fromkeys(("rows json", "rows binary", "response json", "response binary"), 0)
+    for a in range(0, n, response_tokens):
+        ids = torch.tensor(sampled[a:a + response_tokens])
+        now = response_body(ids, logprobs[a:a + response_tokens], _support(rows[a:a + response_tokens]), vocab_size=V,
+                            finish_reason="length")
+        before = dict(now, output_ids=ids.to(torch.int64), routes=None, routes_start=None)
+        for form, body, dump in (("json", before, dumps), ("binary", now, dumps_binary)):
+            whole, bare = len(dump(body)), len(dump({k: v for k, v in body.items() if k != "support"}))
+            got[f"rows {form}"] += whole - bare
+            got[f"response {form}"] += whole
+    rows_limit = _limit_bits(np.array([len(r) for r in rows]), V) / 8 / n
+    return {**{k: v / n for k, v in got.items()}, "tokens": n, "response tokens": min(response_tokens, n),
+            "rows limit": rows_limit, "response limit": rows_limit + math.log2(V) / 8 + 4}
 
 
 def decode_vs_scorer(rows, sampled, V, micro: int, buffers: int = 8) -> dict:
@@ -269,6 +304,18 @@ def main(argv=None) -> int:
               f"{r['fixed int32']:.0f} | {r['base64 int32']:.0f} | {r['ids+count int32']:.1f} | {r['codec']:.2f} | "
               f"{r['limit']:.2f} | {r['codec'] / r['ids+count int32']:.3f} | {r['codec'] / r['limit']:.3f} | "
               f"{r['encode tok/s'] / 1e6:.2f} M tok/s | {r['decode tok/s'] / 1e6:.2f} M tok/s |", flush=True)
+    print()
+    print("| set | tokens a response | rows, JSON (before) | rows, binary (now) | rows limit | JSON / limit | "
+          "binary / limit | response, JSON (before) | response, binary (now) | response limit | JSON / limit | "
+          "binary / limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (rows, sampled, V) in sets.items():
+        for response_tokens in sorted({256, args.tokens}):
+            w = wire_sizes(rows, sampled, V, response_tokens)
+            print(f"| {name} | {w['response tokens']} | " + " | ".join(
+                f"{w[f'{what} json']:.2f} | {w[f'{what} binary']:.2f} | {w[f'{what} limit']:.2f} | "
+                f"{w[f'{what} json'] / w[f'{what} limit']:.3f} | {w[f'{what} binary'] / w[f'{what} limit']:.3f}"
+                for what in ("rows", "response")) + " |", flush=True)
     print()
     print(f"| set | micro-batch | decode, host (1 buffer) | decode at the entry (8 buffers) | scorer forward, logits "
           f"(V = 128k) | entry decode / it | forward from compact / from fixed rows | scorer forward, hidden "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fused compact decode's kernels (nemo_replay/support/fused_kernels.py) under every Triton a
+# The fused compact decode's kernels (nemo_replay/support/codec/fused_kernels.py) under every Triton a
 # torch release pins, not only the one .ci/run installs: by hand, after a change to the kernels.
 #
 #   bash scripts/triton_versions.sh                    # every version below, about 10 minutes
@@ -16,7 +16,7 @@
 #                 a scalar store (docs/transport.md shows both on kernels of a few lines).
 # Triton up to 3.6 turns 1-element arrays into ints in its interpreter, which numpy 2.4 refuses: those
 # venvs take numpy<2.4. On a GPU the kernels are compiled, and CompactRows.decode checks them on the
-# device before they serve (codec._fused_passes), whatever this script found.
+# device before they serve (codec.fused.known_batch_passes), whatever this script found.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=${TRITON_VERSIONS_ROOT:-${TMPDIR:-/tmp}/nemo-replay-triton-versions}

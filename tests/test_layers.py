@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nemo_replay"
 
 # Rooms (a top-level module or folder of the package) from the ground floor up.
 FLOORS = [
+    {"distributed"},  # process groups and torch.distributed's names: no other room of the package
     {"support"},
     {"layout", "rollout"},
     {"batch", "scoring", "objectives", "diagnostics", "capture"},  # capture: the sampler's short name, re-exporting rollout's

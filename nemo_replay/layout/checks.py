@@ -41,7 +41,7 @@ class Where:
     ``token_positions`` (N,) int64: the caller's column of the token each position predicts
     (strategies pass it: the same token is then named the same whatever the packing, context
     or sequence parallel slicing); without it, the position along the input's last axis. The
-    rank that saw it is added by :func:`~nemo_replay.scoring.collectives.agree`.
+    rank that saw it is added by :func:`~nemo_replay.distributed.groups.agree`.
 
     An integration names its own coordinates with ``trajectory`` (the name of trajectory b,
     e.g. ``"sample 3 (uid u-3)"``) and ``position`` (the word for a token position, e.g.

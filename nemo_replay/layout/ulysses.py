@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nemo_replay.distributed.groups import group_size_rank
+
 __all__ = [
-    "sp_size_rank",
     "padded_length",
     "pad_and_slice",
     "gather_sequence",
@@ -36,13 +37,6 @@ __all__ = [
     "seq_to_heads",
     "heads_to_seq",
 ]
-
-
-def sp_size_rank(group) -> tuple[int, int]:
-    """(size, rank within the group) of an SP process group; (1, 0) for None."""
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def padded_length(seq_len: int, sp_size: int) -> int:
@@ -65,7 +59,7 @@ def pad_and_slice(x: torch.Tensor, group, *, fill, dim: int = 1) -> torch.Tensor
         padded positions ``[r * S_pad / sp, (r + 1) * S_pad / sp)``. Differentiable in
         ``x``; ``x`` is not modified.
     """
-    sp, rank = sp_size_rank(group)
+    sp, rank = group_size_rank(group)
     if sp == 1:
         return x
     dim = dim % x.dim()
@@ -98,7 +92,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, dim, grad_scale):
-        sp, rank = sp_size_rank(group)
+        sp, rank = group_size_rank(group)
         ctx.dim, ctx.rank, ctx.local, ctx.grad_scale = dim, rank, x.shape[dim], grad_scale
         wire = _to_wire(x).contiguous()
         parts = [torch.empty_like(wire) for _ in range(sp)]
@@ -133,7 +127,7 @@ def gather_sequence(
         (B, S, ...), the same on every rank; differentiable in ``x`` for float dtypes.
     """
     dim = dim % x.dim()
-    sp, _ = sp_size_rank(group)
+    sp, _ = group_size_rank(group)
     if sp > 1:
         x = _GatherSequence.apply(x, group, dim, float(grad_scale))
     if seq_len is not None:
@@ -147,7 +141,7 @@ def gather_sequence(
 
 
 def _all_to_all_forward(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    sp, _ = sp_size_rank(group)
+    sp, _ = group_size_rank(group)
     # Chunk j of my scatter dimension goes to rank j; chunk r of the result came from rank r.
     send = torch.stack([c.contiguous() for c in x.chunk(sp, scatter_dim)], 0)
     recv = torch.empty_like(send)
@@ -178,7 +172,7 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, group, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Autograd-aware all-to-all over the SP group (see :class:`_AllToAll`)."""
-    sp, _ = sp_size_rank(group)
+    sp, _ = group_size_rank(group)
     if sp == 1:
         return x
     scatter_dim, gather_dim = scatter_dim % x.dim(), gather_dim % x.dim()

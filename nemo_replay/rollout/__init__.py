@@ -10,7 +10,8 @@ Three rooms and two checkpoints between them and the trainer:
   :mod:`~.engines.base` (what every adapter returns, flagged positions), :mod:`~.engines.vllm`
   (vLLM 0.33), :mod:`~.engines.sglang` (SGLang 0.5.23 ``/generate``).
 - :mod:`~nemo_replay.rollout.transport`: moving rows between processes --
-  :mod:`~.transport.wire` (base64 array envelopes in JSON bodies), :mod:`~.transport.client`
+  :mod:`~.transport.wire` (base64 array envelopes in JSON bodies), :mod:`~.transport.binary`
+  (binary bodies: a JSON head and the arrays' raw bytes), :mod:`~.transport.client`
   (async generate client with retries), :mod:`~.transport.server` (loopback generate endpoint).
 - :mod:`~nemo_replay.rollout.boundary`: the support checks where rollout data enters.
 - :mod:`~nemo_replay.rollout.collate`: per-trajectory rows -> trainer batches.

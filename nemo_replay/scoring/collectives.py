@@ -15,23 +15,18 @@ size 1 they issue no collective.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "all_reduce_max", "reduce_sum_from_shards", "copy_to_shards", "agree", "RankError"]
+from nemo_replay.distributed.groups import group_size_rank
 
-
-def group_size(group) -> int:
-    """World size of ``group`` (1 for None)."""
-    return 1 if group is None else dist.get_world_size(group)
+__all__ = ["all_reduce_max", "reduce_sum_from_shards", "copy_to_shards"]
 
 
 def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
     """MAX all-reduce of a detached copy (no gradient flows through a stabiliser)."""
     out = t.detach().clone()
-    if group_size(group) > 1:
+    if group_size_rank(group)[0] > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
 
@@ -70,73 +65,12 @@ class _CopyToShards(torch.autograd.Function):
 
 
 def reduce_sum_from_shards(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
+    if group_size_rank(group)[0] == 1:
         return x
     return _ReduceSumFromShards.apply(x, group)
 
 
 def copy_to_shards(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1 or not x.requires_grad:
+    if group_size_rank(group)[0] == 1 or not x.requires_grad:
         return x
     return _CopyToShards.apply(x, group)
-
-
-class RankError(RuntimeError):
-    """What another rank raised inside :func:`agree`, when its type cannot be rebuilt from its message."""
-
-
-# Never held back for the others: the process is being stopped (its peers see the group fail).
-_PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
-
-
-def _rebuilt(kind: tuple, message: str) -> BaseException:
-    """An exception of the type ``kind`` (module, qualified name) with ``message``; a
-    :class:`RankError` naming that type when the type cannot be imported or built from one string."""
-    module, qualname = kind
-    try:
-        cls = importlib.import_module(module)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-        if isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(cls, _PASS_THROUGH):
-            return cls(message)
-    except Exception:
-        pass
-    return RankError(f"{message} ({module}.{qualname})")
-
-
-def agree(fn, group, *, device, name: str):
-    """Run ``fn`` on every rank of ``group``; when any rank raises, every rank raises the same error.
-
-    A check that fails on one rank only (its slice of a sequence under context or sequence
-    parallelism, a batch check, an out-of-memory error) would leave the others waiting in the
-    next collective until the group's timeout. Here one int32 MAX all-reduce tells every rank
-    (plus one object all-gather when some rank failed); each then raises an exception of the
-    first failing rank's type (a :class:`RankError` naming the type when it cannot be rebuilt
-    from a message) with that rank's message prefixed with ``"<name> rank r of n: "``, chained
-    on the failing rank to its own error. ``KeyboardInterrupt``, ``SystemExit`` and
-    ``GeneratorExit`` propagate at once. With ``group`` None or of size 1 it is ``fn()``.
-
-    Args:
-        device: where the flag lives (the group's backend: CUDA for NCCL, CPU for gloo).
-        name: the group's name in the message (``"CP"``, ``"SP"``).
-    """
-    size = group_size(group)
-    if size == 1:
-        return fn()
-    error, result = None, None
-    try:
-        result = fn()
-    except _PASS_THROUGH:
-        raise
-    except BaseException as exc:
-        error = exc
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag) == 0:
-        return result
-    got = [None] * size
-    mine = None if error is None else ((type(error).__module__, type(error).__qualname__), str(error))
-    dist.all_gather_object(got, mine, group=group)
-    rank = next(r for r, m in enumerate(got) if m is not None)
-    kind, message = got[rank]
-    raise _rebuilt(kind, f"{name} rank {rank} of {size}: {message}") from error

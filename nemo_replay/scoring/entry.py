@@ -10,7 +10,7 @@ support rows are:
 
 :func:`score_positions` owns the rest: over the recorded support or the whole vocabulary, this rank's
 vocabulary shard, and the ranks of a group that split one micro-batch (context or sequence
-parallel) failing together with one error (:func:`~nemo_replay.scoring.collectives.agree`).
+parallel) failing together with one error (:func:`~nemo_replay.distributed.groups.agree`).
 """
 
 from __future__ import annotations
@@ -18,35 +18,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from nemo_replay.distributed.groups import agree, flag_device
 from nemo_replay.layout.channels import ScorerChannels
 from nemo_replay.layout.checks import Where, check_canonical
-from nemo_replay.scoring.collectives import agree
 from nemo_replay.scoring.scorer import SupportArg, SupportScores, score_aligned_support, score_full_vocabulary
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.ragged import as_support
 
-__all__ = ["ScorerChannels", "score_positions", "check_together", "flag_device"]
-
-
-def flag_device(group, fallback: torch.device) -> torch.device:
-    """Where a flag all-reduced over ``group`` lives: the CPU for gloo, ``fallback`` (the tensors'
-    device) for any other backend or without a group."""
-    if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return fallback
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else fallback
-
-
-def check_together(fn, group, *, name: str, device: torch.device):
-    """``fn()`` on every rank of ``group``: when any rank raises, every rank raises the same error,
-    prefixed with ``"<name> rank r of n: "`` (:func:`~nemo_replay.scoring.collectives.agree`).
-
-    For a check of a batch that the ranks hold different shards of, run before a collective
-    (a rank that failed alone would leave the others waiting in it). ``device``: the device the
-    group's backend reduces on (the accelerator under NCCL); under gloo the flag goes to the CPU.
-    """
-    return agree(fn, group, device=flag_device(group, torch.device(device)), name=name)
+__all__ = ["ScorerChannels", "score_positions"]
 
 
 def score_positions(

@@ -25,8 +25,8 @@ from typing import Optional, Union
 
 import torch
 
+from nemo_replay.distributed.groups import group_size_rank
 from nemo_replay.layout.checks import Where, check_synthetic_eos, synthetic_eos_flag
-from nemo_replay.scoring.collectives import group_size
 from nemo_replay.scoring.guards import GUARDS, raise_id_range, raise_membership, raise_row_range, raise_sampled_vocab
 from nemo_replay.scoring.projection import PairChunk, RunSizes, run_sizes_after_read, run_sizes_before_read, weight_grad_sizes
 from nemo_replay.scoring.shard import VocabShard
@@ -37,7 +37,7 @@ from nemo_replay.support.nonzero import nonzero_static
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
-__all__ = ["Call", "Plan", "prepare", "plan_support", "plan_full", "nonzero", "check_guards"]
+__all__ = ["Call", "Plan", "prepare", "plan_support", "plan_full", "check_guards"]
 
 DEFAULT_CHUNK_SIZE = 8192
 #: The most (position, id) pairs one chunk may hold: past an int32 count (2**31 - 1) no device
@@ -221,7 +221,7 @@ def prepare(source, sampled_ids, row_ids, loss_mask, trajectory_ids, *, shard, l
         lmask=lmask,
         traj=traj,
         shard=shard,
-        tp=group_size(shard.group),
+        tp=group_size_rank(shard.group)[0],
         cd=compute_dtype(source, lm_head_weight),
         temperature=float(temperature),
         chunk_size=chunk_size,

@@ -25,13 +25,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from nemo_replay.distributed.groups import group_size_rank
+
 __all__ = ["VocabShard"]
-
-
-def _size_rank(group) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 @dataclass(frozen=True)
@@ -83,7 +79,7 @@ class VocabShard:
     @property
     def world_size(self) -> int:
         """Ranks the vocabulary is sharded over (1 without a group)."""
-        return _size_rank(self.group)[0]
+        return group_size_rank(self.group)[0]
 
     @classmethod
     def whole(cls, vocab_size: int) -> "VocabShard":
@@ -96,7 +92,7 @@ class VocabShard:
 
         This is Megatron-Core's split (its padded vocabulary is a multiple of the TP size). No collective.
         """
-        tp, rank = _size_rank(group)
+        tp, rank = group_size_rank(group)
         if vocab_size % tp:
             raise ValueError(
                 f"VocabShard.even: vocabulary size {vocab_size} does not divide by the {tp} ranks of the group; "
@@ -118,7 +114,7 @@ class VocabShard:
                 f"VocabShard.from_group: local_size must be this rank's number of vocabulary rows (an int >= 1), "
                 f"got {local_size!r}"
             )
-        tp, rank = _size_rank(group)
+        tp, rank = group_size_rank(group)
         if tp == 1:
             return cls(0, int(local_size), group, int(local_size))
         mine = torch.tensor([int(local_size)], dtype=torch.int64, device=device)

@@ -30,7 +30,7 @@ from nemo_replay.trainer.loggers.metrics import plot_runs, write_summary
 from nemo_replay.trainer.rundir import default_run_name, new_run_dir
 from nemo_replay.trainer.runtime import launch_fabric
 
-__all__ = ["CompareResult", "run_compare", "format_summary", "effects", "effects_line"]
+__all__ = ["CompareResult", "run_compare", "format_summary", "effects", "effects_line", "compare_panels"]
 
 
 @dataclass
@@ -71,6 +71,21 @@ def _gap_rows(history: list) -> list:
     """The replay-on run's normalisation gap as a third line of the mean-mismatch panel."""
     gap = "normalisation_gap_mean"
     return [{"step": r["step"], "mismatch_mean": r[gap]} for r in history if r.get(gap) is not None]
+
+
+def compare_panels(fx: dict, on: list, off: list) -> tuple[list, dict]:
+    """``compare.png``'s runs and legends (:func:`~nemo_replay.trainer.loggers.metrics.plot_runs`).
+
+    Every panel names the two runs; the mismatch panels also say which gap each line is, and
+    the mean-mismatch panel draws the normalisation gap alone as a third line.
+    """
+    runs = [("replay on", on), ("replay off", off), ("normalisation gap alone", _gap_rows(on))]
+    gaps = [f"replay on: the {fx['engine']} engine's numeric gap", "replay off: normalisation + numeric gap"]
+    legends = {
+        "mismatch_mean": [*gaps, "normalisation gap alone (-log support mass)"],
+        "mismatch_max": gaps,
+    }
+    return runs, legends
 
 
 def effects_line(fx: dict) -> str:
@@ -117,18 +132,12 @@ def run_compare(cfg: RecipeConfig) -> CompareResult:
     out = CompareResult(root, results[True], results[False], effects=effects(cfg, results[True], results[False]))
     if fabric.is_global_zero:
         fx = out.effects
-        plot_runs(
-            [
-                (f"replay on: {fx['engine']} engine numeric gap", out.replay_on.history),
-                ("replay off: normalisation + numeric gap", out.replay_off.history),
-                ("normalisation gap alone (-log support mass)", _gap_rows(out.replay_on.history)),
-            ],
-            root / "compare.png",
-            title=(
-                f"{cfg.replay.strategy}, {fx['engine']} engine ({fx['engine_dtype']}) vs {fx['trainer_dtype']} trainer: "
-                f"replay on vs off (seed {cfg.trainer.seed})"
-            ),
+        runs, legends = compare_panels(fx, out.replay_on.history, out.replay_off.history)
+        title = (
+            f"{cfg.replay.strategy}, {fx['engine']} engine ({fx['engine_dtype']}) vs {fx['trainer_dtype']} trainer: "
+            f"replay on vs off (seed {cfg.trainer.seed})"
         )
+        plot_runs(runs, root / "compare.png", title=title, legends=legends)
         summary = {"replay_on": out.replay_on.summary, "replay_off": out.replay_off.summary, "effects": fx}
         write_summary(root / "summary.json", summary)
     fabric.barrier()

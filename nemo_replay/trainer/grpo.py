@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -54,6 +54,7 @@ from nemo_replay.trainer.guards import NonFiniteError, check_update, collective_
 from nemo_replay.trainer.loggers import RunLoggers
 from nemo_replay.trainer.loggers.metrics import plot_runs, write_atomic, write_summary
 from nemo_replay.trainer.preemption import StopSignals
+from nemo_replay.trainer.progress import Bar, Lines, progress
 from nemo_replay.trainer.rundir import prepare_run_dir
 from nemo_replay.trainer.runtime import launch_fabric, make_backend, seed_all
 from nemo_replay.trainer.tasks import build_task
@@ -420,11 +421,7 @@ class GRPOTrainer:
                         raise
                     raise failure from exc
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(
-                        reward=f"{metrics['reward']:.3f}", mismatch=f"{metrics['mismatch_max']:.1e}",
-                        kl=f"{metrics.get('kl', float('nan')):.1e}",
-                    )
+                    bar.advance(metrics)
                 if stopped_by is not None:
                     return stopped_by
             return None
@@ -468,13 +465,9 @@ def summarize(history: list[dict]) -> dict:
     }
 
 
-def _progress(cfg: RecipeConfig, fabric, initial: int = 0) -> Optional[object]:
+def _progress(cfg: RecipeConfig, fabric, initial: int = 0) -> Optional[Union[Bar, Lines]]:
+    """Rank 0's progress (a bar on a terminal, plain lines otherwise), or None with ``trainer.progress_bar=false``."""
     if not (cfg.trainer.progress_bar and fabric.is_global_zero):
         return None
-    from tqdm import tqdm
-
     mode = "on" if cfg.replay.enabled else "off"
-    return tqdm(
-        total=cfg.trainer.steps, initial=initial, desc=f"GRPO {cfg.replay.strategy} replay-{mode}", unit="step",
-        dynamic_ncols=True,
-    )
+    return progress(f"GRPO {cfg.replay.strategy} replay-{mode}", cfg.trainer.steps, initial=initial)

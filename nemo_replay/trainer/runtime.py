@@ -24,6 +24,7 @@ same value. A group the caller initialised keeps the timeout it was created with
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -32,7 +33,11 @@ import torch.distributed as dist
 from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.strategies.registry import get_strategy
 
-__all__ = ["launch_fabric", "make_backend", "process_counts", "seed_all", "collective_timeout"]
+__all__ = ["launch_fabric", "make_backend", "process_counts", "seed_all", "collective_timeout", "SRUN_NOT_USED"]
+
+#: The start of Lightning's warning that an ``srun`` on PATH did not start this process
+#: (``SLURMEnvironment._validate_srun_used``), as a ``warnings`` filter's message pattern.
+SRUN_NOT_USED = r"The `srun` command is available on your system but is not used"
 
 
 def collective_timeout(cfg: RecipeConfig) -> timedelta:
@@ -76,7 +81,12 @@ def launch_fabric(cfg: RecipeConfig):
         strategy = "auto"
     if cfg.trainer.num_threads and accelerator == "cpu":
         torch.set_num_threads(cfg.trainer.num_threads)
-    fabric = Fabric(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision="32-true")
+    with warnings.catch_warnings():
+        # Fabric's Slurm detection warns whenever an `srun` is on PATH and this process was not
+        # started by it. A run under the package's Slurm launcher is started by srun (no warning);
+        # any other run is a local one, for which the hint to prepend srun is wrong.
+        warnings.filterwarnings("ignore", message=SRUN_NOT_USED)
+        fabric = Fabric(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision="32-true")
     fabric.launch()
     return fabric
 

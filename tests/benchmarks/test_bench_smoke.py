@@ -113,6 +113,9 @@ def test_the_transport_and_checkpoint_benchmarks_run_and_their_figures_hold_toge
         r = transport.sizes(rows, sampled, V)
         assert r["limit"] <= r["codec"] < min(r["ids+count int32"], r["fixed int32"]) < r["base64 int32"], r
         assert r["encode tok/s"] > 0 and r["decode tok/s"] > 0
+        w = transport.wire_sizes(rows, sampled, V, 16)  # the binary body: the codec's buffer and a small head
+        assert w["rows limit"] <= w["rows binary"] < w["rows json"] and w["rows limit"] < w["response limit"], w
+        assert w["response binary"] < w["response json"] and w["rows binary"] < w["response binary"], w
     # The micro-batch section: the forward from compact rows equals the one from fixed rows (asserted inside).
     d = transport.decode_vs_scorer(*transport._zipf(64, 2), 64)
     assert min(d["decode_s"], d["entry_s"], d["scorer_s"], d["compact_s"], d["hidden_s"]) > 0, d
@@ -142,9 +145,12 @@ def test_the_pickled_nemo_rl_batch_shrinks_with_compact_rows():
 def test_the_capture_benchmark_reads_the_same_supports_on_every_path():
     """benchmarks/capture.py on a short response: every output path (offline dicts and flat,
     completions, chat, generate, the entry-by-entry reader, the sampling mask) reads the supports
-    the response was built from (``measure`` asserts it) and gets a time."""
+    the response was built from (``measure`` asserts it) and gets a time; the server's table (its
+    engine wrapper reading a response off the event loop and on it) gets both gaps."""
     from benchmarks import capture
 
     got = capture.measure(64, 8)
     assert set(got) == {"offline dicts", "offline flat", "completions", "chat", "generate", "entry by entry (before)",
                         "sampling mask"} and all(v > 0 for v in got.values())
+    stall = capture.server_stall(256, 8)
+    assert set(stall) == {"off the loop", "on the loop"} and all(v > 0 for v in stall.values()), stall

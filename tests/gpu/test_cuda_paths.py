@@ -106,8 +106,7 @@ def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_th
 
     import numpy as np
 
-    from nemo_replay.support import codec, fused
-    from nemo_replay.support.codec import CodecError, CompactRows, encode_support
+    from nemo_replay.support.codec import CodecError, CompactRows, encode_support, fused, header
     from nemo_replay.support.ragged import RaggedSupport
 
     case = _case()
@@ -134,10 +133,10 @@ def test_compact_rows_decode_on_the_device_with_one_host_read_and_score_as_on_th
     assert reads == 1, reads
     want = score_aligned_support(z.cpu(), *[t.cpu() for t in channels], on_cpu)
     torch.testing.assert_close(got.logprobs.cpu(), want.logprobs, atol=1e-5, rtol=0)
-    head = list(codec._HEAD.unpack(buffers[1][:codec._HEAD.size].tobytes()))
+    head = list(header.HEAD.unpack(buffers[1][:header.HEAD.size].tobytes()))
     head[9], head[10] = head[9] - 1, 0  # a row width the widest row decodes past (CRC recomputed)
-    bad = np.concatenate([np.frombuffer(codec._HEAD.pack(*head), np.uint8), buffers[1][codec._HEAD.size:]])
-    bad[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(bad)), np.uint8)
+    bad = np.concatenate([np.frombuffer(header.HEAD.pack(*head), np.uint8), buffers[1][header.HEAD.size:]])
+    bad[header.CRC_AT:header.CRC_AT + 4] = np.frombuffer(struct.pack("<I", header.crc(bad)), np.uint8)
     with pytest.raises(CodecError, match=r"sample 1: compact support: row \d+ decodes to"):
         score_aligned_support(z, *channels, CompactRows([buffers[0], bad, *buffers[2:]],
                                                          labels=[f"sample {i}" for i in range(len(buffers))]))

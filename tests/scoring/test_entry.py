@@ -1,7 +1,7 @@
 """The scorer's one entry point, ``score_positions``: the support-or-vocabulary choice, the
 context its errors carry, and the channels type every caller builds (docs/design.md §4).
 
-Two gloo ranks failing together through it run in ``test_collectives.py`` (one spawn)."""
+Two gloo ranks failing together through it run in ``tests/distributed/test_groups.py`` (one spawn)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_replay.scoring.entry import ScorerChannels, check_together, flag_device, score_positions
+from nemo_replay.scoring.entry import ScorerChannels, score_positions
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from tests.scoring.batches import make_case
@@ -76,12 +76,6 @@ def test_token_positions_name_the_caller_s_column(case):
         score_positions(case.logits, bad, case.support)
 
 
-def test_without_a_group_checks_run_once_and_the_flag_stays_with_the_tensors():
-    calls = []
-    assert check_together(lambda: calls.append(1) or "ok", None, name="worker", device="cpu") == "ok" and calls == [1]
-    assert flag_device(None, torch.device("meta")) == torch.device("meta")
-
-
 def _compact(case, *, drop: bool):
     """The case's rows as one compact buffer a trajectory (sampled ids dropped or kept)."""
     from nemo_replay.support.codec import CompactRows, encode_support
@@ -130,15 +124,14 @@ def test_corrupted_compact_rows_stop_the_scorer_by_name_whatever_validate_says(c
     named by its label through the scorer's one flag, with validate on or off."""
     import struct
 
-    from nemo_replay.support import codec
-    from nemo_replay.support.codec import CodecError, CompactRows
+    from nemo_replay.support.codec import CodecError, CompactRows, header
 
     _, buffers, _ = _compact(case, drop=False)
-    head = list(codec._HEAD.unpack(buffers[1][:codec._HEAD.size].tobytes()))
+    head = list(header.HEAD.unpack(buffers[1][:header.HEAD.size].tobytes()))
     head[9] -= 1  # the row width: the widest row now decodes past it
     head[10] = 0
-    bad = np.concatenate([np.frombuffer(codec._HEAD.pack(*head), np.uint8), buffers[1][codec._HEAD.size:]])
-    bad[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(bad)), np.uint8)
+    bad = np.concatenate([np.frombuffer(header.HEAD.pack(*head), np.uint8), buffers[1][header.HEAD.size:]])
+    bad[header.CRC_AT:header.CRC_AT + 4] = np.frombuffer(struct.pack("<I", header.crc(bad)), np.uint8)
     rows = CompactRows([buffers[0], bad, buffers[2]], labels=["completion 0", "completion 1", "completion 2"])
     for validate in (True, False):
         with pytest.raises(CodecError, match=r"completion 1: compact support: row \d+ decodes to \d+ ids, past the "

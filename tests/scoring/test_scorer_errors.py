@@ -390,11 +390,12 @@ def _forged_vocab(rows: RaggedSupport, coded: int, claimed: int):
     import numpy as np
 
     from nemo_replay.support import codec
+    from nemo_replay.support.codec import header
 
     buf = codec.encode_support(rows, vocab_size=coded).copy()
     buf[8:12] = np.frombuffer(struct.pack("<I", claimed), np.uint8)  # V u32, after the magic and four u8 fields
-    buf[codec._CRC_AT:codec._CRC_AT + 4] = 0
-    buf[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(buf)), np.uint8)
+    buf[header.CRC_AT:header.CRC_AT + 4] = 0
+    buf[header.CRC_AT:header.CRC_AT + 4] = np.frombuffer(struct.pack("<I", header.crc(buf)), np.uint8)
     return codec.CompactRows([buf])
 
 

@@ -1,4 +1,4 @@
-"""The compact support codec (nemo_replay/support/codec.py) against a naive reference.
+"""The compact support codec (nemo_replay/support/codec/) against a naive reference.
 
 The reference writes the same bit streams with Python integers one field at a time; the
 codec must write them byte for byte, and read back the sorted sets on ragged rows with
@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_replay.support import codec
-from nemo_replay.support.codec import CodecError, decode_support, encode_support, header_of
+from nemo_replay.support.codec import CodecError, decode_support, encode_support, header, header_of, rice_parameter
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
 
@@ -97,7 +96,7 @@ def test_round_trip_and_the_streams_match_the_naive_writer(seed, V, max_len, dro
     support, sampled, rows = random_rows(seed, V, 6 if max_len < 4096 else 2, max_len)
     buf = encode_support(support, vocab_size=V, sampled_ids=sampled if dropped else None)
     h = header_of(buf)
-    body = buf[codec._HEAD.size + 8 * (h.trajectories + 1):].tobytes()
+    body = buf[header.HEAD.size + 8 * (h.trajectories + 1):].tobytes()
     expected = b"".join(naive_streams(rows, sampled.tolist(), V, dropped))
     assert body == expected
     out = decode_support(buf, sampled_ids=sampled if dropped else None, vocab_size=V)
@@ -115,7 +114,7 @@ def test_the_worked_example_and_fixed_width_rows():
     out = decode_support(buf, sampled_ids=sampled)
     assert [out.row(i).tolist() for i in range(3)] == [[2, 5, 7], [1], []]
     # {2, 7} -> {2, 6} in U = 9, m = 2, b = 1: gaps 2, 3 -> unary 1, 1 and low bits 0, 1.
-    assert codec.rice_parameter(np.int64(9), np.array([2]))[0] == 1
+    assert rice_parameter(np.int64(9), np.array([2]))[0] == 1
 
 
 def test_rows_coded_with_their_sampled_tokens_are_checked_against_them_at_decode():
@@ -210,11 +209,11 @@ def _forged(support, vocab, sampled_ids=None, **fields):
     buf = encode_support(support, vocab_size=vocab, sampled_ids=sampled_ids)
     names = ["magic", "version", "flags", "lb", "pad", "V", "rows", "ids", "trajectories", "max_length", "crc",
              "s0", "s1", "s2", "s3"]
-    values = dict(zip(names, codec._HEAD.unpack(buf[:codec._HEAD.size].tobytes())))
+    values = dict(zip(names, header.HEAD.unpack(buf[:header.HEAD.size].tobytes())))
     values.update(fields)
     values["crc"] = 0
-    out = np.concatenate([np.frombuffer(codec._HEAD.pack(*values.values()), np.uint8), buf[codec._HEAD.size:]])
-    out[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(out)), np.uint8)
+    out = np.concatenate([np.frombuffer(header.HEAD.pack(*values.values()), np.uint8), buf[header.HEAD.size:]])
+    out[header.CRC_AT:header.CRC_AT + 4] = np.frombuffer(struct.pack("<I", header.crc(out)), np.uint8)
     return out
 
 
@@ -268,7 +267,7 @@ def test_the_codec_is_within_the_information_limit_s_margins():
     rows = np.stack([g.choice(V, k, replace=False) for _ in range(T)])
     sampled = torch.tensor(rows[:, 0])
     support = PackedTensor(torch.tensor(rows, dtype=torch.int32), [0, T])
-    size = len(encode_support(support, vocab_size=V, sampled_ids=sampled)) - codec._HEAD.size - 16
+    size = len(encode_support(support, vocab_size=V, sampled_ids=sampled)) - header.HEAD.size - 16
     limit_bits = T * (math.lgamma(V) - math.lgamma(k) - math.lgamma(V - k + 1)) / math.log(2)
     assert size * 8 / limit_bits < 1.1, size * 8 / limit_bits
 
@@ -277,8 +276,8 @@ def _recrc(buf: np.ndarray) -> np.ndarray:
     import struct
 
     out = buf.copy()
-    out[codec._CRC_AT:codec._CRC_AT + 4] = 0
-    out[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(out)), np.uint8)
+    out[header.CRC_AT:header.CRC_AT + 4] = 0
+    out[header.CRC_AT:header.CRC_AT + 4] = np.frombuffer(struct.pack("<I", header.crc(out)), np.uint8)
     return out
 
 
@@ -320,7 +319,7 @@ def test_any_bit_of_a_forged_buffer_is_a_named_error_or_rows_that_hold_the_invar
     support, sampled, _ = random_rows(21, 300, 3, 12)
     for dropped in (False, True):
         buf = encode_support(support, vocab_size=300, sampled_ids=sampled if dropped else None)
-        start = codec._HEAD.size + 8 * (header_of(buf).trajectories + 1)
+        start = header.HEAD.size + 8 * (header_of(buf).trajectories + 1)
         flagged = clean = 0
         for byte in range(start, len(buf)):
             for bit in range(8):
@@ -353,7 +352,7 @@ def test_a_unary_stream_s_count_and_padding_are_named_from_its_bytes():
 
     good = encode_support(RaggedSupport.from_rows([[[1, 5, 9], [4]], [[2, 3]]]), vocab_size=10)
     h = header_of(good)
-    start = codec._HEAD.size + 8 * (h.trajectories + 1)  # the length unary stream: 0001 01 001 -> [0x14, 0x80]
+    start = header.HEAD.size + 8 * (h.trajectories + 1)  # the length unary stream: 0001 01 001 -> [0x14, 0x80]
     assert good[start:start + 2].tolist() == [0x14, 0x80]
     extra = good.copy()
     extra[start + 1] |= 1  # a fourth set bit
@@ -367,11 +366,11 @@ def test_a_unary_stream_s_count_and_padding_are_named_from_its_bytes():
     with pytest.raises(CodecError, match=r"^b: compact support: the gap stream holds 5 values, the header says 6"):
         decode_batch([good, _recrc(missing)], labels=["a", "b"])
     # A zero byte after the length stream (its size in the header grown by one): 15 bits past its last value.
-    head = list(codec._HEAD.unpack(good[:codec._HEAD.size].tobytes()))
+    head = list(header.HEAD.unpack(good[:header.HEAD.size].tobytes()))
     head[10], head[11] = 0, head[11] + 1
-    spare = np.concatenate([np.frombuffer(codec._HEAD.pack(*head), np.uint8), good[codec._HEAD.size:start + 2],
+    spare = np.concatenate([np.frombuffer(header.HEAD.pack(*head), np.uint8), good[header.HEAD.size:start + 2],
                             np.zeros(1, np.uint8), good[start + 2:]])
-    spare[codec._CRC_AT:codec._CRC_AT + 4] = np.frombuffer(struct.pack("<I", codec._crc(spare)), np.uint8)
+    spare[header.CRC_AT:header.CRC_AT + 4] = np.frombuffer(struct.pack("<I", header.crc(spare)), np.uint8)
     with pytest.raises(CodecError, match=r"^b: compact support: the length stream runs 15 bits past its last value"):
         decode_batch([good, spare], labels=["a", "b"])
 
@@ -387,8 +386,7 @@ def test_the_fused_decode_asked_for_without_triton_is_refused_by_name():
 
 
 def test_the_fused_decode_s_switch_takes_the_usual_words_and_names_any_other(monkeypatch):
-    from nemo_replay.support import fused
-    from nemo_replay.support.codec import CompactRows
+    from nemo_replay.support.codec import CompactRows, fused
 
     for value, on in (("1", True), ("true", True), ("", True), ("0", False), ("No", False), (" off ", False)):
         monkeypatch.setenv("NEMO_REPLAY_FUSED_DECODE", value)

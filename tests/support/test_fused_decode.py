@@ -1,5 +1,5 @@
-"""The fused decode (nemo_replay/support/fused.py) against the reference's array steps
-(codec._decode): the same fixed-width rows bit for bit and the same flags, on clean batches and
+"""The fused decode (nemo_replay/support/codec/fused.py) against the reference's array steps
+(decode_steps): the same fixed-width rows bit for bit and the same flags, on clean batches and
 on every corruption the codec tests make.
 
 Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
@@ -22,8 +22,9 @@ if os.environ.get("NEMO_REPLAY_REQUIRE_TRITON") == "1":
     import triton  # noqa: F401  (.ci/run's Triton phase: an import error fails it instead of skipping the file)
 pytest.importorskip("triton", reason="Triton is not installed here; .ci/run runs this file where it is")
 
-from nemo_replay.support import codec, fused  # noqa: E402
-from nemo_replay.support.codec import CodecError, CompactRows, encode_support, header_of  # noqa: E402
+from nemo_replay.support.codec import CodecError, CompactRows, encode_support, fused, header, header_of  # noqa: E402
+from nemo_replay.support.codec.decode import decode_steps  # noqa: E402
+from nemo_replay.support.codec.parse import parse_buffers  # noqa: E402
 from nemo_replay.support.ragged import RaggedSupport  # noqa: E402
 from tests.support.test_codec import _forged, _recrc, random_rows  # noqa: E402
 
@@ -32,12 +33,12 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def _both(buffers, sampled=None, width=None):
     """``(fused rows, fused flag names, reference rows, reference flag names)`` of one batch."""
-    batch = codec._parse(list(buffers), None, ())
+    batch = parse_buffers(list(buffers), None, ())
     width = max(batch.width, width or 0, 1)
     s = None if sampled is None else torch.as_tensor(sampled).to(DEVICE, torch.int64)
-    values, flags, cu = codec._decode_fused(batch, s, DEVICE, width)
+    values, flags, cu = fused.decode_fused(batch, s, DEVICE, width)
     assert cu.tolist() == batch.cu.tolist()
-    d = codec._decode(batch, s, DEVICE)
+    d = decode_steps(batch, s, DEVICE)
     ref = d.place(None, batch.rows * width, width).reshape(batch.rows, width)
     return values.cpu(), [n for n, f in zip(fused.FLAGS, flags.tolist()) if f], ref.cpu(), d.failed()
 
@@ -70,7 +71,7 @@ def test_clean_batches_decode_to_the_reference_s_rows():
     # Through CompactRows: the kernels chosen, the flag read, the rows the reference gives.
     rows = CompactRows(batch, sampled_ids=sampled).decode(DEVICE, check=True, fused=True)
     assert torch.equal(rows.values.cpu(), CompactRows(batch, sampled_ids=sampled).decode(DEVICE, fused=False).values.cpu())
-    assert rows.cu_seqlens.cpu().tolist() == codec._parse(batch, None, ()).cu.tolist()
+    assert rows.cu_seqlens.cpu().tolist() == parse_buffers(batch, None, ()).cu.tolist()
 
 
 def test_every_bit_flip_sets_the_reference_s_flags():
@@ -81,14 +82,14 @@ def test_every_bit_flip_sets_the_reference_s_flags():
     seen = {"flagged": 0, "clean": 0}
     for dropped in (False, True):
         buf = encode_support(support, vocab_size=300, sampled_ids=sampled if dropped else None)
-        start = codec._HEAD.size + 8 * (header_of(buf).trajectories + 1)
+        start = header.HEAD.size + 8 * (header_of(buf).trajectories + 1)
         for byte in range(start, len(buf)):
             for bit in (byte % 8, (byte + 3) % 8):
                 bad = buf.copy()
                 bad[byte] ^= 1 << bit
                 bad = _recrc(bad)
                 try:
-                    codec._parse([bad], None, ())
+                    parse_buffers([bad], None, ())
                 except CodecError:
                     continue  # refused on the host: no decode runs
                 got, flags, want, ref_flags = _both([bad], sampled if dropped else None)
@@ -113,7 +114,7 @@ def test_a_flagged_batch_is_named_as_the_reference_names_it():
     ]
     h = header_of(good)
     extra = good.copy()
-    extra[codec._HEAD.size + 8 * (h.trajectories + 1) + 1] |= 1  # a fourth set bit in the length stream
+    extra[header.HEAD.size + 8 * (h.trajectories + 1) + 1] |= 1  # a fourth set bit in the length stream
     cases.append(([good, _recrc(extra)], None, r"^b: compact support: the length stream holds 4 values, the header says 3"))
     dropped = encode_support(support, vocab_size=10, sampled_ids=torch.tensor([5, 4, 2]))
     cases.append(([good, dropped], torch.tensor([1, 4, 2, 5, 4, 10]), r"^b: compact support: sampled token 10 of row 2 is outside"))
@@ -149,7 +150,7 @@ import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nemo_replay.support import fused, fused_kernels as k
+from nemo_replay.support.codec import fused, fused_kernels as k
 
 # Triton 3.0-3.3 take the constexprs' values as `constants`, 3.4 on as `constexprs`.
 values = "constexprs" if "constexprs" in inspect.signature(ASTSource.__init__).parameters else "constants"
@@ -186,8 +187,8 @@ def test_the_kernels_serve_by_default_only_after_decoding_a_known_batch(monkeypa
     """The once-a-device check before the kernels serve: passes here; a kernel that fails (a Triton
     that cannot compile them) or decodes wrongly, in either compiled form (with sampled ids, and
     without as NeMo-RL's and verl's batches decode), is named in a warning and the reference serves."""
-    codec._fused_passes.cache_clear()
-    assert codec._fused_passes(DEVICE)
+    fused.known_batch_passes.cache_clear()
+    assert fused.known_batch_passes(DEVICE)
 
     def broken(*args, **kwargs):
         raise RuntimeError("PTX JIT compilation failed")
@@ -211,8 +212,8 @@ def test_the_kernels_serve_by_default_only_after_decoding_a_known_batch(monkeypa
                        (wrong, "with sampled ids, rows that differ from the reference"),
                        (wrong_without_sampled, "without sampled ids, rows that differ from the reference"),
                        (broken_without_sampled, "without sampled ids, RuntimeError: ptxas fatal")):
-        codec._fused_passes.cache_clear()
+        fused.known_batch_passes.cache_clear()
         monkeypatch.setattr(fused, "decode_fixed", fake)
         with pytest.warns(RuntimeWarning, match=f"fused compact decode failed its check on {DEVICE.type}.*{said}"):
-            assert not codec._fused_passes(DEVICE)
-    codec._fused_passes.cache_clear()
+            assert not fused.known_batch_passes(DEVICE)
+    fused.known_batch_passes.cache_clear()

@@ -102,7 +102,7 @@ def test_the_scorer_without_torch_s_nonzero_static_scores_bit_for_bit_with_one_r
     portable_calls = _refuse(monkeypatch)
     assert not nz._torch_has_it("cpu")
     got = run()
-    assert set(portable_calls) == {"nemo_replay.scoring.plan", "nemo_replay.support.codec",
+    assert set(portable_calls) == {"nemo_replay.scoring.plan", "nemo_replay.support.codec.decode",
                                    "nemo_replay.scoring.projection"}, portable_calls
     for name in calls:
         assert torch.equal(got[name][0], want[name][0]), name

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from nemo_replay.distributed.compat import dtensor_names
+from nemo_replay.distributed.groups import group_size_rank
 from nemo_replay.integrations.nemo_rl.token_aligned import canonical_of, check_width, gather_slots, local_slots
 from nemo_replay.scoring.entry import score_positions
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.dtypes import is_integer
-from nemo_replay.support.fsdp2 import dtensor_names
 from nemo_replay.support.rows import batch_rows
 
 __all__ = ["ReplayScores", "next_token_logprobs", "vocab_shard_of", "SUPPORT_KEY"]
@@ -44,12 +44,6 @@ class ReplayScores:
     fallback_mask: torch.Tensor
 
 
-def _group_size_rank(group) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def vocab_shard_of(logits, vocab_parallel_rank: Optional[int], vocab_parallel_group) -> tuple[torch.Tensor, VocabShard]:
     """(local logits, this rank's :class:`VocabShard`) for Megatron vocab-parallel or DTensor logits.
 
@@ -66,7 +60,7 @@ def vocab_shard_of(logits, vocab_parallel_rank: Optional[int], vocab_parallel_gr
     v_local = logits.shape[-1]
     if vocab_parallel_group is None:
         return logits, VocabShard.whole(v_local)
-    tp, rank = _group_size_rank(vocab_parallel_group)
+    tp, rank = group_size_rank(vocab_parallel_group)
     if vocab_parallel_rank is None or int(vocab_parallel_rank) != rank:
         raise ValueError(
             f"vocab_parallel_rank={vocab_parallel_rank!r} is not this rank's rank {rank} in vocab_parallel_group; "
@@ -94,7 +88,7 @@ def _dtensor_shard(logits, Replicate, Shard):
     if not (isinstance(placement, Shard) and placement.dim in (-1, logits.dim() - 1)):
         raise ValueError(f"DTensor logits must be Shard(-1) (vocabulary) over 'tp', got {placement}")
     group = mesh.get_group("tp")
-    tp, rank = _group_size_rank(group)
+    tp, rank = group_size_rank(group)
     per = -(-logits.shape[-1] // tp)  # torch.chunk: ceil(V / tp) rows per rank, the last ones fewer
     return local, VocabShard(rank * per, rank * per + local.shape[-1], group, logits.shape[-1])
 
@@ -181,7 +175,7 @@ def next_token_logprobs(
         the next-token column, the key or the flag to fix.
     """
     local, shard = vocab_shard_of(logits, vocab_parallel_rank, vocab_parallel_group)
-    cp, cp_rank = _group_size_rank(context_parallel_group)
+    cp, cp_rank = group_size_rank(context_parallel_group)
     ids, lengths, mask, sample, support, token_rows = _read_data(data, support_key, replay=not full_vocab)
     N, W = ids.shape
     if W < 2:

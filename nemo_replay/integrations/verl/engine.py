@@ -26,12 +26,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_replay.distributed.groups import check_together
 from nemo_replay.integrations.verl.keys import SUPPORT_KEY
 from nemo_replay.integrations.verl.metrics import FULL_VOCAB_LOG_PROBS
 from nemo_replay.integrations.verl.response_layout import ResponseLayout, response_layout, slot_channels
 from nemo_replay.integrations.verl.response_rows import buffers_of, compact_rows
 from nemo_replay.layout.checks import Where, check_canonical
-from nemo_replay.scoring.entry import ScorerChannels, check_together, score_positions
+from nemo_replay.scoring.entry import ScorerChannels, score_positions
 from nemo_replay.scoring.shard import VocabShard
 from nemo_replay.support.checked import SupportCheck
 from nemo_replay.support.codec import CompactRows
@@ -240,7 +241,7 @@ def prepare_replay_batch(data, *, vocab_size: Optional[int], group, device) -> N
     """:func:`check_replay_batch` on every rank of ``group`` at once, then name the samples.
 
     The ranks of a worker group run ``forward_backward_batch`` together and a bad sample
-    sits in one rank's shard of the batch; inside :func:`~nemo_replay.scoring.entry.check_together`
+    sits in one rank's shard of the batch; inside :func:`~nemo_replay.distributed.groups.check_together`
     every rank raises the same error instead of leaving the others in the next collective.
     Then ``data[SAMPLE_INDEX_KEY] = arange(B)``, which verl's micro-batching carries with
     each sample, so errors raised per micro-batch name the sample's index in this batch.

@@ -33,7 +33,6 @@ model), top-k distillation and a dense ``pad_mode``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import verl.utils.torch_functional as verl_F
 from verl.utils import tensordict_utils as tu
@@ -43,6 +42,8 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import pad_packed_inputs
 
+from nemo_replay.distributed.compat import dtensor_names
+from nemo_replay.distributed.groups import group_size_rank
 from nemo_replay.integrations.verl.engine import (
     FULL_VOCAB_KEY,
     FUSED_KERNELS_FIX,
@@ -55,7 +56,6 @@ from nemo_replay.integrations.verl.engine import (
 )
 from nemo_replay.integrations.verl.response_layout import next_token_index, padded_next_token_index
 from nemo_replay.scoring.shard import VocabShard
-from nemo_replay.support.fsdp2 import dtensor_names
 
 DTensor, Replicate, Shard = dtensor_names()
 
@@ -90,7 +90,7 @@ def local_vocab_shard(logits) -> tuple[torch.Tensor, VocabShard]:
     if len(vocab_dims) > 1:
         raise ValueError(f"DTensor logits are sharded on the vocabulary over {len(vocab_dims)} mesh dimensions; expected one")
     group = logits.device_mesh.get_group(vocab_dims[0])
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    size, rank = group_size_rank(group)
     vocab = logits.shape[-1]
     per = -(-vocab // size)
     return local, VocabShard(rank * per, rank * per + local.shape[-1], group if size > 1 else None, vocab)

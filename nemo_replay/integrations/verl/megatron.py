@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from nemo_replay.distributed.groups import group_size_rank
 from nemo_replay.integrations.verl.engine import (
     FULL_VOCAB_KEY,
     VENDOR,
@@ -152,8 +153,7 @@ def replay_logits(
         )
     _check_labels(label, predicted, input_ids.values().to(logits.device), cp_group)
 
-    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-    rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    tp, rank = group_size_rank(tp_group)
     v_local = logits.shape[-1]
     shard = VocabShard(rank * v_local, (rank + 1) * v_local, tp_group if tp > 1 else None, v_local * tp)
     t = scalar_temperature(batch["temperature"])

@@ -75,6 +75,7 @@ __all__ = [
     "FLAGS_KEY",
     "RolloutReplay",
     "VllmSupportRecorder",
+    "RecordingVllmEngine",
     "SglangSupportRecorder",
     "attach_support",
     "replay_vllm_replica_class",
@@ -232,7 +233,7 @@ class VllmSupportRecorder:
 
     def read(self, completion: Any, sampling_params: Any) -> tuple[RaggedSupport, dict]:
         """(n CSR rows, flag counts) of one finished ``CompletionOutput``, read
-        :data:`READ_CHUNK` positions at a time: run off the event loop (``_RecordingVllmEngine``),
+        :data:`READ_CHUNK` positions at a time: run off the event loop (:class:`RecordingVllmEngine`),
         no single call holds the interpreter long enough to stall the loop's thread."""
         n, parts, flags = len(completion.token_ids), [], {}
         for start in range(0, max(n, 1), READ_CHUNK):
@@ -267,13 +268,20 @@ def _positions_of(completion: Any, start: int, end: int) -> Any:
     return SimpleNamespace(token_ids=list(completion.token_ids[start:end]), logprobs=lp, sampling_mask=mask)
 
 
-class _RecordingVllmEngine:
-    """verl's ``self.engine`` (vLLM ``AsyncLLM``) with ``generate`` recording the support.
+class RecordingVllmEngine:
+    """verl's ``self.engine`` (vLLM ``AsyncLLM``) with ``generate`` recording the support: what
+    replay's vLLM server puts in its engine's place after ``launch_server``.
 
     Every other attribute is the engine's. ``generate`` takes the keywords verl passes
     (vllm_async_server.py: ``prompt``, ``sampling_params``, ``request_id``, ``lora_request``,
     ``priority``) and yields the engine's ``RequestOutput``s unchanged; when the stream ends,
-    the rows of the last one's first completion are left in ``sink[request_id]``.
+    the rows of the last one's first completion are left in ``sink[request_id]``, read off the
+    event loop (a long response's rows take milliseconds, and every other request waits on it).
+
+    Args:
+        engine: the vLLM ``AsyncLLM`` (anything whose ``generate`` is an async stream of ``RequestOutput``).
+        recorder: what each request asks of the engine and how its rows are read.
+        sink: request id -> ``(rows, flags)`` of :meth:`VllmSupportRecorder.read`; the server pops each.
     """
 
     def __init__(self, engine: Any, recorder: VllmSupportRecorder, sink: dict):
@@ -438,7 +446,7 @@ class _VllmServerReplay:
         path = "mask" if engine_kwargs.get("return_sampling_mask") else "logprobs"
         check_vllm_engine(engine.vllm_config, path=path, top_k=replay.top_k)
         recorder = VllmSupportRecorder(replay, path=path, vocab_size=_vocab_size(self.model_config))
-        self.engine = _RecordingVllmEngine(engine, recorder, self._replay_sink)
+        self.engine = RecordingVllmEngine(engine, recorder, self._replay_sink)
 
     async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
         try:

@@ -1,1 +1,1 @@
-"""Moving rollout rows between processes (docs/design.md §7): wire envelopes, the generate client and server."""
+"""Moving rollout rows between processes (docs/design.md §7): wire bodies (JSON, binary), the generate client and server."""

@@ -1,6 +1,15 @@
 """Async client for a generate endpoint that returns captured support and routes (docs/design.md §7).
 
-Request body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
+Bodies take one of two forms (docs/transport.md): JSON with base64 array envelopes
+(:mod:`~nemo_replay.rollout.transport.wire`, ``application/json``), or binary, a JSON head and
+the arrays' raw little-endian bytes (:mod:`~nemo_replay.rollout.transport.binary`,
+``application/vnd.nemo-replay.wire``). The client asks for binary answers (``Accept``), reads
+each answer by its ``Content-Type``, and sends binary requests once the server has answered
+one in binary (it reads them too); until then, and against a server from before the binary
+form (which answers JSON), it sends JSON. A 415 to a binary request sends it again as JSON at
+once, within the same attempt, and JSON from then on. ``binary=False``: JSON both ways.
+
+Request body::
 
     {"input_ids": <int32 [T]> | [int, ...],         # the whole conversation so far
      "sampling_params": {"temperature": 1.0, "top_k": 64, "top_p": 1.0, "min_p": 0.0,
@@ -8,21 +17,21 @@ Request body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
      "routes_start": 37 | null,                     # return routes from this token on
      "seed": 0 | null}
 
-Response body (wire format, :mod:`nemo_replay.rollout.transport.wire`)::
+Response body::
 
-    {"output_ids":  <int64 [n]>,
+    {"output_ids":  <int32 [n]> | <int64 [n]>,     # int64 from older servers or V past 2**31
      "logprobs":    <float32 [n]>,                  # processed log-probs of output_ids
      "support":     {"codec": "nrsc-1", "data": <uint8>}    # compact rows, sampled ids dropped
                     | {"rows": <int32 [n, k]>} | {"member_ids": ..., "row_offsets": ...},  # older servers
-     "routes":      <int [m, layers, topk]> | null, # tokens [routes_start, routes_start + m)
-     "routes_start": int | null,
+     "routes":      <int [m, layers, topk]> | null, # tokens [routes_start, routes_start + m);
+     "routes_start": int | null,                    #   both absent (null) when no routes are sent
      "finish_reason": "stop" | "length"}
 
 Retries. Only what can succeed on a second try is retried, with exponential backoff
 (with jitter, at least the server's ``Retry-After``): connection errors and bodies cut
 short in transit, timeouts, HTTP 429 (the server is full), 502, 503 and 504 (a proxy or
 a server not ready), and bodies the wire codec cannot decode -- truncated or corrupted
-in transit, as a proxy cutting a body short leaves them. Every other answer raises at
+in transit, as a proxy cutting a body short leaves them (either form). Every other answer raises at
 once: a 4xx is the caller's mistake, a 500 or 501 the server's, and a response that
 decodes but fails validation (a sampled token outside its row) would fail again.
 
@@ -44,7 +53,8 @@ from typing import Any, Mapping, Optional, Union
 import aiohttp
 import torch
 
-from nemo_replay.rollout.transport.wire import WireError, dumps, loads, routes_from_wire, support_from_wire
+from nemo_replay.rollout.transport.binary import BINARY_TYPE, JSON_TYPE, dumps_body, loads_body
+from nemo_replay.rollout.transport.wire import WireError, routes_from_wire, support_from_wire
 from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
@@ -148,6 +158,13 @@ class GenerateClient:
         vocab_size: when given, support ids are checked against it.
         session: an ``aiohttp.ClientSession`` to use (not closed by the client).
         token: bearer token; None reads ``NEMO_REPLAY_GENERATE_TOKEN`` (unset: none).
+        binary: ask for binary responses and, once the server has answered one, send binary
+            requests (module doc); False: JSON both ways.
+
+    Attributes:
+        binary_requests: None until the server answers a binary body, then True (requests go
+            binary); False for good after a 415 to a binary request.
+        num_retries: retries made over the client's lifetime.
     """
 
     def __init__(
@@ -161,6 +178,7 @@ class GenerateClient:
         vocab_size: Optional[int] = None,
         session: Optional[aiohttp.ClientSession] = None,
         token: Optional[str] = None,
+        binary: bool = True,
     ):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url={base_url!r}: expected an http(s) URL such as 'http://127.0.0.1:8000'")
@@ -172,7 +190,7 @@ class GenerateClient:
                 f"and a timeout > 0"
             )
         token = os.environ.get(_TOKEN_ENV) if token is None else token
-        self._headers = {"Content-Type": "application/json"}
+        self._headers = {"Accept": f"{BINARY_TYPE}, {JSON_TYPE};q=0.5" if binary else JSON_TYPE}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self.base_url = base_url.rstrip("/")
@@ -184,6 +202,10 @@ class GenerateClient:
         self._session = session
         self._own_session = session is None
         self.num_retries = 0  # retries made over the client's lifetime (diagnostics)
+        self.binary = binary
+        # Whether requests go binary: None until the server answers a binary body (then True: it reads
+        # them too); False for good once it answered 415 to one.
+        self.binary_requests: Optional[bool] = None
 
     async def __aenter__(self) -> "GenerateClient":
         return self
@@ -214,8 +236,9 @@ class GenerateClient:
             parse: optional ``body -> result`` check of a decoded body; a ``ValueError`` from
                 it is raised at once (a valid body that fails validation would fail again).
         """
-        data = dumps(payload)
         url = f"{self.base_url}/{path.lstrip('/')}"
+        bodies: dict = {}  # form -> (bytes, media type), each encoded once
+        self._body(payload, bodies, self.binary and bool(self.binary_requests))  # a payload that cannot travel raises here
         last: Optional[BaseException] = None
         retry_after = 0.0
         for attempt in range(self.max_attempts):
@@ -224,27 +247,46 @@ class GenerateClient:
                 await asyncio.sleep(self._delay(attempt - 1, retry_after))
             retry_after = 0.0
             try:
-                async with self._get_session().post(url, data=data, headers=self._headers, timeout=self.timeout) as resp:
-                    raw = await resp.read()
-                    if resp.status in RETRY_STATUSES:
-                        last = GenerateRequestError(f"{url} answered HTTP {resp.status}: {raw[:200]!r}")
-                        retry_after = _seconds(resp.headers.get("Retry-After"))
-                    elif resp.status >= 400:
-                        raise GenerateRequestError(
-                            f"{url} answered HTTP {resp.status}: {raw[:500]!r} (not retried: it would fail again)"
-                        )
-                    else:
-                        body = loads(raw)
-                        if parse is None:
-                            return body
-                        try:
-                            return parse(body)
-                        except ValueError as exc:
-                            raise GenerateRequestError(f"{url}: the response failed validation (not retried): {exc}") from exc
+                status, headers, raw, sent_binary = await self._exchange(url, payload, bodies)
+                if status == 415 and sent_binary:
+                    # The server no longer reads this binary form (module doc): JSON from now on, at once.
+                    logger.warning("%s: answered 415 to a binary body (%r); sending JSON bodies from now on", url, raw[:200])
+                    self.binary_requests = False
+                    status, headers, raw, _ = await self._exchange(url, payload, bodies)
+                if status in RETRY_STATUSES:
+                    last = GenerateRequestError(f"{url} answered HTTP {status}: {raw[:200]!r}")
+                    retry_after = _seconds(headers.get("Retry-After"))
+                elif status >= 400:
+                    raise GenerateRequestError(f"{url} answered HTTP {status}: {raw[:500]!r} (not retried: it would fail again)")
+                else:
+                    content_type = headers.get("Content-Type", "").split(";")[0].strip().lower()
+                    body = loads_body(raw, content_type)
+                    if self.binary and content_type == BINARY_TYPE and self.binary_requests is None:
+                        self.binary_requests = True
+                    if parse is None:
+                        return body
+                    try:
+                        return parse(body)
+                    except ValueError as exc:
+                        raise GenerateRequestError(f"{url}: the response failed validation (not retried): {exc}") from exc
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, WireError) as exc:
                 last = exc  # the connection failed, or the body was cut or corrupted in transit
             logger.warning("%s: attempt %d of %d failed: %s", url, attempt + 1, self.max_attempts, last)
         raise GenerateRequestError(f"{url}: all {self.max_attempts} attempts failed; last error: {last}") from last
+
+    @staticmethod
+    def _body(payload: Any, bodies: dict, binary: bool) -> tuple[bytes, str]:
+        if binary not in bodies:
+            bodies[binary] = dumps_body(payload, binary)
+        return bodies[binary]
+
+    async def _exchange(self, url: str, payload: Any, bodies: dict) -> tuple[int, Any, bytes, bool]:
+        """One POST of ``payload`` in the form the server reads; (status, headers, body, sent binary)."""
+        binary = self.binary and bool(self.binary_requests)
+        data, media_type = self._body(payload, bodies, binary)
+        headers = {**self._headers, "Content-Type": media_type}
+        async with self._get_session().post(url, data=data, headers=headers, timeout=self.timeout) as resp:
+            return resp.status, resp.headers, await resp.read(), binary
 
     async def generate(
         self,

@@ -2,7 +2,9 @@
 
 It runs a torch next-token model through :func:`nemo_replay.capture.sample` and answers
 the request/response schema of :mod:`nemo_replay.rollout.transport.client`. It is the reference
-endpoint for tests and single-host generation: it binds loopback addresses only.
+endpoint for tests and single-host generation: it binds loopback addresses only. It reads a
+request body by its ``Content-Type`` (:data:`~.binary.BINARY_TYPE`: the binary form; any other:
+JSON) and answers binary when ``Accept`` names that type, JSON otherwise (docs/transport.md).
 
     async with GenerateServer(logits_fn, vocab_size=V, routes_fn=routes_fn, eos_id=2) as server:
         async with GenerateClient(server.url) as client:
@@ -42,17 +44,20 @@ Hardening, in the order a request meets it:
    arrive within ``body_timeout_s`` (408 and the connection closed).
 4. **Decoding**, in a worker thread for bodies over 64 KiB, so the event loop keeps
    answering other requests. ``json`` turns every value into a Python object (a JSON-list
-   ``input_ids`` took 8x its bytes of server memory, measured), so a body may hold at most
-   ``max_json_values`` JSON values outside its array envelopes (:data:`MAX_JSON_VALUES`, 65,536: a list-form
-   ``input_ids`` of about 65,000 tokens), counted from its separators before it is parsed;
-   past that a 413 names the limit and the envelope form, whose arrays decode straight
-   into their buffers (``GenerateClient`` sends ``input_ids`` as an int32 envelope) and
-   are bounded only by ``max_body_bytes`` (16 MiB: about 3 million tokens). Memory per
-   request is then a small multiple of its body: the body, its decoded arrays (at most
-   3/4 of it) and the int64 conversation buffer -- about 3.7x the body for a long prompt --
-   plus the generated rows, at most ``max_new_tokens_cap`` of them. (The thread holds the
-   GIL inside ``json`` and base64 calls; the value cap and the wire's 4 MiB base64 chunks
-   keep each such call to milliseconds.)
+   ``input_ids`` took 8x its bytes of server memory, measured), so a body (a binary body's
+   head) may hold at most ``max_json_values`` JSON values outside its array envelopes
+   (:data:`MAX_JSON_VALUES`, 65,536: a list-form ``input_ids`` of about 65,000 tokens),
+   counted from its separators before it is parsed; past that a 413 names the limit and the
+   array forms, which decode straight into their buffers (``GenerateClient`` sends
+   ``input_ids`` as an int32 array) and are bounded only by ``max_body_bytes`` (16 MiB:
+   about 3 million tokens as base64, 4 million as a binary part). A binary body's framing
+   is checked before anything is allocated: another version of it is a 415, a head or part
+   past the body's end or bytes after the last part a 400 naming it. Memory per request is
+   then a small multiple of its body: the body, its decoded arrays (at most 3/4 of a JSON
+   body, all of a binary one) and the int64 conversation buffer -- 2.9-3.7x the body for a
+   long prompt, measured -- plus the generated rows, at most ``max_new_tokens_cap`` of them.
+   (The thread holds the GIL inside ``json`` and base64 calls; the value cap and the wire's
+   4 MiB base64 chunks keep each such call to milliseconds.)
 5. **Validation**: every field is checked before use -- no unknown keys; ``input_ids`` ints
    in ``[0, vocab_size)`` (a list of ints or an integer array; ``1.5`` or ``true`` is an
    error, never coerced); ``sampling_params`` a mapping with known keys and typed values
@@ -83,7 +88,15 @@ import torch
 from aiohttp import web
 
 from nemo_replay.rollout.capture.sampler import TIE_RULES, check_capture_settings, sample
-from nemo_replay.rollout.transport.wire import dumps, loads, support_to_wire
+from nemo_replay.rollout.transport.binary import (
+    BINARY_TYPE,
+    UnsupportedVersion,
+    accepts_binary,
+    dumps_body,
+    head_of,
+    loads_body,
+)
+from nemo_replay.rollout.transport.wire import support_to_wire
 from nemo_replay.support.dtypes import first_outside, is_integer
 from nemo_replay.support.packed import PackedTensor
 from nemo_replay.support.ragged import RaggedSupport
@@ -92,6 +105,7 @@ __all__ = [
     "GenerateServer",
     "GenerateRequest",
     "parse_request",
+    "response_body",
     "read_token_file",
     "TOKEN_ENV",
     "MAX_JSON_VALUES",
@@ -221,6 +235,38 @@ def parse_request(body: Any, *, vocab_size: int, max_new_tokens_cap: int,
     if seed is not None and not 0 <= _strict_int(seed, "seed") < 2**63:
         raise ValueError(f"seed={seed}: expected an int in [0, 2**63)")
     return GenerateRequest(ids, sampling, max_new, start, seed)
+
+
+def response_body(
+    output_ids: torch.Tensor,
+    logprobs: torch.Tensor,
+    support: Union[PackedTensor, RaggedSupport],
+    *,
+    vocab_size: int,
+    finish_reason: str,
+    routes: Optional[torch.Tensor] = None,
+    routes_start: Optional[int] = None,
+) -> dict:
+    """A generate response (schema: :mod:`nemo_replay.rollout.transport.client`), either form's value.
+
+    Args:
+        output_ids: (n,) integer, the sampled tokens; sent as int32 (int64 for a vocabulary
+            past 2**31), which every reader widens.
+        logprobs: (n,) float32, their processed log-probs.
+        support: the n rows, one segment; sent compact (support/codec/), the sampled ids
+            dropped (the response carries them).
+        routes: (m, layers, topk) integer, or None; ``routes_start`` is sent with them, and
+            neither field when there are none.
+    """
+    body = {
+        "output_ids": output_ids.to(torch.int32 if vocab_size <= 2**31 else torch.int64),
+        "logprobs": logprobs.to(torch.float32),
+        "support": support_to_wire(support, vocab_size=vocab_size, sampled_ids=output_ids),
+        "finish_reason": finish_reason,
+    }
+    if routes is not None:  # absent otherwise: every reader takes a missing field as null
+        body.update(routes=routes, routes_start=routes_start)
+    return body
 
 
 class _TooManyValues(ValueError):
@@ -480,13 +526,16 @@ class GenerateServer:
             raw = await self._read_body(request)
             if isinstance(raw, web.Response):
                 return raw
+            content_type = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
             try:
                 if len(raw) <= _INLINE_DECODE_BYTES:
-                    req = self._decode(raw)
+                    req = self._decode(raw, content_type)
                 else:  # off the event loop: other requests, 401s included, are answered meanwhile
-                    req = await asyncio.to_thread(self._decode, raw)
+                    req = await asyncio.to_thread(self._decode, raw, content_type)
             except _TooManyValues as exc:
                 return _error(413, str(exc))
+            except UnsupportedVersion as exc:
+                return _error(415, str(exc))
             except ValueError as exc:  # WireError included
                 return _error(400, str(exc))
             del raw  # the body is not needed once decoded
@@ -494,23 +543,30 @@ class GenerateServer:
             if reply is None:  # the client left; nobody reads an answer
                 self.num_abandoned += 1
                 return _error(499, "client closed the request")
-            return web.Response(body=dumps(reply), content_type="application/json")
+            body, media_type = dumps_body(reply, accepts_binary(request.headers.get("Accept")))
+            return web.Response(body=body, content_type=media_type)
         finally:
             self.num_active -= 1
 
-    def _decode(self, raw: bytearray) -> GenerateRequest:
-        """Body bytes -> a validated request; refuses, before parsing, JSON too large to parse."""
-        bound = _json_values_bound(raw)
+    def _decode(self, raw: bytearray, content_type: str) -> GenerateRequest:
+        """Body bytes -> a validated request; refuses, before parsing, JSON too large to parse.
+
+        ``content_type``: the request's media type; :data:`BINARY_TYPE` reads the binary form, any
+        other the JSON form (old clients, curl). A binary body's values are counted in its head.
+        """
+        binary = content_type == BINARY_TYPE
+        bound = _json_values_bound(bytes(head_of(raw)) if binary else raw)
         if bound > self.max_json_values:
+            where = "request head holds" if binary else "request body holds"
             raise _TooManyValues(
-                f"request body holds up to {bound} JSON values outside array envelopes, over the server's "
+                f"{where} up to {bound} JSON values outside array envelopes, over the server's "
                 f"max_json_values={self.max_json_values} (input_ids as a JSON list is limited to about "
-                f"{self.max_json_values} tokens); send input_ids as an int32 array envelope "
-                f'{{"data": <base64>, "shape": [T], "dtype": "int32"}} (GenerateClient and wire.dumps of a '
-                f"tensor do), which may fill the body limit of {self.max_body_bytes} bytes"
+                f"{self.max_json_values} tokens); send input_ids as an int32 array, a binary body's part or the "
+                f'envelope {{"data": <base64>, "shape": [T], "dtype": "int32"}} in JSON (GenerateClient and '
+                f"wire.dumps of a tensor do), which may fill the body limit of {self.max_body_bytes} bytes"
             )
-        return parse_request(loads(raw), vocab_size=self.vocab_size, max_new_tokens_cap=self.max_new_tokens_cap,
-                             max_context_tokens=self.max_context_tokens)
+        return parse_request(loads_body(raw, content_type), vocab_size=self.vocab_size,
+                             max_new_tokens_cap=self.max_new_tokens_cap, max_context_tokens=self.max_context_tokens)
 
     def _gone(self, request: web.Request) -> bool:
         transport = request.transport
@@ -539,20 +595,12 @@ class GenerateServer:
             if self.eos_id is not None and int(res.ids[0]) == self.eos_id:
                 finish = "stop"
                 break
-        reply = {
-            "output_ids": tokens[T:n].clone(),
-            "logprobs": torch.cat(out_lps),
-            # Compact rows (support/codec.py): the response carries the sampled ids the codec drops.
-            "support": support_to_wire(_join_supports(parts), vocab_size=self.vocab_size, sampled_ids=tokens[T:n]),
-            "finish_reason": finish,
-            "routes": None,
-            "routes_start": None,
-        }
+        routes = None
         if req.routes_start is not None and self.routes_fn is not None:
             # The forward ran over every token but the last sampled one.
-            reply["routes"] = self.routes_fn(tokens[: n - 1])[req.routes_start :]
-            reply["routes_start"] = req.routes_start
-        return reply
+            routes = self.routes_fn(tokens[: n - 1])[req.routes_start :]
+        return response_body(tokens[T:n], torch.cat(out_lps), _join_supports(parts), vocab_size=self.vocab_size,
+                             finish_reason=finish, routes=routes, routes_start=req.routes_start)
 
     def _step(self, tokens: torch.Tensor, sampling: dict, gen: Optional[torch.Generator]):
         logits = self.logits_fn(tokens)

@@ -89,7 +89,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 _NAMES = {v: k for k, v in WIRE_DTYPES.items()}
-_KEYS = frozenset(("data", "shape", "dtype"))
+ENVELOPE_KEYS = frozenset(("data", "shape", "dtype"))
 _MARKER_KEY = "\x00wire:"  # + a per-call nonce; written by json as "\u0000wire:<nonce>"
 _MARKER_JSON = b'"\\u0000wire:'
 _PREFIX = b'{"data":"'
@@ -113,17 +113,28 @@ def encode_array(array: Union[torch.Tensor, np.ndarray]) -> bytes:
     Args:
         array: any shape, a dtype from :data:`WIRE_DTYPES` (a numpy array is converted).
     """
+    raw, shape, name = array_bytes(array)
+    return b"".join(
+        (_PREFIX, base64.b64encode(memoryview(raw)), b'","shape":[', ",".join(map(str, shape)).encode(), b'],"dtype":"',
+         name.encode(), b'"}')
+    )
+
+
+def array_bytes(array: Union[torch.Tensor, np.ndarray]) -> tuple[np.ndarray, list[int], str]:
+    """An array's raw little-endian bytes (C order, a uint8 view), its shape and its dtype name.
+
+    Args:
+        array: any shape, a dtype from :data:`WIRE_DTYPES` (a numpy array is converted).
+    """
     if not isinstance(array, (torch.Tensor, np.ndarray)):
         raise WireError(f"wire encode: expected a tensor or numpy array, got {type(array).__name__}")
     t = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
     if t.dtype not in _NAMES:
         raise WireError(f"wire encode: dtype {t.dtype} is not on the allow-list {sorted(WIRE_DTYPES)}")
+    shape = [int(s) for s in t.shape]
     t = t.detach().cpu().contiguous().reshape(-1)
     raw = t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-    shape = ",".join(str(int(s)) for s in array.shape)
-    return b"".join(
-        (_PREFIX, base64.b64encode(memoryview(raw)), b'","shape":[', shape.encode(), b'],"dtype":"', _NAMES[t.dtype].encode(), b'"}')
-    )
+    return raw, shape, _NAMES[t.dtype]
 
 
 def _nonce(avoid: bytes = b"") -> str:
@@ -138,19 +149,19 @@ def _marker(nonce: str, i: int) -> bytes:
     return b'{"\\u0000wire:%s":%d}' % (nonce.encode(), i)
 
 
-def _refuse_envelope_shaped(obj: Any, path: str) -> None:
+def refuse_envelope_shaped(obj: Any, path: str) -> None:
     """User objects holding data/shape/dtype would read back as arrays: refuse them."""
     if isinstance(obj, dict):
-        if _KEYS <= obj.keys():
+        if ENVELOPE_KEYS <= obj.keys():
             raise WireError(
-                f"wire encode at {path}: an object with the keys {sorted(_KEYS)} is the wire's array envelope; "
+                f"wire encode at {path}: an object with the keys {sorted(ENVELOPE_KEYS)} is the wire's array envelope; "
                 f"pass the array itself (a tensor or numpy array) or rename one of the keys"
             )
         for k, v in obj.items():
-            _refuse_envelope_shaped(v, f"{path}.{k}")
+            refuse_envelope_shaped(v, f"{path}.{k}")
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _refuse_envelope_shaped(v, f"{path}[{i}]")
+            refuse_envelope_shaped(v, f"{path}[{i}]")
 
 
 def dumps(obj: Any) -> bytes:
@@ -160,7 +171,7 @@ def dumps(obj: Any) -> bytes:
         WireError: ``obj`` holds an object with the reserved keys (module doc), a dtype off
             the allow-list, or a value JSON cannot hold.
     """
-    _refuse_envelope_shaped(obj, "$")
+    refuse_envelope_shaped(obj, "$")
     while True:
         nonce, arrays = _nonce(), []
 
@@ -192,7 +203,7 @@ _MAX_DIM = 2**31 - 1
 _LONG_INT = "wire decode: the body holds an integer of more than 4300 digits; no field of this wire takes one"
 
 
-def _check_header(shape: Any, dtype: Any, where: str) -> tuple[tuple[int, ...], torch.dtype]:
+def check_header(shape: Any, dtype: Any, where: str) -> tuple[tuple[int, ...], torch.dtype]:
     if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise WireError(f"{where}: dtype {dtype!r} is not on the allow-list {sorted(WIRE_DTYPES)}")
     if (
@@ -250,7 +261,7 @@ def decode_envelope(obj: dict, *, where: str = "wire decode") -> torch.Tensor:
     """Decode an envelope already parsed by ``json`` (the fallback path)."""
     if not isinstance(obj, dict):
         raise WireError(f"{where}: expected an envelope object {{data, shape, dtype}}, got {type(obj).__name__}")
-    shape, dtype = _check_header(obj.get("shape"), obj.get("dtype"), where)
+    shape, dtype = check_header(obj.get("shape"), obj.get("dtype"), where)
     data = obj.get("data")
     if not isinstance(data, str):
         raise WireError(f"{where}: envelope 'data' must be a base64 string, got {type(data).__name__}")
@@ -264,15 +275,29 @@ def _restore(node: Any, arrays: list, key: str, path: str) -> Any:
     if isinstance(node, dict):
         if len(node) == 1 and key in node:
             return arrays[node[key]]
-        if _KEYS <= node.keys():
-            if node.keys() != _KEYS:
-                extra = sorted(set(node) - _KEYS)
+        if ENVELOPE_KEYS <= node.keys():
+            if node.keys() != ENVELOPE_KEYS:
+                extra = sorted(set(node) - ENVELOPE_KEYS)
                 raise WireError(f"wire decode at {path}: envelope with unexpected keys {extra}")
             return decode_envelope(node, where=f"wire decode at {path}")
         return {k: _restore(v, arrays, key, f"{path}.{k}") for k, v in node.items()}
     if isinstance(node, list):
         return [_restore(v, arrays, key, f"{path}[{i}]") for i, v in enumerate(node)]
     return node
+
+
+def parse_json(text: Union[bytes, bytearray, str], what: str) -> Any:
+    """``json.loads`` with every failure a :class:`WireError` naming ``what`` ("body", "head")."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WireError(f"wire decode: {what} is not valid JSON ({exc.msg} at char {exc.pos}); truncated or corrupted") from None
+    except UnicodeDecodeError:
+        raise WireError(f"wire decode: {what} is not UTF-8 text; corrupted") from None
+    except RecursionError:
+        raise WireError(f"wire decode: {what} is JSON nested too deeply to parse; refused") from None
+    except ValueError:  # Python's cap on integer digits (4300)
+        raise WireError(_LONG_INT.replace("the body", f"the {what}")) from None
 
 
 def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
@@ -314,22 +339,12 @@ def loads(raw: Union[bytes, bytearray, memoryview]) -> Any:
             shape = [int(s) for s in shape_txt.split(",")] if shape_txt else []
         except ValueError:
             raise WireError(f"{where}: {_LONG_INT}") from None
-        shape_t, dtype = _check_header(shape, m.group(2).decode(), where)
+        shape_t, dtype = check_header(shape, m.group(2).decode(), where)
         arrays.append(_decode_b64(mv[start:j], shape_t, dtype, where))
         pieces += [mv[last:i], _marker(nonce, len(arrays) - 1)]
         last = pos = m.end()
     pieces.append(mv[last:])
-    text = b"".join(pieces) if arrays else raw
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise WireError(f"wire decode: body is not valid JSON ({exc.msg} at char {exc.pos}); truncated or corrupted") from None
-    except UnicodeDecodeError:
-        raise WireError("wire decode: body is not UTF-8 text; corrupted") from None
-    except RecursionError:
-        raise WireError("wire decode: body is JSON nested too deeply to parse; refused") from None
-    except ValueError:  # Python's cap on integer digits (4300)
-        raise WireError(_LONG_INT) from None
+    obj = parse_json(b"".join(pieces) if arrays else raw, "body")
     try:
         return _restore(obj, arrays, _MARKER_KEY + nonce, "$")
     except RecursionError:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from nemo_replay.layout.ulysses import heads_to_seq, seq_to_heads, sp_size_rank
+from nemo_replay.distributed.groups import group_size_rank
+from nemo_replay.layout.ulysses import heads_to_seq, seq_to_heads
 
 __all__ = [
     "ULYSSES_ATTENTION",
@@ -129,7 +130,7 @@ def ulysses_attention_forward(
             f"(use_sliding_window=False) or run without sequence parallelism"
         )
     group = ulysses_plan.group
-    sp, _ = sp_size_rank(group)
+    sp, _ = group_size_rank(group)
     B, num_heads, s_local, head_dim = query.shape
     num_kv = key.shape[1]
     if num_heads % sp:

@@ -50,7 +50,8 @@ import torch
 from nemo_replay.batch import ReplayBatch
 from nemo_replay.layout.canonical import canonical_channels, position_ids
 from nemo_replay.layout.channels import ScorerChannels
-from nemo_replay.layout.ulysses import gather_sequence, pad_and_slice, padded_length, sp_size_rank
+from nemo_replay.distributed.groups import group_size_rank
+from nemo_replay.layout.ulysses import gather_sequence, pad_and_slice, padded_length
 from nemo_replay.layout.unpad import Unpadding, pad, shift_left, unpad, unpad_indices
 from nemo_replay.strategies.fsdp.attention import UlyssesPlan
 
@@ -163,7 +164,7 @@ def build_layout(batch: ReplayBatch, *, remove_padding: bool = True, sp_group=No
     loss_mask = shift_left(chan["loss_mask"], False, dim=1)
     model_len = tokens.shape[1]
 
-    sp, _ = sp_size_rank(sp_group)
+    sp, _ = group_size_rank(sp_group)
     plan = None
     if sp > 1:
         seg = chan["trajectory_ids"]

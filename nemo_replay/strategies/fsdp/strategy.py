@@ -28,8 +28,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from nemo_replay.batch import ReplayBatch
+from nemo_replay.distributed.compat import dtensor_names, fsdp2_names
+from nemo_replay.distributed.groups import group_size_rank
 from nemo_replay.layout.checks import check_canonical
-from nemo_replay.layout.ulysses import sp_size_rank
 from nemo_replay.objectives import PolicyLoss
 from nemo_replay.scoring.entry import score_positions
 from nemo_replay.scoring.scorer import SupportScores
@@ -45,7 +46,6 @@ from nemo_replay.strategies.base import (
 from nemo_replay.strategies.fsdp.attention import use_ulysses_attention
 from nemo_replay.strategies.fsdp.head import hidden_mode_problems
 from nemo_replay.strategies.fsdp.rolled_layout import FSDPLayout, build_layout
-from nemo_replay.support.fsdp2 import dtensor_names, fsdp2_names
 
 __all__ = ["FSDPStrategy", "lm_head_weight", "run_trunk"]
 
@@ -146,7 +146,7 @@ class FSDPStrategy(ReplayStrategy):
         self.backward = backward
         self.sp_group = sp_group
         self.remove_padding = bool(remove_padding)
-        self.sp_size, self.sp_rank = sp_size_rank(sp_group)
+        self.sp_size, self.sp_rank = group_size_rank(sp_group)
         self.sp_grad_scale = float(self.sp_size if sp_grad_scale is None else sp_grad_scale)
 
     # ------------------------------------------------------------------ roles

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from nemo_replay.trainer.config.schema import RecipeConfig
 from nemo_replay.layout.canonical import position_ids
-from nemo_replay.support.fsdp2 import fsdp2_names
+from nemo_replay.distributed.compat import fsdp2_names
 from nemo_replay.trainer.runtime import collective_timeout
 
 __all__ = ["HFBackend", "build_hf_model"]

@@ -268,7 +268,8 @@ class TrainerConfig:
     that stopped or hangs makes the others fail after this long with an error naming the
     collective, instead of waiting forever. Applies to the process groups the run creates."""
     progress_bar: bool = True
-    """Show a tqdm progress bar on rank 0."""
+    """Show the run's progress on rank 0: a tqdm bar on a terminal; on a file or a pipe, a plain line
+    at round step numbers (about twenty a run) and at the last step."""
     plot: bool = True
     """Write metrics.png at the end of the run."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])

@@ -21,10 +21,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 
-__all__ = ["clean", "current_names", "row_text", "read_jsonl", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
+__all__ = ["clean", "current_names", "row_text", "read_jsonl", "draw_runs", "plot_runs", "restore_rows", "write_summary", "write_atomic", "PLOTTED"]
 
 # (metric, title, log scale) in plot order.
 PLOTTED = (
@@ -126,41 +126,66 @@ def write_summary(path: Union[str, os.PathLike], summary: dict) -> Path:
     return path
 
 
-def plot_runs(runs: Sequence[tuple[str, Sequence[dict]]], out_png: Union[str, os.PathLike], title: str = "") -> Path:
-    """One panel per metric of :data:`PLOTTED` that any run logged; one line per run.
-
-    Args:
-        runs: ``(label, rows)`` pairs, rows as written by :class:`JsonlLogger`.
-        out_png: where the figure goes.
-    """
+def draw_runs(
+    runs: Sequence[tuple[str, Sequence[dict]]], title: str = "", legends: Optional[Mapping[str, Sequence[str]]] = None
+):
+    """The figure of :func:`plot_runs` (a matplotlib ``Figure``, Agg backend), left open for the caller."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    legends = legends or {}
     panels = [(k, t, log) for k, t, log in PLOTTED if any(r.get(k) is not None for _, rows in runs for r in rows)]
     cols = 3
     nrows = max(1, math.ceil(len(panels) / cols))
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.0 * nrows), squeeze=False)
+    # Constrained layout sizes each panel around its title, labels and the legend under it.
+    height = 3.0 if len(runs) < 2 else 3.9
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.4 * cols, height * nrows), squeeze=False, layout="constrained")
     for ax, (key, label, log) in zip(axes.flat, panels):
-        for run_label, rows in runs:
+        names = legends.get(key, [name for name, _ in runs])
+        for (_, rows), name in zip(runs, names):
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if log:
                 pts = [(s, max(v, 1e-12)) for s, v in pts]
             if pts:
-                ax.plot(*zip(*pts), label=run_label, linewidth=1.2)
+                ax.plot(*zip(*pts), label=name, linewidth=1.2)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(which="both", labelsize=7)  # a log axis labels minor ticks too
         if log:
             ax.set_yscale("log")
         if len(runs) > 1:
-            ax.legend(fontsize=7)
+            # Under the panel, outside its axes: a legend inside would cover curves that fill it.
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), frameon=False)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    return fig
+
+
+def plot_runs(
+    runs: Sequence[tuple[str, Sequence[dict]]],
+    out_png: Union[str, os.PathLike],
+    title: str = "",
+    legends: Optional[Mapping[str, Sequence[str]]] = None,
+) -> Path:
+    """One panel per metric of :data:`PLOTTED` that any run logged; one line per run.
+
+    With more than one run each panel has its own legend, under the panel where it cannot
+    cover a curve.
+
+    Args:
+        runs: ``(label, rows)`` pairs, rows as written by :class:`JsonlLogger`; the label is the
+            run's name in every panel's legend.
+        out_png: where the figure goes.
+        legends: for a metric, the legend's names of the runs in that panel instead of their
+            labels (one per run, in order): what the line means in that panel.
+    """
+    fig = draw_runs(runs, title, legends)
+    import matplotlib.pyplot as plt  # after draw_runs chose the Agg backend
+
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

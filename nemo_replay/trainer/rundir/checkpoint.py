@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 import nemo_replay.trainer.rundir.digests as digests  # the module, not the package: no import circle
-from nemo_replay.scoring.collectives import agree
+from nemo_replay.distributed.groups import agree
 from nemo_replay.trainer.loggers.metrics import current_names, write_atomic
 from nemo_replay.trainer.preemption import start_writer_helpers
 
@@ -80,6 +80,7 @@ __all__ = [
     "latest_checkpoint",
     "capture_rank_rng",
     "restore_rank_rng",
+    "state_format",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -382,7 +383,16 @@ def _raise_if(problem: Optional[str]) -> None:
         raise _Damaged(problem)
 
 
-def _format_for(model):
+def state_format(model):
+    """How a :class:`Checkpointer` writes ``model`` and its optimizer into a checkpoint's ``state/``:
+    ``megatron-dist`` for a model with ``sharded_state_dict()``, ``fabric`` for any other (module doc).
+
+    The format has ``name`` (recorded in ``complete.json``), ``rank_extra(model, optimizer)`` (this
+    rank's layout, kept in the trainer state), ``save(fabric, folder, model, optimizer, common)``
+    (writes ``folder / "state"``; ``common``: the trainer state, a dict) and ``load(fabric, folder,
+    model, optimizer)`` (restores both in place, returns ``common``). Neither writes the manifest or
+    the digests: the :class:`Checkpointer` does, around them.
+    """
     return _MegatronFormat() if callable(getattr(model, "sharded_state_dict", None)) else _FabricFormat()
 
 
@@ -431,7 +441,7 @@ class Checkpointer:
 
     def save(self, step: int, model, optimizer, *, history: list, rank_state: dict) -> Path:
         """Write the checkpoint of steps ``0..step``; collective (every rank calls it). Returns its folder."""
-        fmt = _format_for(model)
+        fmt = state_format(model)
         mine = dict(rank_state, format=fmt.rank_extra(model, optimizer))
         world = self.fabric.world_size
         if self._distributed():
@@ -615,7 +625,7 @@ class Checkpointer:
 
     def load(self, info: CheckpointInfo, model, optimizer) -> tuple[list, dict]:
         """Restore ``model`` and ``optimizer`` from ``info``; returns (history, this rank's state)."""
-        fmt = _format_for(model)
+        fmt = state_format(model)
         if fmt.name != info.format:
             raise ValueError(
                 f"checkpoint {info.path} is in the {info.format!r} format but this model saves as {fmt.name!r} "

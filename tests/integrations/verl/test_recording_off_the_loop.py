@@ -1,6 +1,6 @@
 """verl's vLLM server reads a response's supports off its event loop.
 
-``_RecordingVllmEngine`` wraps verl's ``AsyncLLM`` (``vllm_async_server.py``): it passes the
+``RecordingVllmEngine`` wraps verl's ``AsyncLLM`` (``vllm_async_server.py``): it passes the
 engine's stream through and reads the finished response's rows. Read on the event loop, one
 4096-token response at k = 64 held every other request of that server for 1.6-2.0 s (vLLM's own
 output handler yields every chunk, ``v1/engine/async_llm.py:654-683``). Here the engine is a
@@ -15,7 +15,7 @@ import asyncio
 
 import torch
 
-from nemo_replay.integrations.verl.rollout import RolloutReplay, VllmSupportRecorder, _RecordingVllmEngine
+from nemo_replay.integrations.verl.rollout import RecordingVllmEngine, RolloutReplay, VllmSupportRecorder
 from tests.rollout.engines.engine_outputs import RequestOutput, vllm_offline_output, vllm_steps
 
 K, V, N = 64, 4096, 1024  # four READ_CHUNKs
@@ -52,7 +52,7 @@ def test_a_long_response_is_read_off_the_event_loop():
             return super().read(completion, sampling_params)
 
     sink: dict = {}
-    engine = _RecordingVllmEngine(_Engine(final), Recorder(RolloutReplay(True, K, 1.0, K, 1.0), vocab_size=V), sink)
+    engine = RecordingVllmEngine(_Engine(final), Recorder(RolloutReplay(True, K, 1.0, K, 1.0), vocab_size=V), sink)
     params = _Params()
 
     async def run():

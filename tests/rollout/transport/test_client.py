@@ -11,6 +11,7 @@ from nemo_replay import capture
 from nemo_replay.rollout.transport.client import GenerateClient, GenerateRequestError
 from nemo_replay.rollout.transport.server import GenerateServer
 from nemo_replay.rollout.capture.trace import RouteTrace, SupportTrace
+from nemo_replay.rollout.transport.binary import BINARY_TYPE, JSON_TYPE, MAGIC, dumps_body, loads_body
 from nemo_replay.rollout.transport.wire import WireError
 
 V, EOS, LAYERS, TOPK = 48, 2, 3, 2
@@ -47,7 +48,7 @@ def local_generation(prompt, params, seed):
 
 
 def rows_of(support) -> list:
-    """Each row as a sorted list: compact rows travel sorted (support/codec.py), the sampler's ranked."""
+    """Each row as a sorted list: compact rows travel sorted (support/codec/), the sampler's ranked."""
     if isinstance(support, torch.Tensor):
         return [sorted(t for t in r.tolist() if t >= 0) for r in support]
     return [sorted(support.row(j).tolist()) for j in range(support.num_rows)]
@@ -62,15 +63,22 @@ def disturb_first(n_bad: int, how: str):
         state["seen"] += 1
         if state["seen"] > n_bad and how != "pretty":
             return resp
+        binary = resp.content_type == BINARY_TYPE
         if how == "truncate":
-            return web.Response(body=resp.body[: len(resp.body) * 2 // 3], content_type="application/json")
+            return web.Response(body=resp.body[: len(resp.body) * 2 // 3], content_type=resp.content_type)
         if how == "corrupt":
             body = bytearray(resp.body)
-            at = body.index(b'"codec":"nrsc-1","data":{"data":"') + 40
-            body[at : at + 4] = b"!!!!"
-            return web.Response(body=bytes(body), content_type="application/json")
+            if binary:  # the support part's dtype, in the head: uint8 -> uint9
+                body[body.index(b'"dtype":"uint8"') + 13] = ord("9")
+            else:
+                at = body.index(b'"codec":"nrsc-1","data":{"data":"') + 40
+                body[at : at + 4] = b"!!!!"
+            return web.Response(body=bytes(body), content_type=resp.content_type)
         if how == "overflow":  # an empty array whose strides overflow int64
             shape = b"[0" + b",2147483647" * 5 + b"]"
+            if binary:
+                head = b'{"output_ids":{"data":0,"shape":' + shape + b',"dtype":"int32"}}'
+                return web.Response(body=MAGIC + len(head).to_bytes(4, "little") + head, content_type=BINARY_TYPE)
             return web.Response(body=b'{"output_ids":{"data":"","shape":' + shape + b',"dtype":"int32"}}',
                                 content_type="application/json")
         if how == "unavailable":
@@ -82,19 +90,20 @@ def disturb_first(n_bad: int, how: str):
     return middleware
 
 
-async def one_request(how, n_bad, *, max_attempts=4, prompt=(5, 6, 7)):
+async def one_request(how, n_bad, *, max_attempts=4, prompt=(5, 6, 7), binary=True):
     async with GenerateServer(logits_fn, vocab_size=V, routes_fn=routes_fn, eos_id=EOS, middlewares=[disturb_first(n_bad, how)]) as server:
         assert server.url.startswith("http://127.0.0.1:")
-        async with GenerateClient(server.url, max_attempts=max_attempts, backoff_s=0.01, vocab_size=V) as client:
+        async with GenerateClient(server.url, max_attempts=max_attempts, backoff_s=0.01, vocab_size=V, binary=binary) as client:
             try:
                 return await client.generate(list(prompt), sampling_params=PARAMS, routes_start=0, seed=3), client, server
             except GenerateRequestError as exc:
                 return exc, client, server
 
 
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 @pytest.mark.parametrize("how", ["truncate", "corrupt", "unavailable", "overflow"])
-def test_client_retries_a_bad_response_then_succeeds(how):
-    result, client, server = asyncio.run(one_request(how, 1))
+def test_client_retries_a_bad_response_then_succeeds(how, binary):
+    result, client, server = asyncio.run(one_request(how, 1, binary=binary))
     assert client.num_retries == 1 and server.num_requests == 2
     ids, lps, rows = local_generation([5, 6, 7], PARAMS, 3)
     assert torch.equal(result.output_ids, ids)
@@ -105,7 +114,7 @@ def test_client_retries_a_bad_response_then_succeeds(how):
 
 
 def test_reformatted_response_parses():
-    result, client, _ = asyncio.run(one_request("pretty", 0))
+    result, client, _ = asyncio.run(one_request("pretty", 0, binary=False))  # a JSON client: what a proxy may re-indent
     assert client.num_retries == 0
     ids, _, rows = local_generation([5, 6, 7], PARAMS, 3)
     assert torch.equal(result.output_ids, ids) and rows_of(result.support) == rows_of(rows)
@@ -207,10 +216,10 @@ def test_a_response_that_fails_validation_is_not_retried():
     @web.middleware
     async def misalign(request, handler):  # a server bug: the support of another response
         resp = await handler(request)
-        body = json.loads(resp.body)
-        body["output_ids"] = {"data": "AQAAAAAAAAA=", "shape": [1], "dtype": "int64"}
-        body["logprobs"] = {"data": "AAAAAA==", "shape": [1], "dtype": "float32"}
-        return web.Response(body=json.dumps(body).encode(), content_type="application/json")
+        body = loads_body(resp.body, resp.content_type)
+        body["output_ids"], body["logprobs"] = torch.tensor([1]), torch.zeros(1)
+        data, media_type = dumps_body(body, resp.content_type == BINARY_TYPE)
+        return web.Response(body=data, content_type=media_type)
 
     async def go():
         async with GenerateServer(logits_fn, vocab_size=V, middlewares=[misalign]) as server:
@@ -230,12 +239,10 @@ def test_a_response_that_fails_validation_is_not_retried():
 ])
 def test_the_client_applies_the_adapters_value_checks(fault, match):
     """The engine adapters refuse these values; the wire client returned them as a rollout."""
-    from nemo_replay.rollout.transport.wire import dumps, loads
-
     @web.middleware
     async def spoil(request, handler):
         resp = await handler(request)
-        body = loads(resp.body)
+        body = loads_body(resp.body, resp.content_type)
         if fault == "empty_row":  # rows coded without their sampled ids: an empty row can be sent
             from nemo_replay.rollout.transport.wire import support_from_wire, support_to_wire
             from nemo_replay.support.ragged import RaggedSupport
@@ -247,7 +254,8 @@ def test_the_client_applies_the_adapters_value_checks(fault, match):
         else:
             body["logprobs"] = body["logprobs"].clone()
             body["logprobs"][1] = {"nan": float("nan"), "inf": float("inf"), "positive": 0.5}[fault]
-        return web.Response(body=dumps(body), content_type="application/json")
+        data, media_type = dumps_body(body, resp.content_type == BINARY_TYPE)
+        return web.Response(body=data, content_type=media_type)
 
     async def go():
         async with GenerateServer(logits_fn, vocab_size=V, middlewares=[spoil]) as server:
@@ -258,3 +266,68 @@ def test_the_client_applies_the_adapters_value_checks(fault, match):
 
     err, retries = asyncio.run(go())
     assert retries == 0 and isinstance(err.__cause__, WireError) and __import__("re").search(match, str(err.__cause__)), err.__cause__
+
+
+def media_types(seen: list, *, old_server: bool = False, refuse_binary: bool = False):
+    """Notes (request type, answer type) of each request. ``old_server``: the server as it was before
+    binary bodies, which read every body as JSON and answered JSON whatever the Accept header named;
+    ``refuse_binary``: a server that answers a binary body 415 (one that no longer reads this form)."""
+
+    @web.middleware
+    async def middleware(request, handler):
+        sent = request.content_type
+        if sent == BINARY_TYPE and (old_server or refuse_binary):
+            status, error = (400, "wire decode: body is not valid JSON") if old_server else (415, "format not read")
+            resp = web.json_response({"error": error}, status=status)
+        else:
+            if old_server:
+                request = request.clone(headers={k: v for k, v in request.headers.items() if k.lower() != "accept"})
+            resp = await handler(request)
+        seen.append((sent, resp.content_type))
+        return resp
+
+    return middleware
+
+
+async def three_requests(middleware, **client_kwargs):
+    async with GenerateServer(logits_fn, vocab_size=V, eos_id=EOS, middlewares=[middleware]) as server:
+        async with GenerateClient(server.url, vocab_size=V, backoff_s=0.01, **client_kwargs) as client:
+            results = [await client.generate([5, 6, 7], sampling_params=PARAMS, seed=seed) for seed in (3, 4, 5)]
+            return results, client
+
+
+def assert_generated(results):
+    for result, seed in zip(results, (3, 4, 5)):
+        ids, lps, rows = local_generation([5, 6, 7], PARAMS, seed)
+        assert torch.equal(result.output_ids, ids) and torch.equal(result.logprobs.view(torch.int32), lps.view(torch.int32))
+        assert rows_of(result.support) == rows_of(rows)
+
+
+def test_binary_both_ways_once_the_server_has_answered_binary():
+    seen = []
+    results, client = asyncio.run(three_requests(media_types(seen)))
+    assert seen == [(JSON_TYPE, BINARY_TYPE)] + [(BINARY_TYPE, BINARY_TYPE)] * 2  # the first request cannot know
+    assert client.binary_requests is True and client.num_retries == 0
+    assert_generated(results)
+
+
+def test_a_json_client_sends_and_reads_json():
+    seen = []
+    results, client = asyncio.run(three_requests(media_types(seen), binary=False))
+    assert seen == [(JSON_TYPE, JSON_TYPE)] * 3 and client.num_retries == 0
+    assert_generated(results)
+
+
+def test_a_new_client_against_an_old_server_sends_and_reads_json():
+    seen = []
+    results, client = asyncio.run(three_requests(media_types(seen, old_server=True)))
+    assert seen == [(JSON_TYPE, JSON_TYPE)] * 3 and client.binary_requests is None and client.num_retries == 0
+    assert_generated(results)
+
+
+def test_a_415_to_a_binary_request_sends_it_again_as_json_at_once_and_for_good():
+    seen = []
+    results, client = asyncio.run(three_requests(media_types(seen, refuse_binary=True)))
+    assert seen == [(JSON_TYPE, BINARY_TYPE), (BINARY_TYPE, JSON_TYPE), (JSON_TYPE, BINARY_TYPE), (JSON_TYPE, BINARY_TYPE)]
+    assert client.binary_requests is False and client.num_retries == 0
+    assert_generated(results)

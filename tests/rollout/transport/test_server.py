@@ -16,6 +16,7 @@ from aiohttp import web
 from nemo_replay.rollout.transport.client import GenerateClient, GenerateRequestError
 from nemo_replay.rollout.transport import server as server_module
 from nemo_replay.rollout.transport.server import MAX_JSON_VALUES, TOKEN_ENV, GenerateServer, read_token_file
+from nemo_replay.rollout.transport.binary import dumps_body
 from nemo_replay.rollout.transport.wire import dumps
 from benchmarks.rss import reset_high_water, rss_high_water_kib
 
@@ -265,8 +266,9 @@ def test_a_list_input_ids_over_the_value_cap_is_a_413_before_parsing():
     assert reply["error"] == (
         f"request body holds up to {1_500_000 + 11} JSON values outside array envelopes, over the server's "
         f"max_json_values={MAX_JSON_VALUES} (input_ids as a JSON list is limited to about {MAX_JSON_VALUES} "
-        f'tokens); send input_ids as an int32 array envelope {{"data": <base64>, "shape": [T], "dtype": "int32"}} '
-        f"(GenerateClient and wire.dumps of a tensor do), which may fill the body limit of {32 << 20} bytes"
+        f"tokens); send input_ids as an int32 array, a binary body's part or the envelope "
+        f'{{"data": <base64>, "shape": [T], "dtype": "int32"}} in JSON (GenerateClient and wire.dumps of a tensor do), '
+        f"which may fill the body limit of {32 << 20} bytes"
     )
     assert all(statuses == [b"HTTP/1.1 200 OK", b"HTTP/1.1 401 Unauthorized"] for _, statuses in waits)
     print(f"413 after {answered_in:.2f} s; small requests waited at most {max(w for w, _ in waits):.3f} s; "
@@ -291,16 +293,16 @@ def test_a_large_body_decodes_off_the_event_loop(monkeypatch):
     # answered. On the event loop (before the fix) that could never happen: the hold ran its
     # full 5 s, and the test's own coroutines, on the same loop, stood still with it.
     released, held_for = threading.Event(), []
-    real_loads = server_module.loads
+    real_loads = server_module.loads_body
 
-    def slow_loads(raw):
+    def slow_loads(raw, content_type):
         if len(raw) > 1 << 20:
             t0 = time.monotonic()
             released.wait(5)
             held_for.append(time.monotonic() - t0)
-        return real_loads(raw)
+        return real_loads(raw, content_type)
 
-    monkeypatch.setattr(server_module, "loads", slow_loads)
+    monkeypatch.setattr(server_module, "loads_body", slow_loads)
     big = dumps({"input_ids": torch.randint(0, V, (1_000_000,), dtype=torch.int32), "sampling_params": OK["sampling_params"]})
 
     async def run(server):
@@ -491,24 +493,28 @@ def test_full_server_answers_429_and_the_client_retries():
     assert status == 429 and "retry" in reply["error"] and retries >= 1 and result.output_ids.numel() >= 1
 
 
-def test_memory_per_request_is_a_small_multiple_of_its_body():
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_memory_per_request_is_a_small_multiple_of_its_body(binary):
     if not reset_high_water():
         pytest.skip("cannot reset the RSS high-water mark here")
-    n = 4_000_000  # a 16 MB int32 prompt: about 21 MB of base64 on the wire
-    body = dumps({"input_ids": torch.randint(0, V, (n,), dtype=torch.int32), "sampling_params": OK["sampling_params"]})
+    n = 4_000_000  # a 16 MB int32 prompt: about 21 MB of base64 in JSON, 16 MB as a binary part
+    body, media_type = dumps_body({"input_ids": torch.randint(0, V, (n,), dtype=torch.int32),
+                                   "sampling_params": OK["sampling_params"]}, binary)
 
     async def run(server):
         await post_raw(server.url, edit("seed", 0))  # warm up the code paths
         reset_high_water()
         base = rss_high_water_kib()
-        status, _ = await post_raw(server.url, body)
+        status, _ = await post_raw(server.url, body, {"Content-Type": media_type})
         return status, (rss_high_water_kib() - base) * 1024
 
     status, extra = with_server(run, max_body_bytes=32 << 20)
     assert status == 200
-    # The test's client shares the process: its allocations count here too.
-    # The body (1x), the decoded int32 prompt (0.75x) and the int64 conversation buffer (1.5x): 3.7x measured.
+    # The test's client shares the process: its allocations count here too. JSON: the body (1x), the
+    # decoded int32 prompt (0.75x) and the int64 conversation buffer (1.5x), 3.7x measured; binary: the
+    # body (1x), its part copied (1x) and the buffer (2x).
     assert extra < 5 * len(body), f"peak extra memory {extra / 2**20:.0f} MiB for a {len(body) / 2**20:.0f} MiB body"
+    print(f"peak extra memory {extra / len(body):.2f}x a {len(body) / 2**20:.1f} MiB {media_type} body")
 
 
 def test_command_line_server_serves_a_recipe_model_with_a_token():

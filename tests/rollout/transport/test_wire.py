@@ -228,7 +228,7 @@ def test_deeply_nested_json_is_a_wire_error():
 
 
 def test_compact_rows_travel_tagged_and_old_forms_still_read():
-    """The compact form (support/codec.py) carries a version tag; the fixed and CSR envelopes of
+    """The compact form (support/codec/) carries a version tag; the fixed and CSR envelopes of
     older servers decode as before; a damaged or unknown compact payload is a WireError."""
     from nemo_replay.rollout.transport.wire import CODEC_TAG
 

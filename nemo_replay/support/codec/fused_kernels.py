@@ -1,4 +1,4 @@
-"""The two Triton kernels of the fused compact decode (:mod:`nemo_replay.support.fused` says what
+"""The two Triton kernels of the fused compact decode (:mod:`nemo_replay.support.codec.fused` says what
 they compute and how they are checked). Imported only where Triton is: this module imports it.
 
 Pointers: ``table`` (buffers, COLS) int64, the codec's per-buffer table; ``ones_len`` (rows + 1,)
@@ -13,16 +13,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nemo_replay.support import codec_table as _t
+from nemo_replay.support.codec.header import GAP_LOW as _GAP_LOW_STREAM, MAX_V as _MAX_V
+from nemo_replay.support.codec.parse import COL, NEVER as _NEVER, UNARY
 
-# The table's columns (codec_table.py), as compile-time constants.
-COLS = tl.constexpr(_t.COLUMNS)
-LB, V, DROP, WIDTH = tl.constexpr(_t.LB), tl.constexpr(_t.V), tl.constexpr(_t.DROP), tl.constexpr(_t.WIDTH)
-FIRST_ROW, UNIVERSE, MASK = tl.constexpr(_t.FIRST_ROW), tl.constexpr(_t.UNIVERSE), tl.constexpr(_t.MASK)
-LEN_LOW, GAP_LOW, IDS = tl.constexpr(_t.LEN_LOW), tl.constexpr(_t.GAP_LOW), tl.constexpr(_t.IDS)
-END_ROW, GAP_LOW_SIZE = tl.constexpr(_t.END_ROW), tl.constexpr(_t.SIZE + 3)
-LEN_UNARY, GAP_UNARY = tl.constexpr(_t.LEN_UNARY), tl.constexpr(_t.GAP_UNARY)
-MAX_V, NEVER = tl.constexpr(_t.MAX_V), tl.constexpr(_t.NEVER)
+# The table's columns (parse.TableColumns, parse.UnaryColumns), as compile-time constants.
+COLS = tl.constexpr(COL.count)
+LB, V, DROP, WIDTH = tl.constexpr(COL.lb), tl.constexpr(COL.vocab), tl.constexpr(COL.drop), tl.constexpr(COL.width)
+FIRST_ROW, UNIVERSE, MASK = tl.constexpr(COL.first_row), tl.constexpr(COL.universe), tl.constexpr(COL.mask)
+LEN_LOW, GAP_LOW = tl.constexpr(COL.len_low_bit), tl.constexpr(COL.gap_low_bit)
+IDS, END_ROW = tl.constexpr(COL.ids), tl.constexpr(COL.end_row)
+GAP_LOW_SIZE = tl.constexpr(COL.size + _GAP_LOW_STREAM)
+LEN_ONES, GAP_ONES = tl.constexpr(COL.len_ones), tl.constexpr(COL.gap_ones)  # a unary stream's columns: U_ below
+U_AFTER, U_LAST, U_END = tl.constexpr(UNARY.after), tl.constexpr(UNARY.last), tl.constexpr(UNARY.end)
+U_FIRST, U_BIT_BEFORE = tl.constexpr(UNARY.first), tl.constexpr(UNARY.bit_before)
+U_LAST_BELOW, U_LAST_FROM = tl.constexpr(UNARY.last_below), tl.constexpr(UNARY.last_from)
+MAX_V, NEVER = tl.constexpr(_MAX_V), tl.constexpr(_NEVER)
 
 
 @triton.jit
@@ -50,7 +55,7 @@ def _floor_log2(q):
 
 # Sizes vary from batch to batch, and so does the alignment of ``table`` (the first multiple of 8
 # bytes past the batch's streams) and of ``sampled`` (the caller's view). Neither is specialised
-# on, so one compiled kernel a ``HAS_SAMPLED`` serves every batch: the one codec._fused_passes
+# on, so one compiled kernel a ``HAS_SAMPLED`` serves every batch: the one fused.known_batch_passes
 # checks. The other pointers are fresh allocations, always aligned.
 @triton.jit(do_not_specialize=["table", "sampled", "n_raw", "R", "B", "search_steps"])
 def rows_kernel(table, ones_len, raw, n_raw, sampled, scan, info, flags, R, B, search_steps,
@@ -74,7 +79,7 @@ def rows_kernel(table, ones_len, raw, n_raw, sampled, scan, info, flags, R, B, s
     # before its stream) to its own.
     one = tl.load(ones_len + r, mask=live, other=0)
     before = tl.load(ones_len + r - 1, mask=live & (r > 0), other=-1)
-    before = tl.where(r == tl.load(row + LEN_UNARY + 2), tl.load(row + LEN_UNARY + 3), before)
+    before = tl.where(r == tl.load(row + LEN_ONES + U_FIRST), tl.load(row + LEN_ONES + U_BIT_BEFORE), before)
     high = tl.minimum(one - before - 1, MAX_V)
     low = _field(raw, n_raw, tl.load(row + LEN_LOW) + (r - tl.load(row + FIRST_ROW)) * lb, lb, tl.load(row + MASK))
     length = (high << lb) | low
@@ -97,10 +102,10 @@ def rows_kernel(table, ones_len, raw, n_raw, sampled, scan, info, flags, R, B, s
 def _unary_checks(ones, columns, flags, slot):
     # A buffer's unary stream holds exactly its count of set bits (the one after its last value lies
     # past its end, its last value inside), and its last set bit lies in its last byte.
-    after = tl.load(ones + tl.load(columns))
-    last = tl.load(ones + tl.load(columns + 1))
-    tl.store(flags + slot, 1, mask=(after < tl.load(columns + 4)) | (last >= tl.load(columns + 5)))
-    tl.store(flags + slot + 1, 1, mask=last < tl.load(columns + 6))
+    after = tl.load(ones + tl.load(columns + U_AFTER))
+    last = tl.load(ones + tl.load(columns + U_LAST))
+    tl.store(flags + slot, 1, mask=(after < tl.load(columns + U_END)) | (last >= tl.load(columns + U_LAST_BELOW)))
+    tl.store(flags + slot + 1, 1, mask=last < tl.load(columns + U_LAST_FROM))
 
 
 @triton.jit(do_not_specialize=["table", "sampled", "n_raw", "R", "I", "width", "total"])
@@ -119,8 +124,8 @@ def ids_kernel(table, ones_len, ones_gap, raw, n_raw, sampled, scan, info, out, 
         first_low = tl.load(row + GAP_LOW) + tl.load(scan + r * 2 + 1) - tl.load(scan + tl.load(row + FIRST_ROW) * 2 + 1)
         zero = start * 0  # an int64 scalar: the running values below start from it
         mask_b = ((zero + 1) << b) - 1
-        first_id = tl.load(row + GAP_UNARY + 2)
-        bit_before = tl.load(row + GAP_UNARY + 3)
+        first_id = tl.load(row + GAP_ONES + U_FIRST)
+        bit_before = tl.load(row + GAP_ONES + U_BIT_BEFORE)
         far = zero + NEVER  # the dropped sampled token, where the row dropped one
         if HAS_SAMPLED:
             if tl.load(row + DROP) > 0:
@@ -155,8 +160,8 @@ def ids_kernel(table, ones_len, ones_gap, raw, n_raw, sampled, scan, info, out, 
             tl.store(out + put, tl.load(sampled + r).to(tl.int32), mask=(far != NEVER) & (length > 0))
     else:
         row = table + (pid - R) * COLS
-        _unary_checks(ones_len, row + LEN_UNARY, flags, 0)
-        _unary_checks(ones_gap, row + GAP_UNARY, flags, 5)
+        _unary_checks(ones_len, row + LEN_ONES, flags, 0)
+        _unary_checks(ones_gap, row + GAP_ONES, flags, 5)
         first = tl.load(row + FIRST_ROW)
         end = tl.load(row + END_ROW)
         tl.store(flags + 3, 1, mask=tl.load(scan + end * 2) - tl.load(scan + first * 2) != tl.load(row + IDS))

@@ -1,4 +1,5 @@
-"""``agree`` on real gloo ranks: whatever one rank raises, every rank raises it, at once.
+"""Process groups (``nemo_replay.distributed.groups``): a group's size and rank, and ``agree`` on
+real gloo ranks: whatever one rank raises, every rank raises it, at once.
 
 Only ``ValueError`` used to travel: a ``KeyError`` from a batch check, a ``RuntimeError``, an
 ``IndexError`` or torch DCP's ``CheckpointException`` (a ``BaseException``) on one rank left the
@@ -15,8 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import torch
 
-from nemo_replay.scoring.collectives import agree
-from nemo_replay.scoring.entry import ScorerChannels, flag_device, score_positions
+from nemo_replay.distributed.groups import agree, check_together, flag_device, group_size_rank
+from nemo_replay.scoring.entry import ScorerChannels, score_positions
 from nemo_replay.support.errors import SupportAlignmentError
 from nemo_replay.support.packed import PackedTensor
 from tests.spawn import run_workers
@@ -44,7 +45,7 @@ FAILURES = {
 def _each_failure(rank: int, world: int) -> dict:
     # A group of its own with a short timeout: a rank left waiting fails in 10 s instead of hanging the suite.
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=10))
-    out = {}
+    out = {"size_rank": group_size_rank(group)}
     for name, fail in FAILURES.items():
         start = time.monotonic()
         try:
@@ -73,6 +74,7 @@ def _each_failure(rank: int, world: int) -> dict:
 
 def test_every_exception_one_rank_raises_is_raised_on_every_rank_at_once():
     r0, r1 = run_workers(_each_failure, 2)
+    assert (r0["size_rank"], r1["size_rank"]) == ((2, 0), (2, 1))
     expected = {
         "key": ("KeyError", "worker rank 1 of 2: 'response_mask'"),
         "runtime": ("RuntimeError", "worker rank 1 of 2: step must be nonzero"),
@@ -85,7 +87,7 @@ def test_every_exception_one_rank_raises_is_raised_on_every_rank_at_once():
             assert got[2] < 5, (name, got)  # no rank waited for the group's timeout
     # Types that cannot be built from one message arrive as RankError naming the type.
     for name, qualname in (("checkpoint", "torch.distributed.checkpoint.api.CheckpointException"),
-                           ("two_args", "tests.scoring.test_collectives._TwoArgs")):
+                           ("two_args", "tests.distributed.test_groups._TwoArgs")):
         for got in (r0[name], r1[name]):
             assert got[0] == "RankError" and got[1].startswith("worker rank 1 of 2: ") and qualname in got[1], (name, got)
     # The failing rank chains its own error; the other has none to chain.
@@ -96,3 +98,11 @@ def test_every_exception_one_rank_raises_is_raised_on_every_rank_at_once():
         assert r["score"][0] == "SupportAlignmentError", r["score"]
         assert r["score"][1].startswith("CP rank 1 of 2: test slice: trajectory 1, logit position 4"), r["score"]
         assert r["flag_device"] == "cpu" and r["scored"]
+
+
+def test_without_a_group_one_rank_checks_run_once_and_the_flag_stays_with_the_tensors():
+    assert group_size_rank(None) == (1, 0)
+    calls = []
+    assert check_together(lambda: calls.append(1) or "ok", None, name="worker", device="cpu") == "ok" and calls == [1]
+    assert agree(lambda: "alone", None, device="cpu", name="worker") == "alone"
+    assert flag_device(None, torch.device("meta")) == torch.device("meta")
