@@ -274,9 +274,14 @@ def batch_pickles(rows, sampled, V) -> dict:
         from verl import DataProto
 
         from nemo_replay.integrations.verl.response_rows import encode_response_rows, object_column
+        from nemo_replay.support.rows import SampleRows
 
-        # What replay's agent loop ships: one buffer a sample, its response's rows.
-        holder = object_column([encode_response_rows(fixed[i, P:], sampled[i * R:(i + 1) * R]) for i in range(B)])
+        # What replay's agent loop ships: one buffer a sample, the server's buffer of its one turn with each
+        # row's response position (SampleRows.to_bytes).
+        holder = object_column([
+            SampleRows.whole(encode_response_rows(fixed[i, P:], sampled[i * R:(i + 1) * R]), R).to_bytes()
+            for i in range(B)
+        ])
         out["verl DataProto"] = (
             len(pickle.dumps(DataProto.from_dict(tensors={"generation_support": fixed[:, P:].contiguous()}))),
             len(pickle.dumps(DataProto.from_dict(tensors={"responses": torch.zeros(B, R, dtype=torch.int64)},

@@ -27,6 +27,8 @@ rows that travel with their tokens may drop them (about a byte a row less), and
 
 from __future__ import annotations
 
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -34,11 +36,18 @@ import numpy as np
 import torch
 
 from nemo_replay.support.codec import CompactRows, encode_kept, encode_support, header_of
+from nemo_replay.support.codec.header import as_bytes
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["SampleRows", "batch_rows"]
 
 _NO_RUNS = np.zeros((0, 3), np.int32)
+# The byte form (SampleRows.to_bytes): magic | version u8 | 3 zero bytes | length u64 | width u32 | runs u32 |
+# buffers u32 | CRC-32 u32 of the whole form with these four bytes zero; then each buffer's size (u64), the runs
+# ((runs, 3) int32) and the buffers back to back. Little-endian.
+BYTES_MAGIC, BYTES_VERSION = b"NRSR", 1
+_BYTES_HEAD = struct.Struct("<4sB3xQIIII")
+_BYTES_CRC_AT = _BYTES_HEAD.size - 4
 _EMPTY = encode_kept(RaggedSupport.from_rows([[]]))  # one trajectory, no row
 
 
@@ -119,6 +128,28 @@ class SampleRows:
         """A sample of ``length`` columns without a row (a prompt, a tool's output)."""
         return cls((_EMPTY,), _NO_RUNS, int(length))
 
+    @classmethod
+    def placed(cls, buffers: Sequence[np.ndarray], columns: Any, rows: Any, length: int, *, width: int = 0,
+               where: str = "support rows") -> "SampleRows":
+        """Rows of ``buffers`` (their rows back to back) placed at columns: buffer row ``rows[i]`` belongs to
+        column ``columns[i]``; buffer rows not named belong to none (a window a framework cut, a token
+        taken out of the loss). Nothing is decoded or encoded.
+
+        Raises:
+            ValueError naming ``where``: columns not increasing or outside ``[0, length)``, a row
+            outside the buffers' rows or named twice.
+        """
+        columns = np.asarray(columns, np.int64).reshape(-1)
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        held = sum(header_of(b).rows for b in buffers)
+        if columns.size != rows.size:
+            raise ValueError(f"{where}: {columns.size} columns for {rows.size} rows; one column a placed row")
+        if columns.size and (int(columns[0]) < 0 or int(columns[-1]) >= length or bool((np.diff(columns) < 1).any())):
+            raise ValueError(f"{where}: row columns must increase within [0, {length}), got {columns[:16].tolist()}")
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= held or np.unique(rows).size != rows.size):
+            raise ValueError(f"{where}: placed rows {rows[:16].tolist()} must be distinct rows of buffers holding {held}")
+        return cls(tuple(buffers) or (_EMPTY,), _runs_of(columns, rows), int(length), int(width))
+
     @property
     def num_rows(self) -> int:
         """The rows that belong to a column."""
@@ -141,6 +172,51 @@ class SampleRows:
     @property
     def nbytes(self) -> int:
         return int(sum(b.nbytes for b in self.buffers) + np.asarray(self.runs).nbytes)
+
+    def to_bytes(self) -> np.ndarray:
+        """The sample as one uint8 buffer (its buffers as they are, the runs beside them, one CRC-32
+        over all): for a framework that carries one buffer a sample (verl's ``non_tensor_batch``)."""
+        bufs = [as_bytes(b) for b in self.buffers]
+        runs = np.ascontiguousarray(np.asarray(self.runs), dtype="<i4")
+        head = _BYTES_HEAD.pack(BYTES_MAGIC, BYTES_VERSION, self.length, self.width, len(runs), len(bufs), 0)
+        sizes = np.array([b.size for b in bufs], dtype="<u8")
+        out = np.frombuffer(b"".join([head, sizes.tobytes(), runs.tobytes()] + [b.tobytes() for b in bufs]), np.uint8).copy()
+        out[_BYTES_CRC_AT:_BYTES_CRC_AT + 4] = np.frombuffer(struct.pack("<I", zlib.crc32(out)), np.uint8)
+        return out
+
+    @classmethod
+    def from_bytes(cls, buf: Any, *, where: str = "support rows") -> "SampleRows":
+        """The inverse of :meth:`to_bytes`; the compact buffers are views of ``buf``.
+
+        Raises:
+            ValueError naming ``where``: not a uint8 buffer, another magic or version, sizes that
+            do not add up to the buffer's, a CRC-32 that does not match (a flipped bit).
+        """
+        try:
+            raw = as_bytes(buf)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc} (SampleRows.to_bytes)") from exc
+        if raw.size < _BYTES_HEAD.size:
+            raise ValueError(f"{where}: {raw.size} bytes, fewer than the {_BYTES_HEAD.size}-byte header of "
+                             f"SampleRows.to_bytes; a truncated buffer")
+        magic, version, length, width, n_runs, n_bufs, crc = _BYTES_HEAD.unpack(raw[:_BYTES_HEAD.size].tobytes())
+        if magic != BYTES_MAGIC or version != BYTES_VERSION:
+            raise ValueError(f"{where}: magic {magic!r} version {version}, expected {BYTES_MAGIC!r} version "
+                             f"{BYTES_VERSION} (SampleRows.to_bytes)")
+        at = _BYTES_HEAD.size + 8 * n_bufs
+        sizes = [int(x) for x in np.frombuffer(raw[_BYTES_HEAD.size:at].tobytes(), "<u8")] if at <= raw.size else None
+        need = None if sizes is None else at + 12 * n_runs + sum(sizes)  # Python ints: no size wraps
+        if need != raw.size:
+            raise ValueError(f"{where}: the header describes {need or 'more than'} bytes, the buffer holds {raw.size}; "
+                             f"a truncated or corrupted buffer")
+        check = raw.copy()
+        check[_BYTES_CRC_AT:_BYTES_CRC_AT + 4] = 0
+        if zlib.crc32(check) != crc:
+            raise ValueError(f"{where}: CRC-32 mismatch; the buffer changed after SampleRows.to_bytes wrote it")
+        runs = np.frombuffer(raw[at:at + 12 * n_runs].tobytes(), "<i4").reshape(n_runs, 3).astype(np.int32)
+        ends = np.cumsum([at + 12 * n_runs] + sizes)
+        buffers = tuple(raw[int(a):int(b)] for a, b in zip(ends[:-1], ends[1:]))
+        return cls(buffers or (_EMPTY,), runs, int(length), int(width))
 
     def __getitem__(self, columns: slice) -> "SampleRows":
         """Columns ``[lo, hi)`` as a sample of their own, renumbered from 0, over the same buffers

@@ -194,3 +194,58 @@ def test_runs_are_checked_before_a_column_is_made():
     wide = SampleRows(s.buffers, np.array([[0, 0, 2**31 - 1]], np.int64), 2**31)
     with pytest.raises(ValueError, match="must increase and lie below"):
         batch_rows([wide], torch.zeros(1, 2**20, dtype=torch.int64), torch.tensor([2**31]), name="rows")
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_byte_form_carries_every_buffer_and_run_and_names_what_breaks_it(drop):
+    """SampleRows.to_bytes (one uint8 buffer a sample, for frameworks that carry one): a sample of two
+    generations placed at their columns comes back with the same buffers, runs, length and width, and
+    scores the same rows; every truncation, a flipped bit anywhere and another magic are named."""
+    g = torch.Generator().manual_seed(7)
+    V = 80
+    (r0, t0, p0), (r1, t1, p1) = _rows(g, 5, V), _rows(g, 4, V)
+    a = SampleRows.encode(r0, t0, vocab_size=V if drop else None)
+    b = SampleRows.encode(r1, t1, vocab_size=V if drop else None)
+    # columns 0..3 from a's rows 0..3, a gap (a's row 4 cut: rows that keep their sampled ids may be; or
+    # placed there), then b's four rows
+    picked = [0, 1, 2, 3, 4, 5, 6, 7, 8] if drop else [0, 1, 2, 3, 5, 6, 7, 8]
+    s = SampleRows.placed(a.buffers + b.buffers, [0, 1, 2, 3] + ([4] if drop else []) + [5, 6, 7, 8], picked, 10, width=8)
+    raw = s.to_bytes()
+    back = SampleRows.from_bytes(raw.tobytes())
+    assert back.length == 10 and back.width == 8 and np.array_equal(back.runs, s.runs)
+    assert [x.tobytes() for x in back.buffers] == [x.tobytes() for x in s.buffers]
+    assert raw.nbytes == 32 + 8 * 2 + s.runs.nbytes + sum(x.nbytes for x in s.buffers)
+    ids = torch.full((1, 10), -1)
+    ids[0, :5], ids[0, 5:9] = t0, t1
+    got, row_ids = batch_rows([back], ids, torch.tensor([10]), name="rows")
+    plain = p0[:4] + [p0[4] if drop else None] + p1
+    for t in range(10):
+        want = None if t == 9 or plain[t] is None else sorted(plain[t])
+        assert _decoded_at(got, row_ids, 0, t) == want
+    for cut in range(raw.size):  # every truncation
+        with pytest.raises(ValueError, match=r"^w: .*(fewer than|truncated|corrupted)"):
+            SampleRows.from_bytes(raw[:cut], where="w")
+    for at in range(0, raw.size, 3):  # a flipped bit anywhere (header, sizes, runs, buffers)
+        bad = raw.copy()
+        bad[at] ^= 1 << (at % 8)
+        with pytest.raises(ValueError, match=r"^w: "):
+            SampleRows.from_bytes(bad, where="w")
+    with pytest.raises(ValueError, match=r"^w: magic b'NRSC' version 1, expected b'NRSR'"):
+        SampleRows.from_bytes(a.buffers[0], where="w")
+    with pytest.raises(ValueError, match=r"^w: compact support: expected a uint8 buffer, got list"):
+        SampleRows.from_bytes([1, 2], where="w")
+    assert SampleRows.from_bytes(SampleRows.none(3).to_bytes()).length == 3
+
+
+def test_placed_rows_are_checked_against_their_buffers_and_columns():
+    g = torch.Generator().manual_seed(8)
+    rows, tokens, _ = _rows(g, 3, 40)
+    bufs = SampleRows.encode(rows, tokens).buffers
+    for columns, picked, match in (([0, 0], [0, 1], r"row columns must increase within \[0, 5\)"),
+                                   ([1, 5], [0, 1], r"row columns must increase within \[0, 5\)"),
+                                   ([0, 1], [0, 3], r"placed rows \[\d, \d\] must be distinct rows of buffers holding 3"),
+                                   ([0, 1], [1, 1], r"placed rows \[\d, \d\] must be distinct rows of buffers holding 3"),
+                                   ([0, 1, 2], [0, 1], r"3 columns for 2 rows")):
+        with pytest.raises(ValueError, match=rf"^p: {match}"):
+            SampleRows.placed(bufs, columns, picked, 5, where="p")
+    assert SampleRows.placed(bufs, [1, 4], [2, 0], 5, where="p").runs.tolist() == [[1, 2, 1], [4, 0, 1]]

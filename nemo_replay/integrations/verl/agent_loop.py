@@ -18,9 +18,10 @@ turn carried along: they take ``extra_fields[SUPPORT_KEY]`` out of each ``TokenO
 (:mod:`.rollout`) and move it through exactly the edits verl makes to ``response_mask`` and
 ``response_logprobs`` -- verl's own ``ContinuousTokenBuilder.align_response_metadata``, applied
 to a channel of row numbers (worked example in :class:`SupportTrack`). They return a
-:class:`ReplayAgentLoopOutput`: ``generation_support`` one uint8 buffer, the rows of
-``response_ids`` in the compact codec (row j the support of ``response_ids[j]``, empty on tool
-and boundary tokens; :mod:`.response_rows`), ``response_mask`` 0 where a generated token's
+:class:`ReplayAgentLoopOutput`: ``generation_support`` one uint8 buffer, the server's compact
+buffer of each turn as it came with the response position of every row verl kept
+(``SampleRows.to_bytes``; no row of a tool or boundary token; :mod:`.response_rows`): nothing is
+decoded or encoded here, the rows' lengths are read from their length streams. ``response_mask`` 0 where a generated token's
 support could not be recorded (its row is empty), the count in
 ``extra_fields["replay_flagged_tokens"]``. Its ``as_dict`` keeps the buffer a numpy array (the
 V1 path, no worker change: TransferQueue stores it as raw bytes);
@@ -44,10 +45,10 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
 from nemo_replay.integrations.verl.keys import SUPPORT_KEY
-from nemo_replay.integrations.verl.response_rows import decode_response_rows, encode_response_rows, object_column
+from nemo_replay.integrations.verl.response_rows import object_column, turn_rows
 from nemo_replay.integrations.verl.rollout import FLAGS_KEY, RolloutReplay
 from nemo_replay.support.errors import SupportAlignmentError
-from nemo_replay.support.ragged import RaggedSupport
+from nemo_replay.support.rows import SampleRows
 
 __all__ = [
     "AGENT_LOOPS",
@@ -86,9 +87,10 @@ class SupportTrack:
 
     def __init__(self, replay: RolloutReplay, response_length: int):
         self.replay, self.response_length = replay, response_length
-        self.rows: list[RaggedSupport] = []  # each captured turn's rows, CSR
+        self.buffers: list[np.ndarray] = []  # each merged turn's compact buffer, as the server wrote it
+        self.lengths: list[torch.Tensor] = []  # the ids of each of its rows
         self.flags: Counter = Counter()
-        self._turns: list[Optional[RaggedSupport]] = []  # captured, not yet merged
+        self._turns: list[Optional[tuple]] = []  # captured (buffer, lengths), not yet merged
         self._index: list[float] = []
         self._candidate: Optional[tuple[str, list[float]]] = None
 
@@ -107,8 +109,8 @@ class SupportTrack:
                 "nemo_replay.integrations.verl.plugin in ray_kwargs.ray_init.runtime_env.env_vars (configs/verl/"
                 "replay_fsdp.yaml does)"
             )
-        if rows is not None:  # the server's compact buffer (rollout.attach_support), decoded to CSR rows
-            rows = decode_response_rows(rows, output.token_ids, self.replay.width, where="replay: a TokenOutput's rows")
+        if rows is not None:  # the server's compact buffer (rollout.attach_support), checked, kept compact
+            rows = turn_rows(rows, output.token_ids, self.replay.width, where="replay: a TokenOutput's rows")
         self._turns.append(rows)
 
     # ------------------------------------------------------------------ merges
@@ -127,15 +129,16 @@ class SupportTrack:
     def on_assistant(self, builder: Any, merge: Any, assistant_ids: list, response_len: int) -> None:
         """After ``ct_merge_assistant_token``: the assistant tokens get the turn's rows."""
         self._sync(response_len, "assistant merge")
-        rows = self._turns.pop(0) if self._turns else None
+        turn = self._turns.pop(0) if self._turns else None
         n = len(assistant_ids)
-        if rows is not None and rows.num_rows != n:
-            raise SupportAlignmentError(f"replay: {rows.num_rows} support rows for {n} assistant tokens in one merge")
-        if rows is None:
+        if turn is not None and turn[1].numel() != n:
+            raise SupportAlignmentError(f"replay: {turn[1].numel()} support rows for {n} assistant tokens in one merge")
+        if turn is None:
             numbers = [0.0] * n
         else:
-            base = sum(r.num_rows for r in self.rows)
-            self.rows.append(rows)
+            base = sum(int(t.numel()) for t in self.lengths)
+            self.buffers.append(turn[0])
+            self.lengths.append(turn[1])
             numbers = [float(base + i + 1) for i in range(n)]
         _, index = builder.align_response_metadata(merge, [0] * len(self._index), self._index, assistant_logprobs=numbers)
         self._candidate = ("assistant", index)
@@ -148,13 +151,12 @@ class SupportTrack:
 
     # ------------------------------------------------------------------ finish
 
-    def finish(self, response_ids: list, response_mask: list) -> tuple[RaggedSupport, list, int]:
-        """The rows of the loop's (cut) response, one CSR row a position (empty where none), the mask
-        with flagged tokens out, and their count.
+    def finish(self, response_ids: list, response_mask: list) -> tuple[SampleRows, list, int]:
+        """The rows of the loop's (cut) response, each at its response position (none where a
+        token has no recorded row), the mask with flagged tokens out, and their count.
 
         Raises:
-            SupportAlignmentError when a row lands on a token that is not generated or is not
-            a member of it.
+            SupportAlignmentError when a row lands on a token that is not generated.
         """
         index = self._index
         if self._candidate is not None:
@@ -167,7 +169,7 @@ class SupportTrack:
                 f"replay: the response holds {len(response_ids)} tokens and {num} mask entries, the support track "
                 f"{len(index)} positions"
             )
-        captured = RaggedSupport.cat(self.rows) if self.rows else RaggedSupport.from_rows([[]])
+        lengths = torch.cat(self.lengths) if self.lengths else torch.zeros(0, dtype=torch.int64)
         # The track's row numbers are floats (verl aligns them as log-probs): exact integers below 2**53.
         row = torch.as_tensor(index[:num], dtype=torch.float64).to(torch.int64) - 1  # -1: no row
         mask = torch.as_tensor(response_mask, dtype=torch.int64)
@@ -175,34 +177,19 @@ class SupportTrack:
         if stray.numel():
             j = int(stray[0])
             raise SupportAlignmentError(f"replay: response position {j} carries support row {int(row[j])} but is not a generated token")
-        sizes = torch.where(row >= 0, captured.row_lengths[row.clamp(min=0)], 0) if captured.num_rows else torch.zeros_like(row)
+        sizes = torch.where(row >= 0, lengths[row.clamp(min=0)], 0) if lengths.numel() else torch.zeros_like(row)
         flagged = (row >= 0) & (sizes == 0)  # not recorded whole: out of the loss
         mask = torch.where(flagged, 0, mask)
-        kept = torch.nonzero(sizes > 0).flatten()
-        picked = captured.resegment(torch.arange(captured.num_rows + 1)).gather(row[kept]) if kept.numel() else None
-        if picked is not None:
-            ids = torch.as_tensor(response_ids, dtype=torch.int64)[kept]
-            owner = torch.repeat_interleave(torch.arange(kept.numel()), picked.row_lengths)  # each member's row
-            member = torch.zeros(kept.numel(), dtype=torch.int64).index_add_(
-                0, owner, (picked.member_ids.to(torch.int64) == ids[owner]).to(torch.int64)) > 0
-            if not bool(member.all()):
-                k = int(torch.nonzero(~member)[0])
-                j, got = int(kept[k]), picked.row(k)
-                raise SupportAlignmentError(
-                    f"replay: response position {j} holds token {int(ids[k])}, not a member of its support "
-                    f"row {got.tolist()[:16]}; the rows and the response are misaligned"
-                )
-        members = picked.member_ids if picked is not None else torch.zeros(0, dtype=torch.int32)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.where(sizes > 0, sizes, 0), 0)])
-        return RaggedSupport(members, offsets, torch.tensor([0, num])), mask.tolist(), int(flagged.sum())
+        kept = torch.nonzero(sizes > 0).flatten()  # each row is checked against its token where it is scored
+        rows = SampleRows.placed(self.buffers, kept.numpy(), row[kept].numpy(), num, where="replay: the response's rows")
+        return rows, mask.tolist(), int(flagged.sum())
 
 
 class ReplayAgentLoopOutput(AgentLoopOutput):
     """verl's ``AgentLoopOutput`` with the trajectory's support rows.
 
-    ``generation_support``: one uint8 buffer, the rows of ``response_ids`` in the compact codec
-    (:func:`~nemo_replay.integrations.verl.response_rows.encode_response_rows`; None for a loop
-    run with replay off). ``as_dict`` (the V1 path) keeps it a numpy buffer, which TransferQueue
+    ``generation_support``: one uint8 buffer, the rows of ``response_ids`` at their positions
+    (:meth:`~nemo_replay.support.rows.SampleRows.to_bytes`; None for a loop run with replay off). ``as_dict`` (the V1 path) keeps it a numpy buffer, which TransferQueue
     stores as raw bytes and hands the engines as a ``NonTensorStack``.
     """
 
@@ -267,7 +254,7 @@ class _SupportRows:
             return output
         rows, mask, flagged = self._support.finish(output.response_ids, output.response_mask)
         fields = {name: getattr(output, name) for name in output.model_fields_set}
-        fields.update(response_mask=mask, generation_support=encode_response_rows(rows, output.response_ids))
+        fields.update(response_mask=mask, generation_support=rows.to_bytes())
         result = ReplayAgentLoopOutput(**fields)
         result.extra_fields[FLAGGED_KEY] = flagged
         if self._support.flags:
@@ -313,9 +300,7 @@ class ReplayAgentLoopWorker(AgentLoopWorker):
                     f"dataset's agent_name"
                 )
             if rows is None:  # a validation loop without rows: none recorded, for every response position
-                n = len(output.response_ids)
-                none = RaggedSupport(torch.zeros(0, dtype=torch.int32), torch.zeros(n + 1, dtype=torch.int64), [0, n])
-                rows = encode_response_rows(none, output.response_ids)
+                rows = SampleRows.none(len(output.response_ids)).to_bytes()
             internal.extra_fields[SUPPORT_KEY] = rows
         return internal
 

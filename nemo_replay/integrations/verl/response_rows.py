@@ -1,14 +1,22 @@
-"""``generation_support`` in verl's batches: one compact buffer a sample (docs/design.md §2, §9.3).
+"""``generation_support`` in verl's batches: one uint8 buffer a sample (docs/design.md §2, §9.3).
 
 A ``[B, response_length, K]`` int32 field costs ``4 K`` bytes a response position, padding
 included, in the ``DataProto``, over Ray and in TransferQueue. Here the field holds one uint8
-buffer a sample: its response's rows, row j for response position j (an empty row where no
-support was recorded), in the compact codec. The sampled tokens stay in the rows: the buffer
-travels apart from ``responses``, and decoding checks each row holds the token now at its
-position, so rows that drifted from their tokens fail by name instead of being rebuilt around
-the wrong token (a dropped id would be). verl carries a per-sample object with its sample through union, repeat,
-reorder, chunk and concat, into the engine's TensorDict (a ``NonTensorStack``) and through
-its micro-batching, fixed or dynamic; TransferQueue stores a numpy buffer as raw bytes.
+buffer a sample, in one of two forms:
+
+- what replay's agent loops write: the compact buffers the rollout server encoded, one a turn,
+  as they came, with the response position of each of their rows that verl kept
+  (:meth:`~nemo_replay.support.rows.SampleRows.to_bytes`, magic ``NRSR``): a row is encoded once,
+  by the server, and decoded once, by the scorer;
+- one compact buffer (magic ``NRSC``), row j for response position j, an empty row where no
+  support was recorded (:func:`encode_response_rows`).
+
+The sampled tokens stay in the rows: the buffers travel apart from ``responses``, and the
+scorer's decode checks each row holds the token now at its position, so rows that drifted from
+their tokens fail by name instead of being rebuilt around the wrong token (a dropped id would
+be). verl carries a per-sample object with its sample through union, repeat, reorder, chunk and
+concat, into the engine's TensorDict (a ``NonTensorStack``) and through its micro-batching, fixed
+or dynamic; TransferQueue stores a numpy buffer as raw bytes.
 
 Build the ``non_tensor_batch`` column with :func:`object_column`: ``np.array(buffers,
 dtype=object)`` turns equal-length buffers into a 2-D array of objects.
@@ -21,11 +29,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from nemo_replay.support.codec import CompactRows, decode_support, encode_kept, header_of
+from nemo_replay.support.codec import CompactRows, encode_kept, header_of, row_lengths
 from nemo_replay.support.ragged import RaggedSupport
-from nemo_replay.support.rows import SampleRows, batch_rows
+from nemo_replay.support.rows import BYTES_MAGIC, SampleRows, batch_rows
 
-__all__ = ["encode_response_rows", "decode_response_rows", "object_column", "buffers_of", "compact_rows"]
+__all__ = ["encode_response_rows", "turn_rows", "object_column", "buffers_of", "compact_rows"]
 
 
 def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
@@ -49,27 +57,29 @@ def encode_response_rows(rows: Any, response_ids: Sequence[int]) -> np.ndarray:
     return encode_kept(support.resegment([0, support.num_rows]), sampled, where=where)
 
 
-def decode_response_rows(buf: Any, token_ids: Sequence[int], width: int, *, where: str) -> RaggedSupport:
-    """One buffer's rows, one segment of ``len(token_ids)`` CSR rows: the inverse of :func:`encode_response_rows`.
+def turn_rows(buf: Any, token_ids: Sequence[int], width: int, *, where: str) -> tuple[np.ndarray, torch.Tensor]:
+    """One turn's buffer as the server wrote it (:func:`encode_response_rows`), checked and kept
+    compact, with each row's length (from the length streams: no id is decoded).
 
     Raises:
-        ValueError naming ``where``: not a uint8 buffer, rows of another count than ``token_ids``,
-        a row wider than ``width``, a buffer that does not decode, or a row without its token.
+        ValueError naming ``where``: not a uint8 buffer, a buffer whose header, CRC or lengths do not
+        check, rows of another count than ``token_ids``, a row wider than ``width``, rows coded
+        without their sampled ids (the rows travel apart from the response).
     """
-    if isinstance(buf, (bytes, bytearray)):
-        buf = np.frombuffer(buf, np.uint8)
-    if not (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1):
-        raise ValueError(f"{where}: support rows must be one uint8 buffer (encode_response_rows), got {type(buf).__name__}")
+    buf = _buffer(buf, where)
     n = len(token_ids)
     try:
-        if header_of(buf).rows != n:
-            raise ValueError(f"{header_of(buf).rows} support rows for {n} generated tokens")
-        rows = decode_support(buf, sampled_ids=torch.as_tensor(list(token_ids), dtype=torch.int64))
+        head = header_of(buf)
+        if head.rows != n:
+            raise ValueError(f"{head.rows} support rows for {n} generated tokens")
+        if head.dropped:
+            raise ValueError("rows coded without their sampled ids; the server keeps them (encode_response_rows)")
+        if head.max_length > width:
+            raise ValueError(f"a support row holds {head.max_length} ids, wider than the row width {width}")
+        lengths = torch.from_numpy(row_lengths(buf))
     except ValueError as exc:
         raise type(exc)(f"{where}: {exc}") from exc
-    if n and rows.width_bound > width:
-        raise ValueError(f"{where}: a support row holds {rows.width_bound} ids, wider than the row width {width}")
-    return rows.resegment([0, n])
+    return buf, lengths
 
 
 def object_column(buffers: Sequence[Any]) -> np.ndarray:
@@ -135,18 +145,24 @@ def compact_rows(buffers: list, tokens: torch.Tensor, lengths: torch.Tensor, mas
     lengths = lengths.cpu().to(torch.int64)
     samples = []
     for i, buf in enumerate(buffers):
+        label = f"batch[{key!r}][{i}] (sample {i})"
         buf = _buffer(buf, f"batch[{key!r}][{i}]")
         R = int(lengths[i])
-        try:
-            rows = header_of(buf).rows
-        except ValueError as exc:
-            raise type(exc)(f"batch[{key!r}][{i}] (sample {i}): {exc}") from exc
+        if bytes(buf[:4]) == BYTES_MAGIC:  # an agent loop's sample: its turns' buffers placed at response positions
+            sample = SampleRows.from_bytes(buf, where=label)
+            rows = sample.length
+        else:  # one buffer, row j at response position j
+            try:
+                rows = header_of(buf).rows
+            except ValueError as exc:
+                raise type(exc)(f"{label}: {exc}") from exc
+            sample = SampleRows.whole(buf, R)
         if rows != R and bool(mask[i].any()):
             raise ValueError(
                 f"batch[{key!r}] holds {rows} rows for sample {i}, whose response has {R} tokens: one row per response "
                 f"token, sliced and reordered with 'responses'"
             )
-        samples.append(SampleRows.whole(buf, R) if rows == R else SampleRows.none(R))
+        samples.append(sample if rows == R else SampleRows.none(R))
     out, row_ids = batch_rows(samples, tokens, lengths, name=f"batch[{key!r}]", unit="sample")
     return out, row_ids.to(mask.device)
 

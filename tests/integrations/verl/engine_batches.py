@@ -180,14 +180,11 @@ def response_lengths(batch) -> list:
 def support_rows(batch, k: int = TOP_K) -> torch.Tensor:
     """(B, response_length, k) int32: ``batch``'s compact column read back, row j of sample i at ``[i, j]``, -1
     padded (members ascending, the order the codec keeps), for the reference and the tests' edits."""
-    from nemo_replay.integrations.verl.response_rows import decode_response_rows
-
     responses = batch.batch["responses"]
     column = batch.non_tensor_batch["generation_support"]
     out = torch.full((*responses.shape, k), -1, dtype=torch.int32)
     for i, n in enumerate(response_lengths(batch)):
-        rows = decode_response_rows(column[i], responses[i, :n].tolist(), k, where=f"sample {i}")
-        out[i, :n] = rows.to_padded(k).values
+        out[i, :n] = buffer_rows(column[i], responses[i, :n], k)
     return out
 
 
@@ -337,10 +334,24 @@ def worker_environment() -> None:
     register_ulysses_attention()
 
 
+def buffer_rows(buf, tokens, k: int) -> torch.Tensor:
+    """(len(tokens), k) int32 rows, -1 padded, of one compact buffer whose row j is the support of ``tokens[j]``
+    (the server's and ``encode_response_rows``' form), decoded with the sampled tokens checked."""
+    from nemo_replay.support.codec import decode_support, header_of
+
+    tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+    assert header_of(buf).rows == tokens.numel()
+    rows = decode_support(buf, sampled_ids=tokens).resegment([0, tokens.numel()])
+    assert tokens.numel() == 0 or rows.width_bound <= k
+    return rows.to_padded(k).values
+
+
 def dense_from_compact(rows, row_ids: torch.Tensor) -> torch.Tensor:
     """(B, W, K) int32 rows, -1 padded, of ``response_rows.compact_rows``' output: decoded on the CPU,
     each response position's row placed at it (the engines keep them compact; tests compare)."""
     decoded = rows.decode("cpu", check=True)
     values = decoded.values
+    if values.shape[0] == 0:  # no sample holds a row (a validation batch)
+        return torch.full((*row_ids.shape, max(int(values.shape[1]), 1)), -1, dtype=torch.int32)
     got = values.index_select(0, row_ids.reshape(-1).clamp(min=0)).reshape(*row_ids.shape, values.shape[1])
     return torch.where(row_ids[..., None] >= 0, got, torch.full_like(got, -1))

@@ -11,13 +11,14 @@ import torch
 
 from nemo_replay.integrations.verl.response_rows import (
     buffers_of,
-    decode_response_rows,
     compact_rows,
     encode_response_rows,
     object_column,
+    turn_rows,
 )
 from nemo_replay.support.errors import SupportAlignmentError
-from tests.integrations.verl.engine_batches import dense_from_compact
+from nemo_replay.support.rows import SampleRows
+from tests.integrations.verl.engine_batches import buffer_rows, dense_from_compact
 
 
 def _response(seed: int, n: int, width: int = 6, vocab: int = 5000):
@@ -41,11 +42,13 @@ def test_round_trip_equals_the_rows_and_costs_less_than_int32():
     rows, tokens = _response(0, 200)
     buf = encode_response_rows(rows, tokens)
     assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.nbytes < rows.nbytes / 3
-    got = decode_response_rows(buf, tokens, 6, where="t")  # CSR rows, one segment
-    assert got.num_rows == 200 and got.cu_seqlens.tolist() == [0, 200]
-    assert np.array_equal(got.to_padded(6).values.numpy(), rows)
-    assert np.array_equal(decode_response_rows(buf.tobytes(), tokens, 8, where="t").to_padded(6).values.numpy(), rows)
-    assert encode_response_rows(got, tokens).tobytes() == buf.tobytes()  # CSR rows encode as the fixed ones
+    assert np.array_equal(buffer_rows(buf, tokens, 6).numpy(), rows)
+    same, lengths = turn_rows(buf.tobytes(), tokens, 8, where="t")  # the agent loop's check: no id decoded
+    assert same.tobytes() == buf.tobytes() and lengths.tolist() == (rows >= 0).sum(1).tolist()
+    from nemo_replay.support.codec import decode_support
+
+    csr = decode_support(buf, sampled_ids=torch.tensor(tokens)).resegment([0, 200])
+    assert encode_response_rows(csr, tokens).tobytes() == buf.tobytes()  # CSR rows encode as the fixed ones
 
 
 def test_the_column_keeps_one_buffer_a_sample_even_at_equal_lengths():
@@ -79,21 +82,57 @@ def test_compact_rows_place_each_sample_and_skip_a_maskless_padding_copy():
     assert (out[1, 3:] == -1).all() and (out[2] == -1).all()
 
 
+def test_an_agent_loop_s_placed_turns_read_as_their_positions_beside_whole_buffers():
+    """The agent loops' form (SampleRows.to_bytes over each turn's buffer as the server wrote it, rows at the
+    positions verl kept) reads, in one column with the one-buffer form, as the rows it placed."""
+    (r0, t0), (r1, t1), (r2, t2) = _response(5, 4), _response(6, 3), _response(7, 6)
+    turns = [encode_response_rows(r0, t0), encode_response_rows(r1, t1)]
+    # response: turn 0's tokens 0..2 (token 3 cut by a merge), a tool token, turn 1's three tokens; the empty
+    # rows (every fourth, flagged: out of the loss) get no position
+    response = [t0[0], t0[1], t0[2], 99, t1[0], t1[1], t1[2]]
+    placed = SampleRows.placed(turns, [0, 1, 2, 4, 5, 6], [0, 1, 2, 4, 5, 6], 7, where="t")
+    tokens = torch.full((2, 7), -1, dtype=torch.int64)
+    tokens[0], tokens[1, :6] = torch.tensor(response), torch.tensor(t2)
+    mask = tokens >= 0
+    mask[0, 3] = False
+    column = object_column([placed.to_bytes(), encode_response_rows(r2, t2)])
+    rows, row_ids = compact_rows(buffers_of(pickle.loads(pickle.dumps(column))), tokens, torch.tensor([7, 6]), mask,
+                                 key="generation_support")
+    assert row_ids.tolist() == [[0, 1, 2, -1, 4, 5, 6], [7, 8, 9, 10, 11, 12, -1]]  # turn 0's row 3 held, unplaced
+    out = dense_from_compact(rows, row_ids)
+    want = np.concatenate([r0[:3], np.full((1, 6), -1, np.int32), r1])
+    assert np.array_equal(out[0].numpy(), want) and np.array_equal(out[1, :6].numpy(), r2)
+    with pytest.raises(ValueError, match=r"holds 7 rows for sample 0, whose response has 6 tokens"):
+        compact_rows([placed.to_bytes()], tokens[:1, :6], torch.tensor([6]), mask[:1, :6], key="generation_support")
+    flipped = placed.to_bytes()
+    flipped[-1] ^= 4  # a bit inside the last turn's buffer
+    with pytest.raises(ValueError, match=r"generation_support'\]\[0\] \(sample 0\): CRC-32 mismatch"):
+        compact_rows([flipped], tokens[:1], torch.tensor([7]), mask[:1], key="generation_support")
+    with pytest.raises(ValueError, match=r"t: row columns must increase within \[0, 7\)"):
+        SampleRows.placed(turns, [0, 2, 1], [0, 1, 2], 7, where="t")
+
+
 def test_malformed_buffers_are_named():
     rows, tokens = _response(4, 6)
     buf = encode_response_rows(rows, tokens)
     flipped = buf.copy()
     flipped[-1] ^= 1
     with pytest.raises(ValueError, match=r"where: 6 support rows for 5 generated tokens"):
-        decode_response_rows(buf, tokens[:5], 6, where="where")
+        turn_rows(buf, tokens[:5], 6, where="where")
     with pytest.raises(ValueError, match=r"where: compact support: the buffer's CRC-32 does not match"):
-        decode_response_rows(flipped, tokens, 6, where="where")
+        turn_rows(flipped, tokens, 6, where="where")
     with pytest.raises(ValueError, match=r"where: compact support: .*truncated|where: .*buffer"):
-        decode_response_rows(buf[:-3], tokens, 6, where="where")
-    with pytest.raises(ValueError, match=r"wider than the row width 2"):
-        decode_response_rows(buf, tokens, 2, where="where")
-    with pytest.raises(ValueError, match=r"one uint8 buffer .* got ndarray"):
-        decode_response_rows(rows, tokens, 6, where="where")
+        turn_rows(buf[:-3], tokens, 6, where="where")
+    with pytest.raises(ValueError, match=r"where: a support row holds \d ids, wider than the row width 2"):
+        turn_rows(buf, tokens, 2, where="where")
+    with pytest.raises(ValueError, match=r"where is int32 \(6, 6\); expected a 1-D uint8 buffer"):
+        turn_rows(rows, tokens, 6, where="where")
+    from nemo_replay.support.codec import encode_support
+    from nemo_replay.support.ragged import RaggedSupport
+
+    full = RaggedSupport.from_rows([[[int(v) for v in r if v >= 0] for r in rows[:3]]])
+    with pytest.raises(ValueError, match=r"where: rows coded without their sampled ids; the server keeps them"):
+        turn_rows(encode_support(full, vocab_size=5000, sampled_ids=torch.tensor(tokens[:3])), tokens[:3], 6, where="where")
     tokens_t = torch.tensor([tokens])
     with pytest.raises(ValueError, match=r"\[0\] is object \(2, 3\); expected a 1-D uint8 buffer .*object_column"):
         compact_rows([np.empty((2, 3), object)], tokens_t, torch.tensor([6]), tokens_t >= 0, key="generation_support")
@@ -146,6 +185,6 @@ def test_rows_and_tokens_that_would_shrink_or_be_cut_are_refused_by_name():
         with pytest.raises(ValueError, match=r"a response's support rows: sampled_ids of dtype torch.float\d+; expected "
                                              r"integer token ids"):
             encode_response_rows(good, tokens)
-    got = decode_response_rows(encode_response_rows(np.array(good, np.int16), [7, 3]), [7, 3], 3, where="t")
+    got = buffer_rows(encode_response_rows(np.array(good, np.int16), [7, 3]), [7, 3], 3)
     members = lambda rows: [sorted(v for v in r if v >= 0) for r in rows]  # noqa: E731
-    assert members(got.to_padded(3).values.tolist()) == members(good)
+    assert members(got.tolist()) == members(good)

@@ -62,13 +62,13 @@ from nemo_replay.integrations.verl.rollout import (  # noqa: E402
 from nemo_replay.integrations.verl.engine import read_responses  # noqa: E402
 from nemo_replay.integrations.verl.response_rows import (  # noqa: E402
     buffers_of,
-    decode_response_rows,
     compact_rows,
     encode_response_rows,
+    turn_rows,
 )
-from nemo_replay.support.codec import header_of  # noqa: E402
 from nemo_replay.support.ragged import RaggedSupport  # noqa: E402
-from tests.integrations.verl.engine_batches import dense_from_compact  # noqa: E402
+from tests.integrations.verl.engine_batches import buffer_rows, dense_from_compact  # noqa: E402
+from nemo_replay.support.rows import SampleRows  # noqa: E402
 from nemo_replay.support.errors import SupportAlignmentError  # noqa: E402
 from tests.integrations.verl.conftest import TOKENS  # noqa: E402
 from tests.rollout.engines.engine_outputs import (  # noqa: E402
@@ -244,10 +244,11 @@ def make_server(cfg, engine, **kw) -> ReplayServer:
 
 def server_rows(output, width: int = TOP_K) -> np.ndarray:
     """The rows a server put into ``TokenOutput.extra_fields``: one uint8 buffer (what crosses Ray), decoded as the
-    agent loop decodes it (response_rows.decode_response_rows), padded here to ``(len(token_ids), width)`` int32."""
+    agent loop checks it (response_rows.turn_rows), decoded and padded here to ``(len(token_ids), width)`` int32."""
     buf = output.extra_fields[SUPPORT_KEY]
     assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1
-    return decode_response_rows(buf, output.token_ids, width, where="test").to_padded(width).values.numpy()
+    turn_rows(buf, output.token_ids, width, where="test")  # what the agent loop accepts
+    return buffer_rows(buf, output.token_ids, width).numpy()
 
 
 def support_of(step, width: int) -> list:
@@ -421,7 +422,7 @@ def decoded_rows(column, responses, mask, width: int = TOP_K) -> torch.Tensor:
     """(B, W, width) int32 rows of a batch's compact column, as the engines read it (response_rows.compact_rows)."""
     buffers = buffers_of(column)
     assert all(isinstance(b, np.ndarray) and b.dtype == np.uint8 and b.ndim == 1 for b in buffers)
-    lengths = torch.tensor([header_of(b).rows for b in buffers])
+    lengths = torch.tensor([SampleRows.from_bytes(b).length for b in buffers])  # the agent loops' form
     rows = dense_from_compact(*compact_rows(buffers, responses, lengths, mask != 0, key=SUPPORT_KEY))
     return torch.nn.functional.pad(rows, (0, width - rows.shape[2]), value=PAD_ID)
 
@@ -587,5 +588,12 @@ def test_track_refuses_a_row_off_by_one(tiny_model_dir):
     track.capture(TokenOutput(token_ids=[5, 7], extra_fields={SUPPORT_KEY: encode_response_rows(rows, [5, 7])}), {})
     merge = builder.merge_assistant_tokens([1, 2], [5, 7])
     track.on_assistant(builder, merge, [5, 7], 0)
-    with pytest.raises(SupportAlignmentError, match=r"position 0 holds token 7, not a member"):
-        track.finish([7, 5], [1, 1])
+    rows, mask, flagged = track.finish([7, 5], [1, 1])  # rows are placed, not decoded, here
+    assert flagged == 0 and mask == [1, 1] and rows.runs.tolist() == [[0, 0, 2]]
+    assert rows.buffers[0] is track.buffers[0]  # the server's buffer as it came: encoded once
+    from nemo_replay.integrations.verl.engine import check_replay_batch
+
+    batch = {"responses": torch.tensor([[7, 5]]), "response_mask": torch.tensor([mask]), "prompts": torch.tensor([[1, 2]]),
+             "attention_mask": torch.ones(1, 4, dtype=torch.int64), SUPPORT_KEY: [rows.to_bytes()]}
+    with pytest.raises(SupportAlignmentError, match=r"sample 0, response position 0: token 7 is not a member"):
+        check_replay_batch(batch, vocab_size=100)  # the engine's check of the decoded rows against the tokens
