@@ -89,8 +89,8 @@ class Responses:
 
     The legacy trainer hands the engines dense right-padded ``responses`` and ``response_mask``,
     the TransferQueue trainer nested ones (``(B, R_i)``), padded here (tokens with -1, the mask
-    with 0) to ``W``, the widest response. ``generation_support`` is one compact buffer a sample
-    (:mod:`~nemo_replay.integrations.verl.response_rows`, what replay's agent loops write), kept
+    with 0) to ``W``, the widest response. ``generation_support`` is one uint8 buffer a sample
+    (:mod:`~nemo_replay.integrations.verl.response_rows`: what replay's agent loops write), kept
     compact until the scorer decodes it.
 
     Attributes:
@@ -114,7 +114,7 @@ def _missing_support() -> ValueError:
     return ValueError(
         f"the batch has no {SUPPORT_KEY!r} while replay is on (the engine was selected with "
         f"VERL_ENGINE_VENDOR={VENDOR}); every actor and reference pass needs the support rows recorded at "
-        f"rollout (one compact buffer a sample). Run the rollout with "
+        f"rollout (one uint8 buffer a sample). Run the rollout with "
         f"nemo_replay.integrations.verl's servers and agent loop (configs/verl/), or unset VERL_ENGINE_VENDOR "
         f"to score over the full vocabulary"
     )
@@ -124,7 +124,7 @@ def read_responses(data) -> Responses:
     """The response tokens, mask and support rows of a verl batch or micro-batch, checked for shape.
 
     Raises:
-        ValueError: no ``generation_support``, a support that is not one compact buffer a sample,
+        ValueError: no ``generation_support``, a support that is not one uint8 buffer a sample,
             a buffer whose row count differs from its response length (naming the sample), a
             response mask of another shape than ``responses``.
     """
@@ -141,7 +141,7 @@ def read_responses(data) -> Responses:
         )
     responses = data["responses"]
     B = int(responses.size(0))
-    buffers = buffers_of(data[SUPPORT_KEY], SUPPORT_KEY)  # one compact buffer a sample (response_rows.py)
+    buffers = buffers_of(data[SUPPORT_KEY], SUPPORT_KEY)  # one uint8 buffer a sample (response_rows.py)
     lengths = response_lengths_of(data)
     if getattr(responses, "is_nested", False):
         width = int(responses.offsets().diff().max()) if B else 0

@@ -102,8 +102,8 @@ def buffers_of(value: Any, key: str = "generation_support") -> list:
     """
     if isinstance(value, torch.Tensor):
         raise ValueError(
-            f"replay: batch[{key!r}] is a {tuple(value.shape)} tensor; replay's agent loops write one compact "
-            f"buffer a sample (encode_response_rows), the form the engines read: run the rollout with "
+            f"replay: batch[{key!r}] is a {tuple(value.shape)} tensor; replay's agent loops write one uint8 "
+            f"buffer a sample (SampleRows.to_bytes), the form the engines read: run the rollout with "
             f"nemo_replay.integrations.verl's agent loops (configs/verl/)"
         )
     if isinstance(value, np.ndarray) and value.dtype == object:

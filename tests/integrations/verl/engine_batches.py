@@ -9,9 +9,10 @@ Each fixture follows verl's source (paths relative to the ``verl`` package of th
   (:930, ``utils/model.py:240``), ``rollout_log_probs`` zero-padded (:773-776), the keys of
   ``_postprocess`` (:1064-1091); ``uid`` per sample (``trainer/ppo/ray_trainer.py:1481-1483``),
   ``meta_info["temperature"]`` the rollout temperature (:1479);
-- ``generation_support``, one compact buffer a sample in ``non_tensor_batch`` (the channel
+- ``generation_support``, one uint8 buffer a sample in ``non_tensor_batch`` (the channel
   replay's agent loop adds beside ``routed_experts``, ``ReplayAgentLoopWorker._postprocess``,
-  docs/design.md §9.3): the sampler's rows, each with the token sampled from it;
+  docs/design.md §9.3): the sampler's rows, each with the token sampled from it, in the server's
+  compact buffer placed at their response positions (``SampleRows.to_bytes``);
 - the engine's batch: ``DataProto.to_tensordict`` then ``left_right_2_no_padding``
   (``ray_trainer.py:1283-1296`` old-policy recompute, :1266-1279 reference, :1327-1366 update),
   with the keys ``TrainingWorker.infer_batch`` / ``train_batch`` inject
@@ -110,7 +111,7 @@ def sample_rollouts(model64, prompts, new_tokens, *, seed: int, observations=Non
 def make_batch(rollouts: list[Rollout], *, k: int = TOP_K, temperature: float = TEMPERATURE,
                flagged: tuple = ()):
     """The ``DataProto`` verl's agent loop hands the trainer, plus ``generation_support`` as replay's
-    agent loop writes it: one compact buffer a sample (:func:`encode_column`).
+    agent loop writes it: one uint8 buffer a sample (:func:`encode_column`).
 
     Args:
         flagged: (sample, response position) pairs whose support the rollout could not record:
@@ -161,15 +162,22 @@ def make_batch(rollouts: list[Rollout], *, k: int = TOP_K, temperature: float = 
 
 def encode_column(rows: torch.Tensor, sampled: torch.Tensor, lengths) -> np.ndarray:
     """The ``generation_support`` column replay's agent loop writes (agent_loop.py ``_postprocess``): sample i's
-    first ``lengths[i]`` rows in one compact buffer, each row with the token sampled from it.
+    first ``lengths[i]`` rows in one compact buffer, as the server encodes a turn (each row with the token
+    sampled from it), the recorded ones placed at their response positions (``SampleRows.to_bytes``).
 
     Args:
         rows: (B, R, K) int32, -1 padded (an all -1 row records nothing). sampled: (B, R) int64, the token
             sampled from each row (``responses`` for an honest batch). lengths: B ints, at most R.
     """
     from nemo_replay.integrations.verl.response_rows import encode_response_rows, object_column
+    from nemo_replay.support.rows import SampleRows
 
-    return object_column([encode_response_rows(rows[i, :n], sampled[i, :n].tolist()) for i, n in enumerate(lengths)])
+    out = []
+    for i, n in enumerate(lengths):
+        buf = encode_response_rows(rows[i, :n], sampled[i, :n].tolist())
+        recorded = torch.nonzero((rows[i, :n] >= 0).any(-1)).flatten().numpy()
+        out.append(SampleRows.placed((buf,), recorded, recorded, n).to_bytes())
+    return object_column(out)
 
 
 def response_lengths(batch) -> list:
@@ -180,11 +188,16 @@ def response_lengths(batch) -> list:
 def support_rows(batch, k: int = TOP_K) -> torch.Tensor:
     """(B, response_length, k) int32: ``batch``'s compact column read back, row j of sample i at ``[i, j]``, -1
     padded (members ascending, the order the codec keeps), for the reference and the tests' edits."""
+    from nemo_replay.support.rows import SampleRows, batch_rows
+
     responses = batch.batch["responses"]
     column = batch.non_tensor_batch["generation_support"]
     out = torch.full((*responses.shape, k), -1, dtype=torch.int32)
     for i, n in enumerate(response_lengths(batch)):
-        out[i, :n] = buffer_rows(column[i], responses[i, :n], k)
+        rows, row_ids = batch_rows([SampleRows.from_bytes(column[i])], responses[i:i + 1], torch.tensor([n]), name="t")
+        dense = dense_from_compact(rows, row_ids)[0, :n]
+        assert not n or int((dense >= 0).sum(1).max()) <= k, "a row wider than k"
+        out[i, :n, : min(dense.shape[1], k)] = dense[:, :k]
     return out
 
 

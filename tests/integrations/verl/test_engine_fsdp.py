@@ -291,7 +291,7 @@ def test_a_tensor_support_field_is_refused_with_the_fix(single):
         kind, msg = res["errors"][name]
         assert kind == "ValueError", (name, msg)
         assert f"batch['generation_support'] is a {shape}" in msg and "tensor" in msg, msg
-        assert "one compact buffer a sample (encode_response_rows)" in msg and "agent loops (configs/verl/)" in msg, msg
+        assert "one uint8 buffer a sample (SampleRows.to_bytes)" in msg and "agent loops (configs/verl/)" in msg, msg
 
 
 def test_forward_matches_naive_float64_reference(single):
@@ -524,7 +524,7 @@ def test_a_batch_missing_keys_or_responses_or_with_a_misshapen_mask_is_named():
     _nest_responses(nested_responses)
     check_replay_batch(nested_responses, vocab_size=100)
     nested_rows = torch.nested.as_nested_tensor([rows[i, :n] for i, n in enumerate(lengths)], layout=torch.jagged)
-    fix = r"tensor; replay's agent loops write one compact buffer a sample \(encode_response_rows\).*\(configs/verl/\)"
+    fix = r"tensor; replay's agent loops write one uint8 buffer a sample \(SampleRows.to_bytes\).*\(configs/verl/\)"
     for td, field, shape in ((dense, rows, rf"\({B}, {R}, 2\)"), (nested_responses, nested_rows, rf"\({B}, j\d+, 2\)")):
         retired = td.clone()
         retired["generation_support"] = field

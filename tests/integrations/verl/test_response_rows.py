@@ -61,7 +61,7 @@ def test_the_column_keeps_one_buffer_a_sample_even_at_equal_lengths():
     assert buffers_of(again)[2].tobytes() == bufs[0].tobytes() and buffers_of(list(again)) == list(again)
     # a tensor field (the retired dense [B, R, K] form) is refused with the fix
     with pytest.raises(ValueError, match=r"batch\[.generation_support.\] is a \(3, 8, 6\) tensor; replay's agent loops write one "
-                                         r"compact buffer a sample \(encode_response_rows\).*configs/verl/"):
+                                         r"uint8 buffer a sample \(SampleRows.to_bytes\).*configs/verl/"):
         buffers_of(torch.zeros(3, 8, 6, dtype=torch.int32))
 
 
