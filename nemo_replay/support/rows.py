@@ -28,7 +28,6 @@ rows that travel with their tokens may drop them (about a byte a row less), and
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 
 from nemo_replay.support.codec import CompactRows, encode_kept, encode_support, header_of
-from nemo_replay.support.codec.header import as_bytes
+from nemo_replay.support.codec.header import as_bytes, crc
 from nemo_replay.support.ragged import RaggedSupport
 
 __all__ = ["SampleRows", "batch_rows"]
@@ -177,11 +176,17 @@ class SampleRows:
         """The sample as one uint8 buffer (its buffers as they are, the runs beside them, one CRC-32
         over all): for a framework that carries one buffer a sample (verl's ``non_tensor_batch``)."""
         bufs = [as_bytes(b) for b in self.buffers]
-        runs = np.ascontiguousarray(np.asarray(self.runs), dtype="<i4")
-        head = _BYTES_HEAD.pack(BYTES_MAGIC, BYTES_VERSION, self.length, self.width, len(runs), len(bufs), 0)
+        runs = np.ascontiguousarray(np.asarray(self.runs), dtype="<i4").reshape(-1)
         sizes = np.array([b.size for b in bufs], dtype="<u8")
-        out = np.frombuffer(b"".join([head, sizes.tobytes(), runs.tobytes()] + [b.tobytes() for b in bufs]), np.uint8).copy()
-        out[_BYTES_CRC_AT:_BYTES_CRC_AT + 4] = np.frombuffer(struct.pack("<I", zlib.crc32(out)), np.uint8)
+        parts = [sizes.view(np.uint8), runs.view(np.uint8)] + bufs
+        out = np.empty(_BYTES_HEAD.size + sum(p.size for p in parts), np.uint8)
+        out[:_BYTES_HEAD.size] = np.frombuffer(
+            _BYTES_HEAD.pack(BYTES_MAGIC, BYTES_VERSION, self.length, self.width, runs.size // 3, len(bufs), 0), np.uint8)
+        at = _BYTES_HEAD.size
+        for part in parts:
+            out[at:at + part.size] = part
+            at += part.size
+        out[_BYTES_CRC_AT:_BYTES_CRC_AT + 4] = np.frombuffer(struct.pack("<I", crc(out, _BYTES_CRC_AT)), np.uint8)
         return out
 
     @classmethod
@@ -199,19 +204,18 @@ class SampleRows:
         if raw.size < _BYTES_HEAD.size:
             raise ValueError(f"{where}: {raw.size} bytes, fewer than the {_BYTES_HEAD.size}-byte header of "
                              f"SampleRows.to_bytes; a truncated buffer")
-        magic, version, length, width, n_runs, n_bufs, crc = _BYTES_HEAD.unpack(raw[:_BYTES_HEAD.size].tobytes())
+        magic, version, length, width, n_runs, n_bufs, stored = _BYTES_HEAD.unpack(raw[:_BYTES_HEAD.size].tobytes())
         if magic != BYTES_MAGIC or version != BYTES_VERSION:
             raise ValueError(f"{where}: magic {magic!r} version {version}, expected {BYTES_MAGIC!r} version "
-                             f"{BYTES_VERSION} (SampleRows.to_bytes)")
+                             f"{BYTES_VERSION} (SampleRows.to_bytes); a bare compact buffer whose row j belongs to "
+                             f"column j is written as SampleRows.whole(buffer, length).to_bytes()")
         at = _BYTES_HEAD.size + 8 * n_bufs
         sizes = [int(x) for x in np.frombuffer(raw[_BYTES_HEAD.size:at].tobytes(), "<u8")] if at <= raw.size else None
         need = None if sizes is None else at + 12 * n_runs + sum(sizes)  # Python ints: no size wraps
         if need != raw.size:
             raise ValueError(f"{where}: the header describes {need or 'more than'} bytes, the buffer holds {raw.size}; "
                              f"a truncated or corrupted buffer")
-        check = raw.copy()
-        check[_BYTES_CRC_AT:_BYTES_CRC_AT + 4] = 0
-        if zlib.crc32(check) != crc:
+        if crc(raw, _BYTES_CRC_AT) != stored:
             raise ValueError(f"{where}: CRC-32 mismatch; the buffer changed after SampleRows.to_bytes wrote it")
         runs = np.frombuffer(raw[at:at + 12 * n_runs].tobytes(), "<i4").reshape(n_runs, 3).astype(np.int32)
         ends = np.cumsum([at + 12 * n_runs] + sizes)

@@ -2,14 +2,11 @@
 
 A ``[B, response_length, K]`` int32 field costs ``4 K`` bytes a response position, padding
 included, in the ``DataProto``, over Ray and in TransferQueue. Here the field holds one uint8
-buffer a sample, in one of two forms:
-
-- what replay's agent loops write: the compact buffers the rollout server encoded, one a turn,
-  as they came, with the response position of each of their rows that verl kept
-  (:meth:`~nemo_replay.support.rows.SampleRows.to_bytes`, magic ``NRSR``): a row is encoded once,
-  by the server, and decoded once, by the scorer;
-- one compact buffer (magic ``NRSC``), row j for response position j, an empty row where no
-  support was recorded (:func:`encode_response_rows`).
+buffer a sample, what replay's agent loops write: the compact buffers the rollout server
+encoded (:func:`encode_response_rows`, magic ``NRSC``), one a turn, as they came, with the
+response position of each of their rows that verl kept
+(:meth:`~nemo_replay.support.rows.SampleRows.to_bytes`, magic ``NRSR``). A row is encoded once,
+by the server, and decoded once, by the scorer.
 
 The sampled tokens stay in the rows: the buffers travel apart from ``responses``, and the
 scorer's decode checks each row holds the token now at its position, so rows that drifted from
@@ -31,7 +28,7 @@ import torch
 
 from nemo_replay.support.codec import CompactRows, encode_kept, header_of, row_lengths
 from nemo_replay.support.ragged import RaggedSupport
-from nemo_replay.support.rows import BYTES_MAGIC, SampleRows, batch_rows
+from nemo_replay.support.rows import SampleRows, batch_rows
 
 __all__ = ["encode_response_rows", "turn_rows", "object_column", "buffers_of", "compact_rows"]
 
@@ -145,24 +142,14 @@ def compact_rows(buffers: list, tokens: torch.Tensor, lengths: torch.Tensor, mas
     lengths = lengths.cpu().to(torch.int64)
     samples = []
     for i, buf in enumerate(buffers):
-        label = f"batch[{key!r}][{i}] (sample {i})"
-        buf = _buffer(buf, f"batch[{key!r}][{i}]")
+        sample = SampleRows.from_bytes(_buffer(buf, f"batch[{key!r}][{i}]"), where=f"batch[{key!r}][{i}] (sample {i})")
         R = int(lengths[i])
-        if bytes(buf[:4]) == BYTES_MAGIC:  # an agent loop's sample: its turns' buffers placed at response positions
-            sample = SampleRows.from_bytes(buf, where=label)
-            rows = sample.length
-        else:  # one buffer, row j at response position j
-            try:
-                rows = header_of(buf).rows
-            except ValueError as exc:
-                raise type(exc)(f"{label}: {exc}") from exc
-            sample = SampleRows.whole(buf, R)
-        if rows != R and bool(mask[i].any()):
+        if sample.length != R and bool(mask[i].any()):
             raise ValueError(
-                f"batch[{key!r}] holds {rows} rows for sample {i}, whose response has {R} tokens: one row per response "
-                f"token, sliced and reordered with 'responses'"
+                f"batch[{key!r}] holds {sample.length} rows for sample {i}, whose response has {R} tokens: one row per "
+                f"response token, sliced and reordered with 'responses'"
             )
-        samples.append(sample if rows == R else SampleRows.none(R))
+        samples.append(sample if sample.length == R else SampleRows.none(R))
     out, row_ids = batch_rows(samples, tokens, lengths, name=f"batch[{key!r}]", unit="sample")
     return out, row_ids.to(mask.device)
 

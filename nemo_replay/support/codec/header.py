@@ -66,11 +66,11 @@ def header_of(buf: Union[np.ndarray, bytes, torch.Tensor]) -> Header:
     return Header(bool(flags & DROPPED), lb, V, rows, ids, trajectories, max_length, crc, tuple(streams))
 
 
-def crc(raw: np.ndarray) -> int:
-    """CRC-32 of ``raw`` with its CRC field read as zero."""
-    crc = zlib.crc32(raw[:CRC_AT])
+def crc(raw: np.ndarray, at: int = CRC_AT) -> int:
+    """CRC-32 of ``raw`` with its 4-byte CRC field at ``at`` read as zero (no copy of ``raw``)."""
+    crc = zlib.crc32(raw[:at])
     crc = zlib.crc32(b"\0\0\0\0", crc)
-    return zlib.crc32(raw[CRC_AT + 4:], crc)
+    return zlib.crc32(raw[at + 4:], crc)
 
 
 def as_bytes(buf) -> np.ndarray:

@@ -38,6 +38,11 @@ def _response(seed: int, n: int, width: int = 6, vocab: int = 5000):
     return rows, tokens
 
 
+def _whole(rows, tokens) -> np.ndarray:
+    """One response's rows as a batch field carries them: the server's buffer, row j at position j."""
+    return SampleRows.whole(encode_response_rows(rows, tokens), len(tokens)).to_bytes()
+
+
 def test_round_trip_equals_the_rows_and_costs_less_than_int32():
     rows, tokens = _response(0, 200)
     buf = encode_response_rows(rows, tokens)
@@ -71,9 +76,8 @@ def test_compact_rows_place_each_sample_and_skip_a_maskless_padding_copy():
     tokens[0], tokens[1, :3], tokens[2, :1] = torch.tensor(t0), torch.tensor(t1), t0[0]
     mask = tokens >= 0
     mask[2] = False  # verl's V1 padding sample: a copy of sample 0 cut to one token, out of the loss
-    rows, row_ids = compact_rows([encode_response_rows(r0, t0), encode_response_rows(r1, t1),
-                                  encode_response_rows(r0, t0)], tokens, torch.tensor([5, 3, 1]), mask,
-                                 key="generation_support")
+    rows, row_ids = compact_rows([_whole(r0, t0), _whole(r1, t1), _whole(r0, t0)], tokens, torch.tensor([5, 3, 1]),
+                                 mask, key="generation_support")
     assert rows.num_rows == 8 and rows.cu_seqlens.tolist() == [0, 5, 8, 8]  # one trajectory a sample
     assert row_ids.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, -1, -1], [-1] * 5]
     out = dense_from_compact(rows, row_ids)
@@ -82,9 +86,10 @@ def test_compact_rows_place_each_sample_and_skip_a_maskless_padding_copy():
     assert (out[1, 3:] == -1).all() and (out[2] == -1).all()
 
 
-def test_an_agent_loop_s_placed_turns_read_as_their_positions_beside_whole_buffers():
+def test_an_agent_loop_s_placed_turns_read_as_their_positions():
     """The agent loops' form (SampleRows.to_bytes over each turn's buffer as the server wrote it, rows at the
-    positions verl kept) reads, in one column with the one-buffer form, as the rows it placed."""
+    positions verl kept) reads as the rows it placed, beside a single-turn sample; a bare compact buffer (the
+    server's, not placed) is refused with the fix."""
     (r0, t0), (r1, t1), (r2, t2) = _response(5, 4), _response(6, 3), _response(7, 6)
     turns = [encode_response_rows(r0, t0), encode_response_rows(r1, t1)]
     # response: turn 0's tokens 0..2 (token 3 cut by a merge), a tool token, turn 1's three tokens; the empty
@@ -95,7 +100,7 @@ def test_an_agent_loop_s_placed_turns_read_as_their_positions_beside_whole_buffe
     tokens[0], tokens[1, :6] = torch.tensor(response), torch.tensor(t2)
     mask = tokens >= 0
     mask[0, 3] = False
-    column = object_column([placed.to_bytes(), encode_response_rows(r2, t2)])
+    column = object_column([placed.to_bytes(), _whole(r2, t2)])
     rows, row_ids = compact_rows(buffers_of(pickle.loads(pickle.dumps(column))), tokens, torch.tensor([7, 6]), mask,
                                  key="generation_support")
     assert row_ids.tolist() == [[0, 1, 2, -1, 4, 5, 6], [7, 8, 9, 10, 11, 12, -1]]  # turn 0's row 3 held, unplaced
@@ -108,6 +113,10 @@ def test_an_agent_loop_s_placed_turns_read_as_their_positions_beside_whole_buffe
     flipped[-1] ^= 4  # a bit inside the last turn's buffer
     with pytest.raises(ValueError, match=r"generation_support'\]\[0\] \(sample 0\): CRC-32 mismatch"):
         compact_rows([flipped], tokens[:1], torch.tensor([7]), mask[:1], key="generation_support")
+    with pytest.raises(ValueError, match=r"\[1\] \(sample 1\): magic b'NRSC' version 1, expected b'NRSR'.*"
+                                         r"SampleRows.whole\(buffer, length\).to_bytes\(\)"):
+        compact_rows([placed.to_bytes(), encode_response_rows(r2, t2)], tokens, torch.tensor([7, 6]), mask,
+                     key="generation_support")
     with pytest.raises(ValueError, match=r"t: row columns must increase within \[0, 7\)"):
         SampleRows.placed(turns, [0, 2, 1], [0, 1, 2], 7, where="t")
 
@@ -137,9 +146,11 @@ def test_malformed_buffers_are_named():
     with pytest.raises(ValueError, match=r"\[0\] is object \(2, 3\); expected a 1-D uint8 buffer .*object_column"):
         compact_rows([np.empty((2, 3), object)], tokens_t, torch.tensor([6]), tokens_t >= 0, key="generation_support")
     with pytest.raises(ValueError, match=r"holds 6 rows for sample 0, whose response has 4 tokens"):
-        compact_rows([buf], tokens_t, torch.tensor([4]), tokens_t >= 0, key="generation_support")
+        compact_rows([_whole(rows, tokens)], tokens_t, torch.tensor([4]), tokens_t >= 0, key="generation_support")
+    # a turn's buffer corrupted before it was placed: its own CRC names it
     with pytest.raises(ValueError, match=r"generation_support'\]\[0\] \(sample 0\): compact support: the buffer's CRC-32"):
-        compact_rows([flipped], tokens_t, torch.tensor([6]), tokens_t >= 0, key="generation_support")
+        compact_rows([SampleRows.whole(flipped, 6).to_bytes()], tokens_t, torch.tensor([6]), tokens_t >= 0,
+                     key="generation_support")
     wrong = list(tokens)
     wrong[1] = next(t for t in range(5000) if t not in rows[1])
     # Rows that drifted from their tokens fail by name (the engine's whole-batch check), never rebuilt around the
@@ -148,7 +159,7 @@ def test_malformed_buffers_are_named():
 
     batch = {"responses": torch.tensor([wrong]), "response_mask": torch.ones(1, 6, dtype=torch.int64),
              "prompts": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 8, dtype=torch.int64),
-             "generation_support": [buf]}
+             "generation_support": [_whole(rows, tokens)]}
     with pytest.raises(SupportAlignmentError, match=r"sample 0, response position 1: token \d+ is not a member"):
         check_replay_batch(batch, vocab_size=5000)
     # Decoded rows skip the row invariants' sort (they hold by construction) but not a model vocabulary below their ids.
